@@ -1,0 +1,150 @@
+//! The gated full-attention mixer (`self_attn`): per-head q/gate split, q/k RMSNorm, partial RoPE, GQA with a KV
+//! cache, causal softmax, sigmoid output gate.
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::ops::{linear, rms_norm, sigmoid, softmax_last_dim};
+use crate::rope::RotaryTables;
+use crate::taps::Taps;
+use crate::weights::WeightStore;
+use candle_core::Tensor;
+
+/// The key/value cache of one attention layer: `[Hkv, P, D]` each, keys after norm and RoPE.
+#[derive(Debug, Clone, Default)]
+pub struct KvCache {
+    /// Cached keys, `None` before the first token.
+    pub keys: Option<Tensor>,
+    /// Cached values, `None` before the first token.
+    pub values: Option<Tensor>,
+}
+
+impl KvCache {
+    /// Number of cached tokens.
+    pub fn len(&self) -> usize {
+        self.keys.as_ref().map_or(0, |k| k.dim(1).unwrap_or(0))
+    }
+
+    /// Whether the cache is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Weights and sizes of one attention layer.
+#[derive(Debug, Clone)]
+pub struct Attention {
+    q_proj: Tensor,
+    k_proj: Tensor,
+    v_proj: Tensor,
+    o_proj: Tensor,
+    q_norm: Tensor,
+    k_norm: Tensor,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    eps: f64,
+}
+
+impl Attention {
+    /// Loads `{prefix}.*` (prefix like `layers.3.self_attn`).
+    pub fn load(w: &WeightStore, prefix: &str, c: &Config) -> Result<Self> {
+        let (h, d) = (c.hidden_size, c.head_dim);
+        let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
+        let name = |s: &str| format!("{prefix}.{s}");
+        Ok(Attention {
+            q_proj: w.decoder(&name("q_proj.weight"), &[nh * d * 2, h])?,
+            k_proj: w.decoder(&name("k_proj.weight"), &[nkv * d, h])?,
+            v_proj: w.decoder(&name("v_proj.weight"), &[nkv * d, h])?,
+            o_proj: w.decoder(&name("o_proj.weight"), &[h, nh * d])?,
+            q_norm: w.decoder(&name("q_norm.weight"), &[d])?,
+            k_norm: w.decoder(&name("k_norm.weight"), &[d])?,
+            heads: nh,
+            kv_heads: nkv,
+            head_dim: d,
+            eps: c.rms_norm_eps,
+        })
+    }
+
+    /// `x`: `[T, hidden]` (after the input norm) → `[T, hidden]`, appending to `cache`; `rotary` holds the
+    /// rotation of the same `T` tokens.
+    ///
+    /// Tap under `{tap}.`: `gated_output` `[T, H·D]`, the input of `o_proj`.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        cache: &mut KvCache,
+        rotary: &RotaryTables,
+        taps: &mut Taps,
+        tap: &str,
+    ) -> Result<Tensor> {
+        let (t, _) = x.dims2()?;
+        let (nh, nkv, d) = (self.heads, self.kv_heads, self.head_dim);
+        // Per head, the first D values are the query and the next D the gate.
+        let qg = linear(x, &self.q_proj)?.reshape((t, nh, 2 * d))?;
+        let q = qg.narrow(2, 0, d)?;
+        let gate = qg.narrow(2, d, d)?.reshape((t, nh * d))?;
+        let k = linear(x, &self.k_proj)?.reshape((t, nkv, d))?;
+        let v = linear(x, &self.v_proj)?.reshape((t, nkv, d))?;
+
+        let q = rotary.apply(&rms_norm(&q, &self.q_norm, self.eps)?)?;
+        let k = rotary.apply(&rms_norm(&k, &self.k_norm, self.eps)?)?;
+
+        let q = q.transpose(0, 1)?.contiguous()?; // [H, T, D]
+        let k = k.transpose(0, 1)?.contiguous()?; // [Hkv, T, D]
+        let v = v.transpose(0, 1)?.contiguous()?;
+        let past = cache.len();
+        let keys = match &cache.keys {
+            Some(prev) => Tensor::cat(&[prev, &k], 1)?,
+            None => k,
+        };
+        let values = match &cache.values {
+            Some(prev) => Tensor::cat(&[prev, &v], 1)?,
+            None => v,
+        };
+        let s = past + t;
+
+        // Query head h uses kv head h / (H / Hkv): group the query heads of each kv head together.
+        let group = nh / nkv;
+        let q = q.reshape((nkv, group * t, d))?;
+        let scores = (q.matmul(&keys.t()?)? * (d as f64).powf(-0.5))?; // [Hkv, G·T, S]
+        let mask = causal_bias(t, past, group, scores.dtype(), scores.device())?; // [G·T, S]
+        let probs = softmax_last_dim(&scores.broadcast_add(&mask)?)?;
+        let out = probs.matmul(&values)?; // [Hkv, G·T, D]
+        let out = out
+            .reshape((nh, t, d))?
+            .transpose(0, 1)?
+            .reshape((t, nh * d))?;
+        let gated = (out * sigmoid(&gate)?)?;
+        taps.record(|| format!("{tap}.gated_output"), &gated)?;
+        if keys.dim(1)? != s {
+            return Err(Error::Input("attention cache length mismatch".into()));
+        }
+        cache.keys = Some(keys);
+        cache.values = Some(values);
+        linear(&gated, &self.o_proj)
+    }
+}
+
+/// Additive causal mask `[G·T, P + T]`: query `t` (at absolute position `P + t`) sees keys `0..=P + t`.
+fn causal_bias(
+    t: usize,
+    past: usize,
+    group: usize,
+    dtype: candle_core::DType,
+    dev: &candle_core::Device,
+) -> Result<Tensor> {
+    let s = past + t;
+    let mut data = Vec::with_capacity(group * t * s);
+    for _ in 0..group {
+        for row in 0..t {
+            data.extend((0..s).map(|col| {
+                if col <= past + row {
+                    0.0
+                } else {
+                    f64::NEG_INFINITY
+                }
+            }));
+        }
+    }
+    Ok(Tensor::from_vec(data, (group * t, s), dev)?.to_dtype(dtype)?)
+}

@@ -1,0 +1,28 @@
+//! A pure-Rust CPU reference of the Qwen3.5 hybrid decoder (Gated DeltaNet + gated full attention), built on
+//! candle, computing in f32 (or f64 on request) and exposing every intermediate a parity harness needs.
+//!
+//! Layout: [`config`] reads `config.json`; [`weights`] opens safetensors checkpoints; [`deltanet`] holds the delta
+//! rule in all its forms as pure functions; [`linear_attn`], [`attention`], [`mlp`] and [`rope`] are the blocks;
+//! [`model`] assembles the decoder with a separate [`model::State`]; [`taps`] records intermediates; [`tokenizer`]
+//! encodes prompts through the checkpoint's chat template.
+#![deny(missing_docs)]
+
+pub mod attention;
+pub mod compare;
+pub mod config;
+pub mod deltanet;
+pub mod error;
+pub mod linear_attn;
+pub mod mlp;
+pub mod model;
+pub mod ops;
+pub mod rope;
+pub mod synthetic;
+pub mod taps;
+pub mod tokenizer;
+pub mod weights;
+
+pub use config::{Config, LayerKind};
+pub use error::{Error, Result};
+pub use model::{LayerState, Model, RunOptions, State};
+pub use taps::Taps;

@@ -1,0 +1,200 @@
+//! The Gated DeltaNet mixer (`linear_attn`): projections, causal convolution, the delta rule and the gated norm.
+
+use crate::config::Config;
+use crate::deltanet::{self, Form, Inputs};
+use crate::error::{Error, Result};
+use crate::ops::{
+    gated_rms_norm, l2_normalize, linear, repeat_interleave, sigmoid, silu, softplus,
+};
+use crate::taps::Taps;
+use crate::weights::WeightStore;
+use candle_core::{DType, Tensor};
+
+/// The fixed epsilon of the q/k l2 normalisation (not `rms_norm_eps`).
+pub const L2_NORM_EPS: f64 = 1e-6;
+
+/// The recurrent state of one linear-attention layer.
+#[derive(Debug, Clone)]
+pub struct LinearState {
+    /// The last `K` inputs of the convolution (pre-conv `qkv` channels): `[C, K]`.
+    pub conv: Tensor,
+    /// The delta-rule state `[Hv, Dk, Dv]`.
+    pub recurrent: Tensor,
+}
+
+/// Weights and sizes of one Gated DeltaNet layer.
+#[derive(Debug, Clone)]
+pub struct GatedDeltaNet {
+    in_proj_qkv: Tensor,
+    in_proj_z: Tensor,
+    in_proj_b: Tensor,
+    in_proj_a: Tensor,
+    /// Depthwise kernel `[C, K]`; column `K - 1` multiplies the current token.
+    conv_weight: Tensor,
+    a_log: Tensor,
+    dt_bias: Tensor,
+    norm_weight: Tensor,
+    out_proj: Tensor,
+    hk: usize,
+    hv: usize,
+    dk: usize,
+    dv: usize,
+    kernel: usize,
+    eps: f64,
+}
+
+/// Options of the mixer that do not change the result in exact arithmetic.
+#[derive(Debug, Clone, Copy)]
+pub struct DeltaNetOptions {
+    /// The form of the recurrence.
+    pub form: Form,
+    /// The fp16 rescaling: `q` is multiplied by this inside the recurrence and the gated norm's eps by its square.
+    /// `1` turns it off; the NPU port uses `1024`.
+    pub output_scale: f64,
+}
+
+impl GatedDeltaNet {
+    /// Loads `{prefix}.*` (prefix like `layers.0.linear_attn`).
+    pub fn load(w: &WeightStore, prefix: &str, c: &Config) -> Result<Self> {
+        let h = c.hidden_size;
+        let conv_dim = c.linear_conv_dim();
+        let hv = c.linear_num_value_heads;
+        let k = c.linear_conv_kernel_dim;
+        let name = |s: &str| format!("{prefix}.{s}");
+        Ok(GatedDeltaNet {
+            in_proj_qkv: w.decoder(&name("in_proj_qkv.weight"), &[conv_dim, h])?,
+            in_proj_z: w.decoder(&name("in_proj_z.weight"), &[c.linear_value_dim(), h])?,
+            in_proj_b: w.decoder(&name("in_proj_b.weight"), &[hv, h])?,
+            in_proj_a: w.decoder(&name("in_proj_a.weight"), &[hv, h])?,
+            conv_weight: w
+                .decoder(&name("conv1d.weight"), &[conv_dim, 1, k])?
+                .reshape((conv_dim, k))?,
+            a_log: w.decoder(&name("A_log"), &[hv])?,
+            dt_bias: w.decoder(&name("dt_bias"), &[hv])?,
+            norm_weight: w.decoder(&name("norm.weight"), &[c.linear_value_head_dim])?,
+            out_proj: w.decoder(&name("out_proj.weight"), &[h, c.linear_value_dim()])?,
+            hk: c.linear_num_key_heads,
+            hv,
+            dk: c.linear_key_head_dim,
+            dv: c.linear_value_head_dim,
+            kernel: k,
+            eps: c.rms_norm_eps,
+        })
+    }
+
+    /// A zero state for this layer.
+    pub fn zero_state(&self, dtype: DType) -> Result<LinearState> {
+        let dev = self.a_log.device();
+        let conv_dim = 2 * self.hk * self.dk + self.hv * self.dv;
+        Ok(LinearState {
+            conv: Tensor::zeros((conv_dim, self.kernel), dtype, dev)?,
+            recurrent: Tensor::zeros((self.hv, self.dk, self.dv), dtype, dev)?,
+        })
+    }
+
+    /// `x`: `[T, hidden]` (after the input norm) → `[T, hidden]`, updating `state`.
+    ///
+    /// Taps under `{tap}.`: `query`, `key` `[T, Hk, Dk]` and `value` `[T, Hv, Dv]` (after conv and SiLU, before the
+    /// l2 norm), `g`, `beta` `[T, Hv]`, and `core_output` `[T, Hv, Dv]` (the recurrence's output before the gated
+    /// norm, reported without the output scale).
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        state: &mut LinearState,
+        opts: &DeltaNetOptions,
+        taps: &mut Taps,
+        tap: &str,
+    ) -> Result<Tensor> {
+        let (t, _) = x.dims2()?;
+        let qkv = linear(x, &self.in_proj_qkv)?;
+        let z = linear(x, &self.in_proj_z)?;
+        let b = linear(x, &self.in_proj_b)?;
+        let a = linear(x, &self.in_proj_a)?;
+
+        let (conv_out, conv_state) = causal_conv(&qkv, &state.conv, &self.conv_weight)?;
+        let mixed = silu(&conv_out)?;
+        let key_dim = self.hk * self.dk;
+        let q = mixed
+            .narrow(1, 0, key_dim)?
+            .reshape((t, self.hk, self.dk))?;
+        let k = mixed
+            .narrow(1, key_dim, key_dim)?
+            .reshape((t, self.hk, self.dk))?;
+        let v = mixed
+            .narrow(1, 2 * key_dim, self.hv * self.dv)?
+            .reshape((t, self.hv, self.dv))?;
+
+        let beta = sigmoid(&b)?;
+        let g = self
+            .a_log
+            .exp()?
+            .neg()?
+            .unsqueeze(0)?
+            .broadcast_mul(&softplus(&a.broadcast_add(&self.dt_bias)?)?)?;
+        taps.record(|| format!("{tap}.query"), &q)?;
+        taps.record(|| format!("{tap}.key"), &k)?;
+        taps.record(|| format!("{tap}.value"), &v)?;
+        taps.record(|| format!("{tap}.g"), &g)?;
+        taps.record(|| format!("{tap}.beta"), &beta)?;
+
+        let scale = opts.output_scale;
+        if !(scale > 0.0 && scale.is_finite()) {
+            return Err(Error::Input(format!(
+                "output scale must be positive, got {scale}"
+            )));
+        }
+        let q = (l2_normalize(&q, L2_NORM_EPS)? * ((self.dk as f64).powf(-0.5) * scale))?;
+        let k = l2_normalize(&k, L2_NORM_EPS)?;
+        let group = self.hv / self.hk;
+        let heads_first = |x: Tensor| -> Result<Tensor> { Ok(x.transpose(0, 1)?.contiguous()?) };
+        let inputs = Inputs {
+            q: repeat_interleave(&heads_first(q)?, group, 0)?,
+            k: repeat_interleave(&heads_first(k)?, group, 0)?,
+            v: heads_first(v)?,
+            g: heads_first(g)?,
+            beta: heads_first(beta)?,
+        };
+        let (o, recurrent) = deltanet::run(opts.form, &inputs, &state.recurrent)?;
+        let core = o.transpose(0, 1)?.contiguous()?; // [T, Hv, Dv]
+        taps.record(|| format!("{tap}.core_output"), &(&core / scale)?)?;
+
+        let z = z.reshape((t, self.hv, self.dv))?;
+        let normed = gated_rms_norm(&core, &z, &self.norm_weight, self.eps * scale * scale)?;
+        let out = linear(&normed.reshape((t, self.hv * self.dv))?, &self.out_proj)?;
+        *state = LinearState {
+            conv: conv_state,
+            recurrent,
+        };
+        Ok(out)
+    }
+}
+
+/// Depthwise causal convolution over time with a carried state, no bias.
+///
+/// `x`: `[T, C]` new inputs; `state`: `[C, K]` the previous `K` inputs (zeros at the start); `weight`: `[C, K]`.
+/// `out[t, c] = Σ_j weight[c, j] · x[c, t − K + 1 + j]` (so `weight[:, K − 1]` multiplies the current token).
+/// Returns `(out [T, C], new state [C, K])`, the new state being the last `K` inputs.
+pub fn causal_conv(x: &Tensor, state: &Tensor, weight: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (t, c) = x.dims2()?;
+    let (c2, k) = state.dims2()?;
+    if c != c2 || weight.dims() != [c, k] {
+        return Err(Error::Input(format!(
+            "causal conv: input {:?}, state {:?} and weight {:?} disagree",
+            x.dims(),
+            state.dims(),
+            weight.dims()
+        )));
+    }
+    let full = Tensor::cat(&[&state.t()?, x], 0)?; // [K + T, C]
+    let mut out = full
+        .narrow(0, 1, t)?
+        .broadcast_mul(&weight.narrow(1, 0, 1)?.t()?)?;
+    for j in 1..k {
+        out = (out
+            + full
+                .narrow(0, 1 + j, t)?
+                .broadcast_mul(&weight.narrow(1, j, 1)?.t()?)?)?;
+    }
+    let new_state = full.narrow(0, t, k)?.t()?.contiguous()?;
+    Ok((out, new_state))
+}

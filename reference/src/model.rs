@@ -1,0 +1,330 @@
+//! The whole decoder: embedding, hybrid layers, final norm, LM head; a [`State`] kept apart from the weights.
+
+use crate::attention::{Attention, KvCache};
+use crate::config::{Config, LayerKind};
+use crate::deltanet::{Form, Inverse};
+use crate::error::{Error, Result};
+use crate::linear_attn::{DeltaNetOptions, GatedDeltaNet, LinearState};
+use crate::mlp::Mlp;
+use crate::ops::{linear, rms_norm};
+use crate::rope::{Positions, Rope};
+use crate::taps::Taps;
+use crate::weights::WeightStore;
+use candle_core::{DType, Device, Tensor};
+use std::path::Path;
+
+/// A layer's token mixer.
+#[derive(Debug, Clone)]
+pub enum Mixer {
+    /// Gated DeltaNet.
+    Linear(GatedDeltaNet),
+    /// Gated full attention.
+    Attention(Attention),
+}
+
+/// One decoder block: `h += mixer(input_norm(h)); h += mlp(post_norm(h))`.
+#[derive(Debug, Clone)]
+pub struct DecoderLayer {
+    input_layernorm: Tensor,
+    post_attention_layernorm: Tensor,
+    mixer: Mixer,
+    mlp: Mlp,
+}
+
+/// The state of one layer.
+#[derive(Debug, Clone)]
+pub enum LayerState {
+    /// Convolution and recurrent state of a linear-attention layer.
+    Linear(LinearState),
+    /// KV cache of a full-attention layer.
+    Attention(KvCache),
+}
+
+/// Everything a run carries from token to token; the weights never change.
+#[derive(Debug, Clone)]
+pub struct State {
+    /// Tokens processed so far (the next token's text position).
+    pub position: usize,
+    /// One entry per layer.
+    pub layers: Vec<LayerState>,
+}
+
+/// How a run computes; none of these change the result in exact arithmetic.
+#[derive(Debug, Clone, Copy)]
+pub struct RunOptions {
+    /// The delta-rule form for forward calls of more than one token.
+    pub prefill: Form,
+    /// The delta-rule form for single-token calls.
+    pub decode: Form,
+    /// Feed the prompt in forward calls of at most this many tokens (`None`: all at once).
+    pub prefill_block: Option<usize>,
+    /// The DeltaNet output rescaling (1 = off; the NPU port uses 1024).
+    pub output_scale: f64,
+}
+
+impl Default for RunOptions {
+    /// Chunks of 64 with forward substitution (transformers' algorithm) for prompts, the matrix form for decode.
+    fn default() -> Self {
+        RunOptions {
+            prefill: Form::Chunked {
+                block: 64,
+                inverse: Inverse::Substitution,
+            },
+            decode: Form::Matrix,
+            prefill_block: None,
+            output_scale: 1.0,
+        }
+    }
+}
+
+/// The Qwen3.5 text decoder with its weights in one dtype (F32 or F64).
+#[derive(Debug, Clone)]
+pub struct Model {
+    config: Config,
+    embed_tokens: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: Tensor,
+    lm_head: Tensor,
+    rope: Rope,
+    dtype: DType,
+}
+
+impl Model {
+    /// Loads `config.json` and the safetensors weights of a checkpoint directory, converting them to `dtype`.
+    pub fn load(dir: &Path, dtype: DType) -> Result<Self> {
+        let config = Config::from_file(&dir.join("config.json"))?;
+        let weights = WeightStore::open(dir, dtype)?;
+        Self::from_weights(config, &weights)
+    }
+
+    /// Builds the model from a parsed config and an open weight store.
+    pub fn from_weights(config: Config, w: &WeightStore) -> Result<Self> {
+        let (h, v) = (config.hidden_size, config.vocab_size);
+        let embed_tokens = w.decoder("embed_tokens.weight", &[v, h])?;
+        let mut layers = Vec::with_capacity(config.num_layers());
+        for (i, kind) in config.layer_types.iter().enumerate() {
+            let p = format!("layers.{i}");
+            let mixer = match kind {
+                LayerKind::Linear => Mixer::Linear(GatedDeltaNet::load(
+                    w,
+                    &format!("{p}.linear_attn"),
+                    &config,
+                )?),
+                LayerKind::Full => {
+                    Mixer::Attention(Attention::load(w, &format!("{p}.self_attn"), &config)?)
+                }
+            };
+            layers.push(DecoderLayer {
+                input_layernorm: w.decoder(&format!("{p}.input_layernorm.weight"), &[h])?,
+                post_attention_layernorm: w
+                    .decoder(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                mixer,
+                mlp: Mlp::load(w, &format!("{p}.mlp"), h, config.intermediate_size)?,
+            });
+        }
+        let norm = w.decoder("norm.weight", &[h])?;
+        let lm_head = if config.tie_word_embeddings {
+            embed_tokens.clone()
+        } else {
+            w.get("lm_head.weight", &[v, h])?
+        };
+        Ok(Model {
+            rope: Rope::new(&config),
+            config,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            dtype: w.dtype(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The dtype every tensor of a run has.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// A fresh state: zero conv and recurrent states, empty KV caches, position 0.
+    pub fn new_state(&self) -> Result<State> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| match &l.mixer {
+                Mixer::Linear(m) => Ok(LayerState::Linear(m.zero_state(self.dtype)?)),
+                Mixer::Attention(_) => Ok(LayerState::Attention(KvCache::default())),
+            })
+            .collect::<Result<_>>()?;
+        Ok(State {
+            position: 0,
+            layers,
+        })
+    }
+
+    /// Checks that every id is inside the vocabulary.
+    pub fn check_ids(&self, ids: &[u32]) -> Result<()> {
+        let v = self.config.vocab_size;
+        match ids.iter().position(|&id| id as usize >= v) {
+            Some(i) => Err(Error::Input(format!(
+                "token id {} at position {i} is outside the vocabulary of {v}",
+                ids[i]
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Runs `ids` (text positions continuing from `state.position`) and returns the last token's logits `[V]`.
+    ///
+    /// When `taps` is on it records `embeddings`, per layer `layers.{i}.{output, mixer_output, mlp_output}` and the
+    /// mixers' own taps (`layers.{i}.linear_attn.*`, `layers.{i}.self_attn.*`), `final_norm` and `logits` `[T, V]`.
+    pub fn forward(
+        &self,
+        ids: &[u32],
+        state: &mut State,
+        opts: &RunOptions,
+        taps: &mut Taps,
+    ) -> Result<Tensor> {
+        let positions = Positions::text(state.position, ids.len());
+        self.forward_at(ids, &positions, state, opts, taps)
+    }
+
+    /// [`Model::forward`] with explicit (possibly multimodal) positions.
+    pub fn forward_at(
+        &self,
+        ids: &[u32],
+        positions: &Positions,
+        state: &mut State,
+        opts: &RunOptions,
+        taps: &mut Taps,
+    ) -> Result<Tensor> {
+        if ids.is_empty() {
+            return Err(Error::Input("no tokens to run".into()));
+        }
+        if positions.len() != ids.len() {
+            return Err(Error::Input(format!(
+                "{} positions for {} tokens",
+                positions.len(),
+                ids.len()
+            )));
+        }
+        if state.layers.len() != self.layers.len() {
+            return Err(Error::Input(
+                "the state belongs to a different model".into(),
+            ));
+        }
+        self.check_ids(ids)?;
+        let dev = Device::Cpu;
+        let t = ids.len();
+        let id_tensor = Tensor::from_vec(ids.to_vec(), t, &dev)?;
+        let mut h = self.embed_tokens.index_select(&id_tensor, 0)?;
+        taps.record(|| "embeddings".into(), &h)?;
+
+        let rotary = self.rope.tables(positions, self.dtype, &dev)?;
+        let deltanet = DeltaNetOptions {
+            form: if t == 1 { opts.decode } else { opts.prefill },
+            output_scale: opts.output_scale,
+        };
+        let eps = self.config.rms_norm_eps;
+        for (i, (layer, layer_state)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate()
+        {
+            let x = rms_norm(&h, &layer.input_layernorm, eps)?;
+            let mixed = match (&layer.mixer, layer_state) {
+                (Mixer::Linear(m), LayerState::Linear(s)) => {
+                    m.forward(&x, s, &deltanet, taps, &format!("layers.{i}.linear_attn"))?
+                }
+                (Mixer::Attention(m), LayerState::Attention(c)) => {
+                    m.forward(&x, c, &rotary, taps, &format!("layers.{i}.self_attn"))?
+                }
+                _ => {
+                    return Err(Error::Input(format!(
+                        "layer {i}: the state is of the other layer kind"
+                    )));
+                }
+            };
+            taps.record(|| format!("layers.{i}.mixer_output"), &mixed)?;
+            h = (h + mixed)?;
+            let m = layer
+                .mlp
+                .forward(&rms_norm(&h, &layer.post_attention_layernorm, eps)?)?;
+            taps.record(|| format!("layers.{i}.mlp_output"), &m)?;
+            h = (h + m)?;
+            taps.record(|| format!("layers.{i}.output"), &h)?;
+        }
+        let normed = rms_norm(&h, &self.norm, eps)?;
+        taps.record(|| "final_norm".into(), &normed)?;
+        state.position += t;
+        if taps.enabled() {
+            let logits = linear(&normed, &self.lm_head)?;
+            taps.record(|| "logits".into(), &logits)?;
+            Ok(logits.get(t - 1)?)
+        } else {
+            Ok(linear(&normed.narrow(0, t - 1, 1)?, &self.lm_head)?.squeeze(0)?)
+        }
+    }
+
+    /// Runs a prompt, in forward calls of `opts.prefill_block` tokens if set; returns the last token's logits.
+    pub fn prefill(
+        &self,
+        ids: &[u32],
+        state: &mut State,
+        opts: &RunOptions,
+        taps: &mut Taps,
+    ) -> Result<Tensor> {
+        let block = opts.prefill_block.unwrap_or(ids.len().max(1));
+        if block == 0 {
+            return Err(Error::Input(
+                "prefill block must be at least 1 token".into(),
+            ));
+        }
+        let mut logits = None;
+        for piece in ids.chunks(block) {
+            logits = Some(self.forward(piece, state, opts, taps)?);
+        }
+        logits.ok_or_else(|| Error::Input("empty prompt".into()))
+    }
+}
+
+/// The index of the largest logit (the first one on ties).
+pub fn argmax(logits: &Tensor) -> Result<u32> {
+    let v: Vec<f64> = logits.to_dtype(DType::F64)?.to_vec1()?;
+    let mut best = 0;
+    for (i, x) in v.iter().enumerate() {
+        if x.is_nan() {
+            return Err(Error::Input(format!("logit {i} is NaN")));
+        }
+        if *x > v[best] {
+            best = i;
+        }
+    }
+    Ok(best as u32)
+}
+
+/// Greedy continuation: from a state that has seen the prompt and the logits of its last token, chooses up to
+/// `max_new` tokens, feeding each back with a single-token forward call. Stops after emitting a token in `stop`.
+/// `on_token` sees every new token as it is chosen.
+pub fn greedy_continue(
+    model: &Model,
+    state: &mut State,
+    mut logits: Tensor,
+    max_new: usize,
+    stop: &[u32],
+    opts: &RunOptions,
+    mut on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<Vec<u32>> {
+    let mut out = Vec::with_capacity(max_new);
+    let mut quiet = Taps::off();
+    for n in 0..max_new {
+        let next = argmax(&logits)?;
+        out.push(next);
+        on_token(next)?;
+        if stop.contains(&next) || n + 1 == max_new {
+            break;
+        }
+        logits = model.forward(&[next], state, opts, &mut quiet)?;
+    }
+    Ok(out)
+}

@@ -1,0 +1,278 @@
+//! Random checkpoints and tensors, deterministic from a seed: for property tests, error-path tests and benches.
+//! (The golden models under `testdata/` come from transformers, not from here.)
+
+use crate::config::{Config, LayerKind};
+use crate::error::{Error, Result};
+use candle_core::{DType, Device, Tensor};
+use safetensors::tensor::{Dtype as StDtype, TensorView};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// A small deterministic generator (SplitMix64).
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator from a seed.
+    pub fn new(seed: u64) -> Self {
+        Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, 1)`.
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Uniform in `[lo, hi)`.
+    pub fn range(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * self.uniform()
+    }
+
+    /// Standard normal (Box–Muller).
+    pub fn normal(&mut self) -> f64 {
+        let u1 = self.uniform().max(1e-300);
+        let u2 = self.uniform();
+        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+    }
+
+    /// A tensor of `N(0, std²)` values.
+    pub fn normal_tensor(&mut self, shape: &[usize], std: f64, dtype: DType) -> Result<Tensor> {
+        let n = shape.iter().product();
+        let data: Vec<f64> = (0..n).map(|_| std * self.normal()).collect();
+        Ok(Tensor::from_vec(data, shape, &Device::Cpu)?.to_dtype(dtype)?)
+    }
+
+    /// A tensor of values uniform in `[lo, hi)`.
+    pub fn uniform_tensor(
+        &mut self,
+        shape: &[usize],
+        lo: f64,
+        hi: f64,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let n = shape.iter().product();
+        let data: Vec<f64> = (0..n).map(|_| self.range(lo, hi)).collect();
+        Ok(Tensor::from_vec(data, shape, &Device::Cpu)?.to_dtype(dtype)?)
+    }
+}
+
+/// A flat (`qwen3_5_text`) config of a small model; edit the JSON to vary it.
+pub fn small_config_json() -> serde_json::Value {
+    serde_json::json!({
+        "model_type": "qwen3_5_text",
+        "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8, "linear_value_head_dim": 12, "linear_conv_kernel_dim": 4,
+        "rms_norm_eps": 1e-6, "vocab_size": 97, "tie_word_embeddings": false,
+        "hidden_act": "silu",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                            "mrope_section": [2, 1, 1], "mrope_interleaved": true}
+    })
+}
+
+/// The name, shape and initial values of every decoder tensor of `config`, under `prefix` (`model.`), plus
+/// `lm_head.weight` unless the embeddings are tied. Weights are random but well-conditioned: per-token decays
+/// spread over `0.01..1`, non-trivial norm weights, projections that move the residual stream.
+pub fn random_weights(
+    config: &Config,
+    prefix: &str,
+    seed: u64,
+) -> Result<BTreeMap<String, Tensor>> {
+    let mut rng = Rng::new(seed);
+    let f = DType::F32;
+    let h = config.hidden_size;
+    let proj = 0.6 / (h as f64).sqrt();
+    let mut out = BTreeMap::new();
+    let mut put = |name: String, t: Tensor| {
+        out.insert(name, t);
+    };
+    put(
+        format!("{prefix}embed_tokens.weight"),
+        rng.normal_tensor(&[config.vocab_size, h], 1.0, f)?,
+    );
+    for (i, kind) in config.layer_types.iter().enumerate() {
+        let p = format!("{prefix}layers.{i}");
+        match kind {
+            LayerKind::Linear => {
+                let (hv, c) = (config.linear_num_value_heads, config.linear_conv_dim());
+                let a = format!("{p}.linear_attn");
+                put(
+                    format!("{a}.in_proj_qkv.weight"),
+                    rng.normal_tensor(&[c, h], proj, f)?,
+                );
+                put(
+                    format!("{a}.in_proj_z.weight"),
+                    rng.normal_tensor(&[config.linear_value_dim(), h], proj, f)?,
+                );
+                put(
+                    format!("{a}.in_proj_b.weight"),
+                    rng.normal_tensor(&[hv, h], proj, f)?,
+                );
+                put(
+                    format!("{a}.in_proj_a.weight"),
+                    rng.normal_tensor(&[hv, h], proj, f)?,
+                );
+                put(
+                    format!("{a}.conv1d.weight"),
+                    rng.normal_tensor(&[c, 1, config.linear_conv_kernel_dim], 0.5, f)?,
+                );
+                put(
+                    format!("{a}.A_log"),
+                    rng.uniform_tensor(&[hv], -3.0, 1.5, f)?,
+                );
+                put(
+                    format!("{a}.dt_bias"),
+                    rng.uniform_tensor(&[hv], -2.0, 2.0, f)?,
+                );
+                put(
+                    format!("{a}.norm.weight"),
+                    (rng.normal_tensor(&[config.linear_value_head_dim], 0.2, f)? + 1.0)?,
+                );
+                put(
+                    format!("{a}.out_proj.weight"),
+                    rng.normal_tensor(&[h, config.linear_value_dim()], proj, f)?,
+                );
+            }
+            LayerKind::Full => {
+                let (nh, nkv, d) = (
+                    config.num_attention_heads,
+                    config.num_key_value_heads,
+                    config.head_dim,
+                );
+                let a = format!("{p}.self_attn");
+                put(
+                    format!("{a}.q_proj.weight"),
+                    rng.normal_tensor(&[nh * d * 2, h], proj, f)?,
+                );
+                put(
+                    format!("{a}.k_proj.weight"),
+                    rng.normal_tensor(&[nkv * d, h], proj, f)?,
+                );
+                put(
+                    format!("{a}.v_proj.weight"),
+                    rng.normal_tensor(&[nkv * d, h], proj, f)?,
+                );
+                put(
+                    format!("{a}.o_proj.weight"),
+                    rng.normal_tensor(&[h, nh * d], proj, f)?,
+                );
+                put(
+                    format!("{a}.q_norm.weight"),
+                    rng.normal_tensor(&[d], 0.2, f)?,
+                );
+                put(
+                    format!("{a}.k_norm.weight"),
+                    rng.normal_tensor(&[d], 0.2, f)?,
+                );
+            }
+        }
+        let m = format!("{p}.mlp");
+        let inner = config.intermediate_size;
+        put(
+            format!("{m}.gate_proj.weight"),
+            rng.normal_tensor(&[inner, h], proj, f)?,
+        );
+        put(
+            format!("{m}.up_proj.weight"),
+            rng.normal_tensor(&[inner, h], proj, f)?,
+        );
+        put(
+            format!("{m}.down_proj.weight"),
+            rng.normal_tensor(&[h, inner], proj, f)?,
+        );
+        put(
+            format!("{p}.input_layernorm.weight"),
+            rng.normal_tensor(&[h], 0.2, f)?,
+        );
+        put(
+            format!("{p}.post_attention_layernorm.weight"),
+            rng.normal_tensor(&[h], 0.2, f)?,
+        );
+    }
+    put(
+        format!("{prefix}norm.weight"),
+        rng.normal_tensor(&[h], 0.2, f)?,
+    );
+    if !config.tie_word_embeddings {
+        put(
+            "lm_head.weight".into(),
+            rng.normal_tensor(&[config.vocab_size, h], 1.0, f)?,
+        );
+    }
+    Ok(out)
+}
+
+/// Writes `tensors` to a safetensors file in the given dtype (F32, F16 or BF16).
+pub fn write_safetensors(
+    path: &Path,
+    tensors: &BTreeMap<String, Tensor>,
+    dtype: DType,
+) -> Result<()> {
+    let st_dtype = match dtype {
+        DType::F32 => StDtype::F32,
+        DType::F16 => StDtype::F16,
+        DType::BF16 => StDtype::BF16,
+        DType::F64 => StDtype::F64,
+        other => return Err(Error::Input(format!("cannot write {other:?} tensors"))),
+    };
+    let mut bytes: Vec<(String, Vec<u8>, Vec<usize>)> = Vec::new();
+    for (name, t) in tensors {
+        let t = t.to_dtype(dtype)?.flatten_all()?;
+        let raw = match dtype {
+            DType::F32 => t
+                .to_vec1::<f32>()?
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect(),
+            DType::F64 => t
+                .to_vec1::<f64>()?
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect(),
+            DType::F16 => t
+                .to_vec1::<half::f16>()?
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect(),
+            _ => t
+                .to_vec1::<half::bf16>()?
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect(),
+        };
+        bytes.push((name.clone(), raw, tensors[name].dims().to_vec()));
+    }
+    let views = bytes
+        .iter()
+        .map(|(name, raw, shape)| {
+            TensorView::new(st_dtype, shape.clone(), raw)
+                .map(|v| (name.clone(), v))
+                .map_err(|e| Error::Input(format!("{name}: {e}")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    safetensors::serialize_to_file(views, None, path)
+        .map_err(|e| Error::Input(format!("{}: {e}", path.display())))
+}
+
+/// Writes a random checkpoint (`config.json` + `model.safetensors`, f32, `model.` names) for `config_json`.
+pub fn write_checkpoint(dir: &Path, config_json: &serde_json::Value, seed: u64) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let text =
+        serde_json::to_string_pretty(config_json).map_err(|e| Error::Input(e.to_string()))?;
+    let config_path = dir.join("config.json");
+    std::fs::write(&config_path, &text).map_err(|e| Error::io(&config_path, e))?;
+    let config = Config::from_json_str(&text, &config_path.display().to_string())?;
+    let tensors = random_weights(&config, "model.", seed)?;
+    write_safetensors(&dir.join("model.safetensors"), &tensors, DType::F32)
+}

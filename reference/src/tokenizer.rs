@@ -1,0 +1,215 @@
+//! Prompt encoding: the checkpoint's `tokenizer.json` through the `tokenizers` crate, and its own chat template
+//! rendered with `minijinja` (as transformers renders it: `trim_blocks`, `lstrip_blocks`, Python string methods).
+
+use crate::error::{Error, Result};
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+
+/// One chat message.
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+pub struct Message {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// The text.
+    pub content: String,
+}
+
+impl Message {
+    /// A message with the given role.
+    pub fn new(role: &str, content: &str) -> Self {
+        Message {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+/// A tokenizer with the chat template of its checkpoint.
+pub struct ChatTokenizer {
+    tokenizer: tokenizers::Tokenizer,
+    tokenizer_path: PathBuf,
+    template: Option<(String, PathBuf)>,
+    eos_token: Option<String>,
+    special_tokens: Vec<(String, String)>,
+}
+
+fn tok_err(path: &Path, message: impl Into<String>) -> Error {
+    Error::Tokenizer {
+        file: path.display().to_string(),
+        message: message.into(),
+    }
+}
+
+/// A token given in `tokenizer_config.json` either as a string or as `{"content": …}`.
+fn token_text(v: &serde_json::Value) -> Option<String> {
+    v.as_str().map(str::to_string).or_else(|| {
+        v.get("content")
+            .and_then(|c| c.as_str())
+            .map(str::to_string)
+    })
+}
+
+impl ChatTokenizer {
+    /// Loads `tokenizer.json`, and the chat template from `tokenizer_config.json` (`chat_template`) or
+    /// `chat_template.jinja`, from a checkpoint directory.
+    pub fn load(dir: &Path) -> Result<Self> {
+        let tokenizer_path = dir.join("tokenizer.json");
+        if !tokenizer_path.exists() {
+            return Err(tok_err(
+                &tokenizer_path,
+                "missing: the checkpoint has no tokenizer",
+            ));
+        }
+        let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path)
+            .map_err(|e| tok_err(&tokenizer_path, e.to_string()))?;
+        let config_path = dir.join("tokenizer_config.json");
+        let mut template = None;
+        let mut eos_token = None;
+        let mut special_tokens = Vec::new();
+        if config_path.exists() {
+            let text =
+                std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
+            let json: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| tok_err(&config_path, format!("not valid JSON: {e}")))?;
+            match json.get("chat_template") {
+                None | Some(serde_json::Value::Null) => {}
+                Some(serde_json::Value::String(s)) => {
+                    template = Some((s.clone(), config_path.clone()))
+                }
+                Some(serde_json::Value::Array(list)) => {
+                    let default = list
+                        .iter()
+                        .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"));
+                    let t = default
+                        .and_then(|t| t.get("template"))
+                        .and_then(|t| t.as_str())
+                        .ok_or_else(|| {
+                            tok_err(&config_path, "chat_template: no template named \"default\"")
+                        })?;
+                    template = Some((t.to_string(), config_path.clone()));
+                }
+                Some(other) => {
+                    return Err(tok_err(
+                        &config_path,
+                        format!("chat_template: expected a string or a list, found {other}"),
+                    ));
+                }
+            }
+            for key in ["bos_token", "eos_token", "pad_token", "unk_token"] {
+                if let Some(t) = json.get(key).and_then(token_text) {
+                    special_tokens.push((key.to_string(), t));
+                }
+            }
+            eos_token = json.get("eos_token").and_then(token_text);
+        }
+        let jinja = dir.join("chat_template.jinja");
+        if template.is_none() && jinja.exists() {
+            let text = std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?;
+            template = Some((text, jinja));
+        }
+        Ok(ChatTokenizer {
+            tokenizer,
+            tokenizer_path,
+            template,
+            eos_token,
+            special_tokens,
+        })
+    }
+
+    /// Renders `messages` with the chat template, as `apply_chat_template(..., tokenize=False)` does.
+    pub fn render(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+        enable_thinking: bool,
+    ) -> Result<String> {
+        let (source, path) = self.template.as_ref().ok_or_else(|| {
+            tok_err(
+                &self.tokenizer_path.with_file_name("tokenizer_config.json"),
+                "no chat template (neither `chat_template` in tokenizer_config.json nor chat_template.jinja)",
+            )
+        })?;
+        let mut env = minijinja::Environment::new();
+        let syntax = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| tok_err(path, e.to_string()))?;
+        env.set_syntax(syntax);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        env.add_template("chat", source)
+            .map_err(|e| tok_err(path, format!("chat template does not parse: {e}")))?;
+        let tmpl = env
+            .get_template("chat")
+            .map_err(|e| tok_err(path, e.to_string()))?;
+        let mut ctx = std::collections::BTreeMap::new();
+        ctx.insert(
+            "messages".to_string(),
+            minijinja::Value::from(minijinja::value::Serde(messages)),
+        );
+        ctx.insert(
+            "add_generation_prompt".to_string(),
+            add_generation_prompt.into(),
+        );
+        ctx.insert("enable_thinking".to_string(), enable_thinking.into());
+        for (k, v) in &self.special_tokens {
+            ctx.insert(k.clone(), v.clone().into());
+        }
+        tmpl.render(ctx)
+            .map_err(|e| tok_err(path, format!("chat template failed to render: {e}")))
+    }
+
+    /// Token ids of `text`, special tokens recognised, nothing added (as for a rendered chat).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| tok_err(&self.tokenizer_path, e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Renders and encodes a chat prompt.
+    pub fn encode_chat(&self, messages: &[Message], enable_thinking: bool) -> Result<Vec<u32>> {
+        self.encode(&self.render(messages, true, enable_thinking)?)
+    }
+
+    /// Text of `ids`, special tokens skipped or kept.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.tokenizer
+            .decode(ids, skip_special)
+            .map_err(|e| tok_err(&self.tokenizer_path, e.to_string()))
+    }
+
+    /// The id of a token string, if it is in the vocabulary.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.tokenizer.token_to_id(token)
+    }
+
+    /// Ids that end an assistant turn: the configured `eos_token` (and `<|im_end|>`, `<|endoftext|>` if present).
+    pub fn stop_ids(&self) -> Vec<u32> {
+        let mut ids: Vec<u32> = self
+            .eos_token
+            .iter()
+            .map(String::as_str)
+            .chain(["<|im_end|>", "<|endoftext|>"])
+            .filter_map(|t| self.token_id(t))
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+
+    /// Size of the vocabulary including added tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.tokenizer.get_vocab_size(true)
+    }
+}

@@ -1,0 +1,306 @@
+//! Checkpoint weights: safetensors files (single or sharded), memory mapped, converted to the run's dtype.
+//!
+//! Names are resolved under the decoder prefix of the checkpoint (`model.` for a text-only export,
+//! `model.language_model.` for a full multimodal checkpoint); vision (`model.visual.*`) and multi-token-prediction
+//! (`mtp.*`) tensors are never read.
+
+use crate::error::{Error, Result};
+use candle_core::{DType, Device, Tensor};
+use memmap2::Mmap;
+use safetensors::tensor::{Dtype as StDtype, Metadata, TensorInfo};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+struct ShardFile {
+    path: PathBuf,
+    mmap: Mmap,
+    header_len: usize,
+    metadata: Metadata,
+}
+
+impl ShardFile {
+    fn open(path: &Path) -> Result<Self> {
+        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        // SAFETY: the file is opened read-only and the map is only read; a checkpoint is not expected to change
+        // while a run holds it.
+        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        let (header_len, metadata) =
+            safetensors::SafeTensors::read_metadata(&mmap).map_err(|e| Error::Weights {
+                file: path.display().to_string(),
+                key: "(header)".into(),
+                message: format!("not a valid safetensors file: {e}"),
+            })?;
+        Ok(ShardFile {
+            path: path.to_path_buf(),
+            mmap,
+            header_len,
+            metadata,
+        })
+    }
+
+    fn info(&self, name: &str) -> Option<&TensorInfo> {
+        self.metadata.info(name)
+    }
+
+    fn bytes(&self, info: &TensorInfo) -> &[u8] {
+        let start = 8 + self.header_len + info.data_offsets.0;
+        let end = 8 + self.header_len + info.data_offsets.1;
+        &self.mmap[start..end]
+    }
+}
+
+/// The weights of one checkpoint directory.
+pub struct WeightStore {
+    dir: PathBuf,
+    files: Vec<ShardFile>,
+    /// Tensor name → index into `files`.
+    index: HashMap<String, usize>,
+    prefix: &'static str,
+    dtype: DType,
+    device: Device,
+}
+
+/// Decoder name prefixes, text-only export first.
+const PREFIXES: [&str; 2] = ["model.", "model.language_model."];
+
+impl WeightStore {
+    /// Opens `model.safetensors.index.json` (sharded) or `model.safetensors` in `dir`; tensors will be converted
+    /// to `dtype` (F32 or F64).
+    pub fn open(dir: &Path, dtype: DType) -> Result<Self> {
+        if !matches!(dtype, DType::F32 | DType::F64) {
+            return Err(Error::Input(format!(
+                "the reference computes in f32 or f64, not {dtype:?}"
+            )));
+        }
+        let index_path = dir.join("model.safetensors.index.json");
+        let single = dir.join("model.safetensors");
+        let mut files = Vec::new();
+        let mut index = HashMap::new();
+        if index_path.exists() {
+            let text =
+                std::fs::read_to_string(&index_path).map_err(|e| Error::io(&index_path, e))?;
+            let json: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| Error::Weights {
+                    file: index_path.display().to_string(),
+                    key: "(file)".into(),
+                    message: format!("not valid JSON: {e}"),
+                })?;
+            let map = json
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| Error::Weights {
+                    file: index_path.display().to_string(),
+                    key: "weight_map".into(),
+                    message: "missing or not an object".into(),
+                })?;
+            let mut shard_names: BTreeMap<String, usize> = BTreeMap::new();
+            for (tensor, shard) in map {
+                let shard = shard.as_str().ok_or_else(|| Error::Weights {
+                    file: index_path.display().to_string(),
+                    key: format!("weight_map.{tensor}"),
+                    message: "expected a file name".into(),
+                })?;
+                let next = shard_names.len();
+                let file_idx = *shard_names.entry(shard.to_string()).or_insert(next);
+                index.insert(tensor.clone(), file_idx);
+            }
+            let mut ordered: Vec<(String, usize)> = shard_names.into_iter().collect();
+            ordered.sort_by_key(|(_, i)| *i);
+            for (name, _) in &ordered {
+                let path = dir.join(name);
+                if !path.exists() {
+                    return Err(Error::Weights {
+                        file: index_path.display().to_string(),
+                        key: name.clone(),
+                        message: format!(
+                            "the index lists shard `{name}` but {} does not exist",
+                            path.display()
+                        ),
+                    });
+                }
+                files.push(ShardFile::open(&path)?);
+            }
+            for (tensor, &file_idx) in &index {
+                if files[file_idx].info(tensor).is_none() {
+                    return Err(Error::Weights {
+                        file: files[file_idx].path.display().to_string(),
+                        key: tensor.clone(),
+                        message: format!(
+                            "listed in {} but absent from this shard",
+                            index_path.display()
+                        ),
+                    });
+                }
+            }
+        } else if single.exists() {
+            let file = ShardFile::open(&single)?;
+            for name in file.metadata.tensors().keys() {
+                index.insert(name.clone(), 0);
+            }
+            files.push(file);
+        } else {
+            return Err(Error::Weights {
+                file: dir.display().to_string(),
+                key: "(weights)".into(),
+                message: "neither model.safetensors nor model.safetensors.index.json is here"
+                    .into(),
+            });
+        }
+
+        let present: Vec<&str> = PREFIXES
+            .iter()
+            .copied()
+            .filter(|p| index.contains_key(&format!("{p}embed_tokens.weight")))
+            .collect();
+        let prefix = match present.as_slice() {
+            [p] => *p,
+            [] => {
+                return Err(Error::Weights {
+                    file: dir.display().to_string(),
+                    key: "model.embed_tokens.weight".into(),
+                    message:
+                        "no decoder embedding found (looked for `model.embed_tokens.weight` and \
+                              `model.language_model.embed_tokens.weight`)"
+                            .into(),
+                });
+            }
+            _ => {
+                return Err(Error::Weights {
+                    file: dir.display().to_string(),
+                    key: "model.embed_tokens.weight".into(),
+                    message: "both `model.` and `model.language_model.` decoder names are present: ambiguous"
+                        .into(),
+                });
+            }
+        };
+        Ok(WeightStore {
+            dir: dir.to_path_buf(),
+            files,
+            index,
+            prefix,
+            dtype,
+            device: Device::Cpu,
+        })
+    }
+
+    /// The dtype tensors are converted to.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The decoder prefix found in this checkpoint (`model.` or `model.language_model.`).
+    pub fn prefix(&self) -> &'static str {
+        self.prefix
+    }
+
+    /// Whether a tensor with this full name exists.
+    pub fn contains(&self, full_name: &str) -> bool {
+        self.index.contains_key(full_name)
+    }
+
+    /// A decoder tensor by its name under the prefix (e.g. `layers.0.mlp.up_proj.weight`), checked against `shape`.
+    pub fn decoder(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        self.get(&format!("{}{name}", self.prefix), shape)
+    }
+
+    /// A tensor by its full name, checked against `shape` and converted to the store's dtype.
+    pub fn get(&self, full_name: &str, shape: &[usize]) -> Result<Tensor> {
+        let &file_idx = self.index.get(full_name).ok_or_else(|| Error::Weights {
+            file: self.location(),
+            key: full_name.to_string(),
+            message: "missing".into(),
+        })?;
+        let file = &self.files[file_idx];
+        let info = file.info(full_name).ok_or_else(|| Error::Weights {
+            file: file.path.display().to_string(),
+            key: full_name.to_string(),
+            message: "missing".into(),
+        })?;
+        let err = |message: String| Error::Weights {
+            file: file.path.display().to_string(),
+            key: full_name.to_string(),
+            message,
+        };
+        if info.shape != shape {
+            return Err(err(format!(
+                "shape {:?} does not match the config, which implies {:?}",
+                info.shape, shape
+            )));
+        }
+        let bytes = file.bytes(info);
+        let n: usize = shape.iter().product();
+        let expected_bytes = n * info.dtype.bitsize() / 8;
+        if bytes.len() != expected_bytes {
+            return Err(err(format!(
+                "holds {} bytes, {expected_bytes} expected for {:?} {:?}",
+                bytes.len(),
+                info.dtype,
+                shape
+            )));
+        }
+        let tensor = match (info.dtype, self.dtype) {
+            (StDtype::F32, DType::F32) => Tensor::from_vec(
+                decode::<4, f32>(bytes, f32::from_le_bytes),
+                shape,
+                &self.device,
+            )?,
+            (StDtype::F32, _) => Tensor::from_vec(
+                decode::<4, f64>(bytes, |b| f32::from_le_bytes(b) as f64),
+                shape,
+                &self.device,
+            )?,
+            (StDtype::F64, _) => Tensor::from_vec(
+                decode::<8, f64>(bytes, f64::from_le_bytes),
+                shape,
+                &self.device,
+            )?
+            .to_dtype(self.dtype)?,
+            (StDtype::BF16, DType::F32) => Tensor::from_vec(
+                decode::<2, f32>(bytes, |b| half::bf16::from_le_bytes(b).to_f32()),
+                shape,
+                &self.device,
+            )?,
+            (StDtype::BF16, _) => Tensor::from_vec(
+                decode::<2, f64>(bytes, |b| half::bf16::from_le_bytes(b).to_f64()),
+                shape,
+                &self.device,
+            )?,
+            (StDtype::F16, DType::F32) => Tensor::from_vec(
+                decode::<2, f32>(bytes, |b| half::f16::from_le_bytes(b).to_f32()),
+                shape,
+                &self.device,
+            )?,
+            (StDtype::F16, _) => Tensor::from_vec(
+                decode::<2, f64>(bytes, |b| half::f16::from_le_bytes(b).to_f64()),
+                shape,
+                &self.device,
+            )?,
+            (other, _) => {
+                return Err(err(format!(
+                    "dtype {other:?} is not a supported weight type (bf16, f16, f32, f64)"
+                )));
+            }
+        };
+        Ok(tensor)
+    }
+
+    fn location(&self) -> String {
+        if self.files.len() == 1 {
+            self.files[0].path.display().to_string()
+        } else {
+            self.dir.display().to_string()
+        }
+    }
+}
+
+/// Decodes little-endian elements of `N` bytes each (exact widening conversions only).
+fn decode<const N: usize, T>(bytes: &[u8], f: impl Fn([u8; N]) -> T) -> Vec<T> {
+    bytes
+        .chunks_exact(N)
+        .map(|c| {
+            let mut a = [0u8; N];
+            a.copy_from_slice(c);
+            f(a)
+        })
+        .collect()
+}
