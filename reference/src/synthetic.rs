@@ -3,8 +3,8 @@
 
 use crate::config::{Config, LayerKind};
 use crate::error::{Error, Result};
+use crate::weights::save_safetensors;
 use candle_core::{DType, Device, Tensor};
-use safetensors::tensor::{Dtype as StDtype, TensorView};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -213,56 +213,17 @@ pub fn random_weights(
     Ok(out)
 }
 
-/// Writes `tensors` to a safetensors file in the given dtype (F32, F16 or BF16).
+/// Writes `tensors` to a safetensors file, converted to `dtype` (F32, F64, F16 or BF16).
 pub fn write_safetensors(
     path: &Path,
     tensors: &BTreeMap<String, Tensor>,
     dtype: DType,
 ) -> Result<()> {
-    let st_dtype = match dtype {
-        DType::F32 => StDtype::F32,
-        DType::F16 => StDtype::F16,
-        DType::BF16 => StDtype::BF16,
-        DType::F64 => StDtype::F64,
-        other => return Err(Error::Input(format!("cannot write {other:?} tensors"))),
-    };
-    let mut bytes: Vec<(String, Vec<u8>, Vec<usize>)> = Vec::new();
-    for (name, t) in tensors {
-        let t = t.to_dtype(dtype)?.flatten_all()?;
-        let raw = match dtype {
-            DType::F32 => t
-                .to_vec1::<f32>()?
-                .iter()
-                .flat_map(|x| x.to_le_bytes())
-                .collect(),
-            DType::F64 => t
-                .to_vec1::<f64>()?
-                .iter()
-                .flat_map(|x| x.to_le_bytes())
-                .collect(),
-            DType::F16 => t
-                .to_vec1::<half::f16>()?
-                .iter()
-                .flat_map(|x| x.to_le_bytes())
-                .collect(),
-            _ => t
-                .to_vec1::<half::bf16>()?
-                .iter()
-                .flat_map(|x| x.to_le_bytes())
-                .collect(),
-        };
-        bytes.push((name.clone(), raw, tensors[name].dims().to_vec()));
-    }
-    let views = bytes
+    let converted = tensors
         .iter()
-        .map(|(name, raw, shape)| {
-            TensorView::new(st_dtype, shape.clone(), raw)
-                .map(|v| (name.clone(), v))
-                .map_err(|e| Error::Input(format!("{name}: {e}")))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    safetensors::serialize_to_file(views, None, path)
-        .map_err(|e| Error::Input(format!("{}: {e}", path.display())))
+        .map(|(k, v)| Ok((k.clone(), v.to_dtype(dtype)?)))
+        .collect::<Result<BTreeMap<_, _>>>()?;
+    save_safetensors(path, &converted, &BTreeMap::new())
 }
 
 /// Writes a random checkpoint (`config.json` + `model.safetensors`, f32, `model.` names) for `config_json`.
