@@ -213,3 +213,79 @@ impl ChatTokenizer {
         self.tokenizer.get_vocab_size(true)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bundled() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/models/tiny")
+    }
+
+    /// A checkpoint directory with the bundled tokenizer and the given tokenizer_config / chat_template.jinja.
+    fn dir_with(config: Option<serde_json::Value>, jinja: Option<&str>) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::copy(
+            bundled().join("tokenizer.json"),
+            dir.path().join("tokenizer.json"),
+        )
+        .unwrap();
+        if let Some(c) = config {
+            std::fs::write(dir.path().join("tokenizer_config.json"), c.to_string()).unwrap();
+        }
+        if let Some(j) = jinja {
+            std::fs::write(dir.path().join("chat_template.jinja"), j).unwrap();
+        }
+        dir
+    }
+
+    const TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}\
+{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is false %}\
+<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}";
+
+    #[test]
+    fn template_from_jinja_file_and_from_named_list() {
+        let msgs = [Message::new("user", "hi")];
+        let a = dir_with(None, Some(TEMPLATE));
+        let tok = ChatTokenizer::load(a.path()).unwrap();
+        assert_eq!(
+            tok.render(&msgs, true, false).unwrap(),
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        );
+        assert!(
+            tok.render(&msgs, true, true)
+                .unwrap()
+                .ends_with("assistant\n<think>\n")
+        );
+        let b = dir_with(
+            Some(
+                serde_json::json!({"chat_template": [{"name": "tool_use", "template": "x"},
+                                                       {"name": "default", "template": TEMPLATE}]}),
+            ),
+            None,
+        );
+        let tok_b = ChatTokenizer::load(b.path()).unwrap();
+        assert_eq!(
+            tok_b.render(&msgs, true, true).unwrap(),
+            tok.render(&msgs, true, true).unwrap()
+        );
+    }
+
+    #[test]
+    fn python_string_methods_and_missing_template() {
+        let a = dir_with(None, Some("{{ messages[0].content.strip().upper() }}"));
+        let tok = ChatTokenizer::load(a.path()).unwrap();
+        assert_eq!(
+            tok.render(&[Message::new("user", "  hi ")], false, false)
+                .unwrap(),
+            "HI"
+        );
+        let none = dir_with(None, None);
+        let err = ChatTokenizer::load(none.path())
+            .unwrap()
+            .render(&[], true, false)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("chat_template"), "{err}");
+    }
+}
