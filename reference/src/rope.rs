@@ -64,8 +64,13 @@ impl Rope {
         self.rotary_dim
     }
 
+    /// `inv_freq` of frequency `i` (of `rotary_dim / 2`).
+    pub fn inv_freq(&self, i: usize) -> f64 {
+        self.inv_freq[i]
+    }
+
     /// Which position row (0 temporal, 1 height, 2 width) frequency `i` reads.
-    fn row_of(&self, i: usize) -> usize {
+    pub fn row_of(&self, i: usize) -> usize {
         match self.section {
             Some(s) if i % 3 == 1 && i < 3 * s[1] => 1,
             Some(s) if i % 3 == 2 && i < 3 * s[2] => 2,

@@ -1,0 +1,75 @@
+//! Errors of the OpenVINO side; each names the graph, device, file or option at fault.
+
+use std::path::PathBuf;
+
+/// Errors of the OpenVINO side.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// No OpenVINO runtime could be found or loaded.
+    #[error("OpenVINO runtime: {0}")]
+    Runtime(String),
+    /// A device is absent or refused a request.
+    #[error("device {device}: {message}")]
+    Device {
+        /// The device name.
+        device: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// A graph could not be built (shape or type mismatch: a bug or an unsupported config).
+    #[error("graph {graph}: {message}")]
+    Graph {
+        /// The graph name.
+        graph: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// OpenVINO refused to read, compile or run a graph.
+    #[error("{stage} of {graph} on {device}: {message}")]
+    OpenVino {
+        /// `reading`, `compiling` or `inference`.
+        stage: &'static str,
+        /// The graph name.
+        graph: String,
+        /// The device name.
+        device: String,
+        /// OpenVINO's message.
+        message: String,
+    },
+    /// An invalid option or configuration (device config JSON, static context, form options).
+    #[error("{0}")]
+    Config(String),
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The path.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// From the reference decoder (config, weights, tokenizer).
+    #[error(transparent)]
+    Reference(#[from] reference::Error),
+    /// A tensor operation on the host.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+/// The result type of the OpenVINO side.
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+
+    pub(crate) fn graph(graph: &str, message: impl Into<String>) -> Self {
+        Error::Graph {
+            graph: graph.to_string(),
+            message: message.into(),
+        }
+    }
+}

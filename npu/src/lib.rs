@@ -1,0 +1,13 @@
+//! The OpenVINO side of qwen35-parity: finding the runtime, querying devices, compiling with explicit options, and
+//! the static NPU-style graphs of the Qwen3.5 decoder written as OpenVINO IR.
+#![deny(missing_docs)]
+
+pub mod devices;
+pub mod engine;
+pub mod error;
+pub mod graphs;
+pub mod infer;
+pub mod ir;
+pub mod runtime;
+
+pub use error::{Error, Result};

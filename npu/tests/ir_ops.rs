@@ -1,0 +1,142 @@
+//! The IR writer checked by OpenVINO's own reader and CPU plugin: every op the graphs use, against candle.
+
+use candle_core::{DType, Device, Tensor};
+use npu::devices::{CompileOptions, compile};
+use npu::infer::Session;
+use npu::ir::{ElemType, Graph, Unary};
+use reference::compare::diff;
+use reference::synthetic::Rng;
+
+fn run(g: &Graph, inputs: &[(&str, &Tensor)]) -> std::collections::BTreeMap<String, Tensor> {
+    let mut core = npu::runtime::core().expect("OpenVINO runtime (run scripts/fetch-openvino.sh)");
+    let compiled = compile(&mut core, g, "CPU", &CompileOptions::default()).unwrap();
+    assert_eq!(
+        compiled.precision, "f32",
+        "a reference run must compute in f32"
+    );
+    let outputs = g.outputs().into_iter().map(|(n, _, _)| n).collect();
+    Session::new(compiled, outputs)
+        .unwrap()
+        .run(inputs)
+        .unwrap()
+}
+
+fn close(what: &str, a: &Tensor, b: &Tensor, rtol: f64) {
+    let d = diff(a, b).unwrap();
+    assert!(d.within(0.0, rtol), "{what}: {d}");
+}
+
+#[test]
+fn elementwise_matmul_and_shape_ops_match_candle() {
+    let mut rng = Rng::new(1);
+    let x = rng.normal_tensor(&[3, 4, 5], 1.0, DType::F32).unwrap();
+    let wdata = rng.normal_tensor(&[6, 5], 1.0, DType::F32).unwrap();
+
+    let mut g = Graph::new("ops");
+    let xi = g.parameter("x", ElemType::F32, &[3, 4, 5]);
+    let w = g
+        .const_f32(
+            &wdata.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            &[6, 5],
+        )
+        .unwrap();
+    let mm = g.matmul(xi, w, false, true).unwrap();
+    g.result(mm, "matmul").unwrap();
+    for (op, name) in [
+        (Unary::Exp, "exp"),
+        (Unary::Sigmoid, "sigmoid"),
+        (Unary::SoftPlus, "softplus"),
+        (Unary::Swish, "swish"),
+        (Unary::Sin, "sin"),
+        (Unary::Cos, "cos"),
+    ] {
+        let y = g.unary(op, xi).unwrap();
+        g.result(y, name).unwrap();
+    }
+    let mean = g.reduce_mean(xi, &[2], true).unwrap();
+    let centred = g.sub(xi, mean).unwrap();
+    g.result(centred, "centred").unwrap();
+    let t = g.transpose(xi, &[2, 0, 1]).unwrap();
+    let r = g.reshape(t, &[5, 12]).unwrap();
+    g.result(r, "transposed").unwrap();
+    let s = g.slice(xi, 1, 1, 2).unwrap();
+    let c = g.concat(&[s, s], 1).unwrap();
+    g.result(c, "sliced").unwrap();
+    let sm = g.softmax(xi, 2).unwrap();
+    g.result(sm, "softmax").unwrap();
+    let idx = g.const_i64(&[2, 0], &[2]).unwrap();
+    let ga = g.gather(xi, idx, 1).unwrap();
+    g.result(ga, "gather").unwrap();
+
+    let out = run(&g, &[("x", &x)]);
+    close(
+        "matmul",
+        &out["matmul"],
+        &x.broadcast_matmul(&wdata.t().unwrap()).unwrap(),
+        1e-6,
+    );
+    close("exp", &out["exp"], &x.exp().unwrap(), 1e-6);
+    close(
+        "sigmoid",
+        &out["sigmoid"],
+        &reference::ops::sigmoid(&x).unwrap(),
+        1e-6,
+    );
+    close(
+        "softplus",
+        &out["softplus"],
+        &reference::ops::softplus(&x).unwrap(),
+        1e-6,
+    );
+    close("swish", &out["swish"], &x.silu().unwrap(), 1e-6);
+    close("sin", &out["sin"], &x.sin().unwrap(), 1e-6);
+    close("cos", &out["cos"], &x.cos().unwrap(), 1e-6);
+    close(
+        "centred",
+        &out["centred"],
+        &x.broadcast_sub(&x.mean_keepdim(2).unwrap()).unwrap(),
+        1e-6,
+    );
+    close(
+        "transposed",
+        &out["transposed"],
+        &x.permute((2, 0, 1)).unwrap().reshape((5, 12)).unwrap(),
+        0.0,
+    );
+    let s = x.narrow(1, 1, 2).unwrap();
+    close(
+        "sliced",
+        &out["sliced"],
+        &Tensor::cat(&[&s, &s], 1).unwrap(),
+        0.0,
+    );
+    close(
+        "softmax",
+        &out["softmax"],
+        &reference::ops::softmax_last_dim(&x).unwrap(),
+        1e-6,
+    );
+    let gathered =
+        Tensor::cat(&[x.narrow(1, 2, 1).unwrap(), x.narrow(1, 0, 1).unwrap()], 1).unwrap();
+    close("gather", &out["gather"], &gathered, 0.0);
+}
+
+#[test]
+fn f16_constants_and_select() {
+    let mut g = Graph::new("f16");
+    let x = g.parameter("x", ElemType::F32, &[4]);
+    let h: Vec<half::f16> = [0.1f32, -2.5, 3.0, 1e-3]
+        .iter()
+        .map(|&v| half::f16::from_f32(v))
+        .collect();
+    let c = g.const_f16(&h, &[4]).unwrap();
+    let c = g.convert(c, ElemType::F32).unwrap();
+    let zero = g.scalar(0.0).unwrap();
+    let pos = g.binary(npu::ir::Binary::Greater, x, zero).unwrap();
+    let y = g.select(pos, c, x).unwrap();
+    g.result(y, "y").unwrap();
+    let x = Tensor::new(&[1.0f32, -1.0, 2.0, -3.0], &Device::Cpu).unwrap();
+    let out = run(&g, &[("x", &x)]);
+    let expected: Vec<f32> = vec![h[0].to_f32(), -1.0, h[2].to_f32(), -3.0];
+    assert_eq!(out["y"].to_vec1::<f32>().unwrap(), expected);
+}

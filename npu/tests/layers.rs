@@ -1,0 +1,154 @@
+//! Every per-layer graph, in every form, against the reference on the testdata models (CPU device, f32).
+
+use candle_core::{DType, Tensor};
+use npu::devices::CompileOptions;
+use npu::engine::{HostLayerState, LayerRunner};
+use npu::graphs::{Builder, DeltaNetGraphForm, GraphOptions};
+use reference::compare::diff;
+use reference::config::{Config, LayerKind};
+use reference::deltanet::Inverse;
+use reference::model::{LayerState, Model, RunOptions};
+use reference::taps::Taps;
+use reference::weights::WeightStore;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+fn model_dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../testdata/models")
+        .join(name)
+}
+
+/// The golden prompt of a model.
+fn prompt(name: &str) -> Vec<u32> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join(format!("../testdata/goldens/{name}.safetensors"));
+    let t = candle_core::safetensors::load(&path, &candle_core::Device::Cpu).unwrap();
+    t["token_ids"]
+        .to_vec1::<i64>()
+        .unwrap()
+        .into_iter()
+        .map(|x| x as u32)
+        .collect()
+}
+
+/// The reference's taps and states after the prompt.
+fn reference_run(
+    dir: &std::path::Path,
+    ids: &[u32],
+) -> (BTreeMap<String, Tensor>, Vec<LayerState>) {
+    let model = Model::load(dir, DType::F32).unwrap();
+    let mut state = model.new_state().unwrap();
+    let mut taps = Taps::on();
+    model
+        .prefill(ids, &mut state, &RunOptions::default(), &mut taps)
+        .unwrap();
+    (taps.take(), state.layers)
+}
+
+fn check(what: &str, actual: &Tensor, expected: &Tensor, worst: &mut f64) {
+    let d = diff(actual, expected).unwrap();
+    *worst = worst.max(d.relative());
+    assert!(d.within(0.0, 1e-4), "{what}: {d}");
+}
+
+#[test]
+fn layer_graphs_match_the_reference() {
+    for name in ["tiny", "tiny-tied", "tiny-full"] {
+        let dir = model_dir(name);
+        let ids = prompt(name);
+        let (taps, states) = reference_run(&dir, &ids);
+        let config = Config::from_file(&dir.join("config.json")).unwrap();
+        let weights = WeightStore::open(&dir, DType::F32).unwrap();
+        let forms = [
+            (16, DeltaNetGraphForm::Chunked(Inverse::Doubling), 1024.0),
+            (64, DeltaNetGraphForm::Chunked(Inverse::Doubling), 1.0),
+            (
+                16,
+                DeltaNetGraphForm::Chunked(Inverse::Substitution),
+                1024.0,
+            ),
+            (8, DeltaNetGraphForm::Chunked(Inverse::Series), 1024.0),
+            (5, DeltaNetGraphForm::Matrix, 1024.0),
+            (1, DeltaNetGraphForm::Matrix, 1024.0),
+        ];
+        for (tokens, form, scale) in forms {
+            let opts = GraphOptions {
+                form,
+                output_scale: scale,
+                context: 160,
+                ..GraphOptions::default()
+            };
+            let builder = Builder::new(&config, &weights, opts).unwrap();
+            let mut worst = 0f64;
+            for layer in 0..config.num_layers() {
+                let mut runner =
+                    LayerRunner::new(&builder, layer, tokens, "CPU", &CompileOptions::default())
+                        .unwrap();
+                let input = if layer == 0 {
+                    taps["embeddings"].clone()
+                } else {
+                    taps[&format!("layers.{}.output", layer - 1)].clone()
+                };
+                let mut state = HostLayerState::zeros(&config, layer, opts.context).unwrap();
+                let out = runner.run(&input, 0, &mut state).unwrap();
+                let label = format!("{name} layer {layer} T={tokens} {form:?} scale {scale}");
+                for (tap, t) in &out {
+                    let reference_name = if tap == "output"
+                        || tap == "mixer_output"
+                        || tap == "mlp_output"
+                        || tap.contains('.')
+                    {
+                        format!("layers.{layer}.{tap}")
+                    } else {
+                        panic!("{label}: unexpected output {tap}");
+                    };
+                    check(
+                        &format!("{label} {tap}"),
+                        t,
+                        &taps[&reference_name],
+                        &mut worst,
+                    );
+                }
+                match (&state, &states[layer], config.layer_types[layer]) {
+                    (
+                        HostLayerState::Linear { conv, recurrent },
+                        LayerState::Linear(s),
+                        LayerKind::Linear,
+                    ) => {
+                        check(&format!("{label} conv state"), conv, &s.conv, &mut worst);
+                        check(
+                            &format!("{label} recurrent state"),
+                            recurrent,
+                            &s.recurrent,
+                            &mut worst,
+                        );
+                    }
+                    (
+                        HostLayerState::Attention { keys, values, len },
+                        LayerState::Attention(c),
+                        LayerKind::Full,
+                    ) => {
+                        assert_eq!(*len, ids.len());
+                        check(
+                            &format!("{label} keys"),
+                            &keys.narrow(1, 0, *len).unwrap(),
+                            c.keys.as_ref().unwrap(),
+                            &mut worst,
+                        );
+                        check(
+                            &format!("{label} values"),
+                            &values.narrow(1, 0, *len).unwrap(),
+                            c.values.as_ref().unwrap(),
+                            &mut worst,
+                        );
+                    }
+                    _ => panic!("{label}: state kinds differ"),
+                }
+            }
+            println!(
+                "{name}: layer graphs T={tokens} {form:?} scale {scale}: worst error {worst:.2e} of max"
+            );
+        }
+    }
+}
