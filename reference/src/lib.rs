@@ -16,6 +16,7 @@ pub mod linear_attn;
 pub mod mlp;
 pub mod model;
 pub mod ops;
+pub mod quant;
 pub mod rope;
 pub mod synthetic;
 pub mod taps;

@@ -3,8 +3,15 @@
 //! Names are resolved under the decoder prefix of the checkpoint (`model.` for a text-only export,
 //! `model.language_model.` for a full multimodal checkpoint); vision (`model.visual.*`) and multi-token-prediction
 //! (`mtp.*`) tensors are never read.
+//!
+//! A store opened with a [`WeightFormat`] other than f32 hands out the weights the compressed export runs: each
+//! tensor the format selects is quantised from its checkpoint value (converted to f32, exactly for bf16/f16/f32) and
+//! dequantised exactly, or rounded to f16; [`WeightStore::quantized`] gives the codes and scales themselves.
 
 use crate::error::{Error, Result};
+use crate::quant::{
+    QuantizedMatrix, Storage, WeightFormat, quantize_int4_sym, quantize_int8_sym, round_f16,
+};
 use candle_core::{DType, Device, Tensor};
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype as StDtype, Metadata, TensorInfo, TensorView};
@@ -57,6 +64,7 @@ pub struct WeightStore {
     index: HashMap<String, usize>,
     prefix: &'static str,
     dtype: DType,
+    format: WeightFormat,
     device: Device,
 }
 
@@ -65,8 +73,16 @@ const PREFIXES: [&str; 2] = ["model.", "model.language_model."];
 
 impl WeightStore {
     /// Opens `model.safetensors.index.json` (sharded) or `model.safetensors` in `dir`; tensors will be converted
-    /// to `dtype` (F32 or F64).
+    /// to `dtype` (F32 or F64). The weights are the checkpoint's own ([`WeightFormat::F32`]).
     pub fn open(dir: &Path, dtype: DType) -> Result<Self> {
+        Self::open_with_format(dir, dtype, WeightFormat::F32)
+    }
+
+    /// [`WeightStore::open`] with the weights compressed as `format` prescribes (see [`WeightFormat::storage`]):
+    /// [`WeightStore::decoder`] and [`WeightStore::get`] return the dequantised (or f16-rounded) values, exact in f32
+    /// and widened exactly for F64 runs.
+    pub fn open_with_format(dir: &Path, dtype: DType, format: WeightFormat) -> Result<Self> {
+        format.validate()?;
         if !matches!(dtype, DType::F32 | DType::F64) {
             return Err(Error::Input(format!(
                 "the reference computes in f32 or f64, not {dtype:?}"
@@ -179,8 +195,19 @@ impl WeightStore {
             index,
             prefix,
             dtype,
+            format,
             device: Device::Cpu,
         })
+    }
+
+    /// The compression the weights are served with.
+    pub fn format(&self) -> WeightFormat {
+        self.format
+    }
+
+    /// How the tensor with this full name and shape is stored under the store's format.
+    pub fn storage(&self, full_name: &str, shape: &[usize]) -> Storage {
+        self.format.storage(full_name, shape)
     }
 
     /// The dtype tensors are converted to.
@@ -203,8 +230,46 @@ impl WeightStore {
         self.get(&format!("{}{name}", self.prefix), shape)
     }
 
-    /// A tensor by its full name, checked against `shape` and converted to the store's dtype.
+    /// A tensor by its full name, checked against `shape` and converted to the store's dtype; quantised then
+    /// dequantised, or rounded to f16, when the store's format selects it.
     pub fn get(&self, full_name: &str, shape: &[usize]) -> Result<Tensor> {
+        let raw = self.raw(full_name, shape)?;
+        match self.storage(full_name, shape) {
+            Storage::Float => self.exact(&raw, shape),
+            Storage::F16 => {
+                let values: Vec<f64> = raw.values_f64()?;
+                let rounded = values.into_iter().map(|x| round_f16(x).to_f32()).collect();
+                self.tensor_of(rounded, shape)
+            }
+            Storage::Int4Sym { .. } | Storage::Int8Sym => {
+                let q = self.quantize(&raw, shape)?;
+                self.tensor_of(q.dequantize(), shape)
+            }
+        }
+    }
+
+    /// A decoder tensor's quantised form, by its name under the prefix: see [`WeightStore::quantized`].
+    pub fn decoder_quantized(
+        &self,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<Option<QuantizedMatrix>> {
+        self.quantized(&format!("{}{name}", self.prefix), shape)
+    }
+
+    /// The codes and scales of a tensor the store's format quantises (`None` when it stays float or f16): the
+    /// constants an OpenVINO graph stores so that `f32(code) · f32(scale)` equals what [`WeightStore::get`] returns.
+    pub fn quantized(&self, full_name: &str, shape: &[usize]) -> Result<Option<QuantizedMatrix>> {
+        let raw = self.raw(full_name, shape)?;
+        if self.storage(full_name, shape).is_quantized() {
+            self.quantize(&raw, shape).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// Looks a tensor up and checks its shape and byte count.
+    fn raw<'a>(&'a self, full_name: &'a str, shape: &[usize]) -> Result<Raw<'a>> {
         let &file_idx = self.index.get(full_name).ok_or_else(|| Error::Weights {
             file: self.location(),
             key: full_name.to_string(),
@@ -216,29 +281,35 @@ impl WeightStore {
             key: full_name.to_string(),
             message: "missing".into(),
         })?;
-        let err = |message: String| Error::Weights {
-            file: file.path.display().to_string(),
-            key: full_name.to_string(),
-            message,
+        let raw = Raw {
+            file,
+            name: full_name,
+            dtype: info.dtype,
+            bytes: file.bytes(info),
         };
         if info.shape != shape {
-            return Err(err(format!(
+            return Err(raw.err(format!(
                 "shape {:?} does not match the config, which implies {:?}",
                 info.shape, shape
             )));
         }
-        let bytes = file.bytes(info);
         let n: usize = shape.iter().product();
         let expected_bytes = n * info.dtype.bitsize() / 8;
-        if bytes.len() != expected_bytes {
-            return Err(err(format!(
+        if raw.bytes.len() != expected_bytes {
+            return Err(raw.err(format!(
                 "holds {} bytes, {expected_bytes} expected for {:?} {:?}",
-                bytes.len(),
+                raw.bytes.len(),
                 info.dtype,
                 shape
             )));
         }
-        let tensor = match (info.dtype, self.dtype) {
+        Ok(raw)
+    }
+
+    /// The checkpoint's values, converted exactly (or, from f64 to an f32 run, rounded) to the store's dtype.
+    fn exact(&self, raw: &Raw, shape: &[usize]) -> Result<Tensor> {
+        let bytes = raw.bytes;
+        let tensor = match (raw.dtype, self.dtype) {
             (StDtype::F32, DType::F32) => Tensor::from_vec(
                 decode::<4, f32>(bytes, f32::from_le_bytes),
                 shape,
@@ -275,13 +346,40 @@ impl WeightStore {
                 shape,
                 &self.device,
             )?,
-            (other, _) => {
-                return Err(err(format!(
-                    "dtype {other:?} is not a supported weight type (bf16, f16, f32, f64)"
+            (other, _) => return Err(raw.unsupported(other)),
+        };
+        Ok(tensor)
+    }
+
+    /// Quantises a 2-D tensor as the store's format prescribes for it.
+    fn quantize(&self, raw: &Raw, shape: &[usize]) -> Result<QuantizedMatrix> {
+        let &[rows, cols] = shape else {
+            return Err(raw.err(format!(
+                "only 2-D matrices are quantised, this one has shape {shape:?}"
+            )));
+        };
+        let w = raw.values_f32()?;
+        let q = match self.storage(raw.name, shape) {
+            Storage::Int4Sym { group } => quantize_int4_sym(&w, rows, cols, group),
+            Storage::Int8Sym => quantize_int8_sym(&w, rows, cols),
+            other => {
+                return Err(raw.err(format!(
+                    "the {} format stores this tensor as {other:?}, not quantised",
+                    self.format
                 )));
             }
         };
-        Ok(tensor)
+        q.map_err(|e| raw.err(format!("{} quantisation: {e}", self.format)))
+    }
+
+    /// A tensor of the store's dtype from f32 values (widened exactly for F64 runs).
+    fn tensor_of(&self, values: Vec<f32>, shape: &[usize]) -> Result<Tensor> {
+        let t = Tensor::from_vec(values, shape, &self.device)?;
+        Ok(if self.dtype == DType::F32 {
+            t
+        } else {
+            t.to_dtype(self.dtype)?
+        })
     }
 
     fn location(&self) -> String {
@@ -303,6 +401,54 @@ fn decode<const N: usize, T>(bytes: &[u8], f: impl Fn([u8; N]) -> T) -> Vec<T> {
             f(a)
         })
         .collect()
+}
+
+/// One tensor's bytes in its shard, shape and size already checked.
+struct Raw<'a> {
+    file: &'a ShardFile,
+    name: &'a str,
+    dtype: StDtype,
+    bytes: &'a [u8],
+}
+
+impl Raw<'_> {
+    fn err(&self, message: String) -> Error {
+        Error::Weights {
+            file: self.file.path.display().to_string(),
+            key: self.name.to_string(),
+            message,
+        }
+    }
+
+    fn unsupported(&self, dtype: StDtype) -> Error {
+        self.err(format!(
+            "dtype {dtype:?} is not a supported weight type (bf16, f16, f32, f64)"
+        ))
+    }
+
+    /// The values in f32, as the compressor sees them: exact from bf16, f16 and f32, rounded to nearest from f64.
+    fn values_f32(&self) -> Result<Vec<f32>> {
+        let b = self.bytes;
+        Ok(match self.dtype {
+            StDtype::F32 => decode::<4, f32>(b, f32::from_le_bytes),
+            StDtype::F64 => decode::<8, f32>(b, |x| f64::from_le_bytes(x) as f32),
+            StDtype::BF16 => decode::<2, f32>(b, |x| half::bf16::from_le_bytes(x).to_f32()),
+            StDtype::F16 => decode::<2, f32>(b, |x| half::f16::from_le_bytes(x).to_f32()),
+            other => return Err(self.unsupported(other)),
+        })
+    }
+
+    /// The values in f64 (exact from every supported dtype).
+    fn values_f64(&self) -> Result<Vec<f64>> {
+        let b = self.bytes;
+        Ok(match self.dtype {
+            StDtype::F32 => decode::<4, f64>(b, |x| f32::from_le_bytes(x) as f64),
+            StDtype::F64 => decode::<8, f64>(b, f64::from_le_bytes),
+            StDtype::BF16 => decode::<2, f64>(b, |x| half::bf16::from_le_bytes(x).to_f64()),
+            StDtype::F16 => decode::<2, f64>(b, |x| half::f16::from_le_bytes(x).to_f64()),
+            other => return Err(self.unsupported(other)),
+        })
+    }
 }
 
 /// Writes tensors (each in its own dtype: f32, f64, f16, bf16, i64 or u32) and string metadata to a safetensors

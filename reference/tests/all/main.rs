@@ -6,3 +6,4 @@ mod deltanet;
 mod goldens;
 mod model;
 mod precision;
+mod quant;

@@ -1,0 +1,590 @@
+//! Compressed weights as the OpenVINO ports run them: INT4 symmetric with a group size along the input dimension,
+//! INT8 symmetric per output channel as the backup precision, and plain f16; quantised and dequantised here exactly
+//! as the exporter does it, so that a run of the reference on the same compressed weights separates device error from
+//! quantisation error.
+//!
+//! # What NNCF does (read in `openvinotoolkit/nncf`, 2025–2026 sources)
+//!
+//! Files: `src/nncf/quantization/algorithms/weight_compression/weight_lowering.py` (reference implementation),
+//! `src/nncf/openvino/optimized_functions/models.py` (the OpenVINO-graph implementation NNCF uses for tensors of
+//! 10 000 elements or more), `src/nncf/quantization/algorithms/weight_compression/openvino_backend.py` (how the result
+//! becomes IR constants), `src/nncf/quantization/algorithms/weight_compression/algorithm.py` (which layer gets which
+//! precision) and `src/nncf/quantization/advanced_parameters.py`.
+//!
+//! * **Scale.** Symmetric modes (`int4_sym`, `int8_sym`) use a *signed* scale, per group of `group` inputs (int4)
+//!   or per output row (int8, group size −1): with `lo = min(w)` and `hi = max(w)` over the group, the scale is
+//!   `|lo| / 2^(b−1)` when `|lo| ≥ hi` and `−hi / 2^(b−1)` otherwise (`b` = 4 or 8, so the divisor is 8 or 128 and
+//!   the division is exact). The scale is negative when the largest magnitude is positive, so the extreme element
+//!   maps to code `−2^(b−1)` (−8 or −128) — except when the positive extreme ties with `|lo|` (a constant positive
+//!   group included): the scale is then positive and that element clips to `2^(b−1) − 1`. A scale whose magnitude is below f32 machine
+//!   epsilon (2⁻²³) is replaced by +2⁻²³; an all-zero group thus gets scale 2⁻²³ and codes 0 (dequantised: exact
+//!   zeros, never NaN).
+//! * **Codes.** Everything is computed in f32 (weights are first converted to f32): `code = clamp(round(w / s), −2^(b−1),
+//!   2^(b−1) − 1)` with a true IEEE division (the OpenVINO path marks the divide so it is not rewritten as a
+//!   multiplication by the reciprocal) and round-half-to-even (numpy's `round` and OpenVINO's `Round` default mode).
+//!   The codes are computed with the **f32** scale, not with the f16-rounded one.
+//! * **Storage.** The codes become an `i4` or `i8` constant, the scale an **f16** constant (`scale_dtype = f16` in the
+//!   OpenVINO backend; the f32 → f16 conversion rounds to nearest even). NNCF's own decompression subgraph converts
+//!   codes to f16 and multiplies by the f16 scale; the graphs of this project instead compute `f32(code) · f32(scale)`,
+//!   which is exact in f32 (an 8-bit integer times an 11-bit significand, well inside f32's range), and
+//!   [`QuantizedMatrix::dequantize`] gives exactly those values. Because the codes were rounded against the unrounded
+//!   scale, the dequantised error can exceed half a step by up to `|code| · |s_f32 − s_f16|`.
+//! * **First and last layers.** With a 4-bit primary mode, the layers whose share is set by `ratio` are the MatMul
+//!   weights *except the last MatMul* (the LM head) — unless `all_layers` is set — and embeddings are never among them
+//!   (again unless `all_layers`). Every weight outside that set gets the backup mode (`--backup-precision int8_sym`:
+//!   INT8 symmetric, per output channel). With `ratio 1.0` all the others are int4. So the claim holds: the token
+//!   embedding and `lm_head` are int8_sym. With tied embeddings the LM head reuses the embedding constant, which NNCF
+//!   compresses once (int8); the reference's tied LM head is the int8 embedding too.
+//! * **Widths not divisible by the group.** NNCF's behaviour depends on `group_size_fallback_mode`: the default in
+//!   `advanced_parameters.py` as read is `ERROR` (compression fails), NNCF's release notes describe `IGNORE` as the
+//!   later default (the weight stays in its float precision), and `ADJUST` picks the largest power of two dividing the
+//!   width (at least `min_adjusted_group_size`, 32) and otherwise uses the backup mode. This module uses the backup
+//!   precision (int8_sym) for such weights, as the project's rule. It arises on the tiny test models; for a real
+//!   checkpoint [`WeightFormat::storage`] shows which projections, if any, fall back.
+//! * **Other layers.** NNCF also compresses Convolution / GroupConvolution weights (to the backup precision) when
+//!   the graph it compresses contains such an op. Here conv weights, norm weights, `A_log` and `dt_bias` stay f32
+//!   under int4, as the project's rule; a graph that expressed the DeltaNet short convolution as a GroupConvolution
+//!   and ran NNCF over it would get int8_sym conv weights instead.
+//!
+//! # The f16 export (optimum-intel `--weight-format fp16`)
+//!
+//! optimum-intel (`optimum/exporters/openvino/convert.py`, `_save_model`) saves the IR with `compress_to_fp16` when the
+//! weight format is fp16. OpenVINO's `compress_model_to_f16` then runs `CompressFloatConstants`
+//! (`src/common/transformations/src/transformations/common_optimizations/compress_float_constants.cpp`) over **every**
+//! f32/f64 constant — weights, norm weights, `A_log`, `dt_bias`, conv weights alike — except constants marked
+//! precision-sensitive (shape computations), and skips the whole pass when the model already holds compressed weights.
+//! Values beyond ±65504 are clamped to ±65504 (not infinity); other values round to nearest even. Two OpenVINO
+//! heuristics are not modelled: a constant of which ≥ 75 % of the values are out of f16 range (overflowing, or nonzero
+//! below the smallest f16 subnormal) is kept in f32, and recent versions also keep constants whose f16 rounding is too
+//! lossy by their error thresholds; weights of ordinary magnitude do not trigger the first. Note that the exporter rounds constants *after* conversion-time
+//! constant folding (e.g. a folded `1 + w` of a zero-centred norm), whereas [`WeightFormat::F16`] rounds the checkpoint
+//! tensors themselves — what a graph storing the checkpoint tensors as f16 constants computes.
+//!
+//! # Packing
+//!
+//! [`pack_i4`] packs int4 codes as OpenVINO stores `i4` constants: two per byte, element `2k` in the low nibble and
+//! `2k + 1` in the high nibble, each a two's complement nibble.
+
+use crate::error::{Error, Result};
+use half::f16;
+use std::fmt;
+
+/// The default INT4 group size of the OpenVINO exports (`--group-size 128`).
+pub const DEFAULT_GROUP: usize = 128;
+
+/// f32 machine epsilon, NNCF's floor for the magnitude of a scale.
+const SCALE_FLOOR: f32 = f32::EPSILON;
+
+/// How the weights of a run are compressed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WeightFormat {
+    /// The checkpoint's values, unchanged.
+    F32,
+    /// Every tensor rounded to f16 (optimum-intel `--weight-format fp16`).
+    F16,
+    /// Projections INT4 symmetric in groups of `group` inputs, embedding and LM head INT8 symmetric per row
+    /// (optimum-intel `--weight-format int4 --sym --group-size G --ratio 1.0 --backup-precision int8_sym`).
+    Int4Sym {
+        /// Inputs sharing one scale (128 in the exports).
+        group: usize,
+    },
+}
+
+impl Default for WeightFormat {
+    /// [`WeightFormat::F32`].
+    fn default() -> Self {
+        WeightFormat::F32
+    }
+}
+
+impl WeightFormat {
+    /// `f32`, `f16`, `int4` (group 128) or `int4:G`: the form [`WeightFormat::parse`] reads.
+    pub fn name(&self) -> String {
+        match self {
+            WeightFormat::F32 => "f32".into(),
+            WeightFormat::F16 => "f16".into(),
+            WeightFormat::Int4Sym { group } if *group == DEFAULT_GROUP => "int4".into(),
+            WeightFormat::Int4Sym { group } => format!("int4:{group}"),
+        }
+    }
+
+    /// Reads `f32`, `f16`, `int4` (INT4 symmetric, group 128) or `int4:G` (group `G` ≥ 1).
+    pub fn parse(text: &str) -> Result<Self> {
+        let bad = |why: &str| {
+            Error::Input(format!(
+                "weight format `{text}`: {why} (expected f32, f16, int4 or int4:GROUP)"
+            ))
+        };
+        match text.trim() {
+            "f32" => Ok(WeightFormat::F32),
+            "f16" => Ok(WeightFormat::F16),
+            "int4" => Ok(WeightFormat::Int4Sym {
+                group: DEFAULT_GROUP,
+            }),
+            other => {
+                let Some(group) = other.strip_prefix("int4:") else {
+                    return Err(bad("unknown format"));
+                };
+                let group: usize = group
+                    .parse()
+                    .map_err(|_| bad("the group size is not a whole number"))?;
+                if group == 0 {
+                    return Err(bad("the group size must be at least 1"));
+                }
+                Ok(WeightFormat::Int4Sym { group })
+            }
+        }
+    }
+
+    /// Checks the parameters (an INT4 group size of at least 1).
+    pub fn validate(&self) -> Result<()> {
+        match self {
+            WeightFormat::Int4Sym { group: 0 } => Err(Error::Input(
+                "weight format int4: the group size must be at least 1".into(),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// How the decoder tensor `name` (full or under the decoder prefix) of `shape` is stored in this format.
+    ///
+    /// Under [`WeightFormat::Int4Sym`]: 2-D projection weights (`*_proj.weight`, `in_proj_*.weight`,
+    /// `out_proj.weight`, the MLP) are INT4 when their input width is a multiple of the group, INT8 otherwise; the
+    /// token embedding (`embed_tokens.weight`) and `lm_head.weight` are INT8; everything else (norm weights, `A_log`,
+    /// `dt_bias`, conv weights) stays float. Under [`WeightFormat::F16`] every tensor is rounded to f16; under
+    /// [`WeightFormat::F32`] nothing changes.
+    pub fn storage(&self, name: &str, shape: &[usize]) -> Storage {
+        match self {
+            WeightFormat::F32 => Storage::Float,
+            WeightFormat::F16 => Storage::F16,
+            WeightFormat::Int4Sym { group } => match (role(name), shape) {
+                (Role::Embedding | Role::LmHead, [_, _]) => Storage::Int8Sym,
+                (Role::Projection, [_, cols]) if *group > 0 && cols.is_multiple_of(*group) => {
+                    Storage::Int4Sym { group: *group }
+                }
+                (Role::Projection, [_, _]) => Storage::Int8Sym,
+                _ => Storage::Float,
+            },
+        }
+    }
+}
+
+impl fmt::Display for WeightFormat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.name())
+    }
+}
+
+impl std::str::FromStr for WeightFormat {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        WeightFormat::parse(s)
+    }
+}
+
+/// How one tensor is stored under a [`WeightFormat`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Storage {
+    /// The checkpoint's values, unchanged.
+    Float,
+    /// Rounded to f16 (to nearest even, magnitudes beyond 65504 clamped to 65504).
+    F16,
+    /// INT4 symmetric, one f16 scale per `group` consecutive inputs of a row.
+    Int4Sym {
+        /// Inputs sharing one scale.
+        group: usize,
+    },
+    /// INT8 symmetric, one f16 scale per output row.
+    Int8Sym,
+}
+
+impl Storage {
+    /// Whether the tensor is stored as integer codes and scales.
+    pub fn is_quantized(&self) -> bool {
+        matches!(self, Storage::Int4Sym { .. } | Storage::Int8Sym)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Embedding,
+    LmHead,
+    Projection,
+    Other,
+}
+
+/// What a tensor name denotes, from its last two components (`{module}.weight`).
+fn role(name: &str) -> Role {
+    let mut parts = name.rsplit('.');
+    let (Some("weight"), Some(module)) = (parts.next(), parts.next()) else {
+        return Role::Other;
+    };
+    match module {
+        "embed_tokens" => Role::Embedding,
+        "lm_head" => Role::LmHead,
+        m if m.ends_with("_proj") || m.starts_with("in_proj") => Role::Projection,
+        _ => Role::Other,
+    }
+}
+
+/// The integer type and grouping of a [`QuantizedMatrix`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum QuantKind {
+    /// Codes in `[-8, 7]`, one scale per `group` consecutive inputs of a row.
+    Int4Sym {
+        /// Inputs sharing one scale.
+        group: usize,
+    },
+    /// Codes in `[-128, 127]`, one scale per row.
+    Int8Sym,
+}
+
+impl QuantKind {
+    /// The smallest and largest code.
+    pub fn code_range(&self) -> (i8, i8) {
+        match self {
+            QuantKind::Int4Sym { .. } => (-8, 7),
+            QuantKind::Int8Sym => (i8::MIN, i8::MAX),
+        }
+    }
+
+    /// Bits per code (4 or 8).
+    pub fn bits(&self) -> u32 {
+        match self {
+            QuantKind::Int4Sym { .. } => 4,
+            QuantKind::Int8Sym => 8,
+        }
+    }
+}
+
+/// A weight `[rows (out), cols (in)]` as integer codes and f16 scales, as the OpenVINO graphs store it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QuantizedMatrix {
+    kind: QuantKind,
+    rows: usize,
+    cols: usize,
+    /// `[rows, cols]`, row-major.
+    codes: Vec<i8>,
+    /// `[rows, cols / group]` (int4) or `[rows, 1]` (int8), row-major.
+    scales: Vec<f16>,
+}
+
+/// Quantises `w` (`[rows, cols]`, row-major) to INT4 symmetric in groups of `group` inputs, as NNCF's `int4_sym`.
+///
+/// Fails (never panics) when `w` does not hold `rows · cols` values, `group` does not divide `cols`, a weight is not
+/// finite, or a scale exceeds the f16 range (a group magnitude above 8 · 65504; NNCF would store infinity).
+pub fn quantize_int4_sym(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    group: usize,
+) -> Result<QuantizedMatrix> {
+    if group == 0 || !cols.is_multiple_of(group) {
+        return Err(Error::Input(format!(
+            "int4 group size {group} does not divide the input width {cols}"
+        )));
+    }
+    quantize(w, rows, cols, QuantKind::Int4Sym { group })
+}
+
+/// Quantises `w` (`[rows, cols]`, row-major) to INT8 symmetric with one scale per row, as NNCF's `int8_sym`.
+///
+/// Fails like [`quantize_int4_sym`] (a row magnitude above 128 · 65504 overflows the f16 scale).
+pub fn quantize_int8_sym(w: &[f32], rows: usize, cols: usize) -> Result<QuantizedMatrix> {
+    quantize(w, rows, cols, QuantKind::Int8Sym)
+}
+
+fn check_len(len: usize, rows: usize, cols: usize, what: &str) -> Result<()> {
+    match rows.checked_mul(cols) {
+        Some(n) if n == len => Ok(()),
+        _ => Err(Error::Input(format!(
+            "{len} {what} for a [{rows}, {cols}] matrix"
+        ))),
+    }
+}
+
+fn quantize(w: &[f32], rows: usize, cols: usize, kind: QuantKind) -> Result<QuantizedMatrix> {
+    check_len(w.len(), rows, cols, "values")?;
+    if cols == 0 {
+        return Err(Error::Input(format!(
+            "cannot quantise a [{rows}, 0] matrix: it has no inputs"
+        )));
+    }
+    if let Some(i) = w.iter().position(|x| !x.is_finite()) {
+        return Err(Error::Input(format!(
+            "element [{}, {}] is {}: cannot quantise a non-finite weight",
+            i / cols,
+            i % cols,
+            w[i]
+        )));
+    }
+    let group = match kind {
+        QuantKind::Int4Sym { group } => group,
+        QuantKind::Int8Sym => cols,
+    };
+    let (lo, hi) = kind.code_range();
+    let divisor = -(lo as f32); // 8 or 128: exact
+    let mut codes = Vec::with_capacity(w.len());
+    let mut scales = Vec::with_capacity(w.len() / group);
+    for (g, chunk) in w.chunks_exact(group).enumerate() {
+        let min = chunk.iter().copied().fold(f32::INFINITY, f32::min);
+        let max = chunk.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let signed = if min.abs() >= max { min.abs() } else { -max };
+        let mut scale = signed / divisor;
+        if scale.abs() < SCALE_FLOOR {
+            scale = SCALE_FLOOR;
+        }
+        let stored = f16::from_f32(scale);
+        if !stored.is_finite() {
+            let row = g * group / cols;
+            return Err(Error::Input(format!(
+                "row {row}: the scale {scale:e} (largest magnitude {:e}) overflows f16",
+                signed.abs()
+            )));
+        }
+        scales.push(stored);
+        codes.extend(
+            chunk
+                .iter()
+                .map(|&x| (x / scale).round_ties_even().clamp(lo as f32, hi as f32) as i8),
+        );
+    }
+    Ok(QuantizedMatrix {
+        kind,
+        rows,
+        cols,
+        codes,
+        scales,
+    })
+}
+
+impl QuantizedMatrix {
+    /// A matrix from its parts (e.g. read back from a graph), checked: lengths, codes inside the kind's range,
+    /// finite scales.
+    pub fn from_parts(
+        kind: QuantKind,
+        rows: usize,
+        cols: usize,
+        codes: Vec<i8>,
+        scales: Vec<f16>,
+    ) -> Result<Self> {
+        check_len(codes.len(), rows, cols, "codes")?;
+        let per_row = match kind {
+            QuantKind::Int4Sym { group } if group > 0 && cols.is_multiple_of(group) => cols / group,
+            QuantKind::Int4Sym { group } => {
+                return Err(Error::Input(format!(
+                    "int4 group size {group} does not divide the input width {cols}"
+                )));
+            }
+            QuantKind::Int8Sym => 1,
+        };
+        check_len(scales.len(), rows, per_row, "scales")?;
+        let (lo, hi) = kind.code_range();
+        if let Some(i) = codes.iter().position(|c| !(lo..=hi).contains(c)) {
+            return Err(Error::Input(format!(
+                "code {} at [{}, {}] is outside [{lo}, {hi}]",
+                codes[i],
+                i / cols,
+                i % cols
+            )));
+        }
+        if let Some(i) = scales.iter().position(|s| !s.is_finite()) {
+            return Err(Error::Input(format!(
+                "scale {i} is {}: scales must be finite",
+                scales[i]
+            )));
+        }
+        Ok(QuantizedMatrix {
+            kind,
+            rows,
+            cols,
+            codes,
+            scales,
+        })
+    }
+
+    /// INT4 (with its group) or INT8.
+    pub fn kind(&self) -> QuantKind {
+        self.kind
+    }
+
+    /// Output rows.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Input columns.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// `[rows, cols]`.
+    pub fn shape(&self) -> [usize; 2] {
+        [self.rows, self.cols]
+    }
+
+    /// Inputs sharing one scale (`cols` for INT8).
+    pub fn group_size(&self) -> usize {
+        match self.kind {
+            QuantKind::Int4Sym { group } => group,
+            QuantKind::Int8Sym => self.cols,
+        }
+    }
+
+    /// The codes, `[rows, cols]` row-major (int4 codes in `[-8, 7]`, int8 in `[-128, 127]`).
+    pub fn codes(&self) -> &[i8] {
+        &self.codes
+    }
+
+    /// The scales, row-major in [`QuantizedMatrix::scale_shape`].
+    pub fn scales(&self) -> &[f16] {
+        &self.scales
+    }
+
+    /// `[rows, cols / group]` (int4) or `[rows, 1]` (int8).
+    pub fn scale_shape(&self) -> [usize; 2] {
+        match self.kind {
+            QuantKind::Int4Sym { group } => [self.rows, self.cols / group.max(1)],
+            QuantKind::Int8Sym => [self.rows, 1],
+        }
+    }
+
+    /// The scale of element `[row, col]`.
+    pub fn scale_at(&self, row: usize, col: usize) -> Option<f16> {
+        if row >= self.rows || col >= self.cols {
+            return None;
+        }
+        let per_row = self.scale_shape()[1];
+        self.scales
+            .get(row * per_row + col / self.group_size().max(1))
+            .copied()
+    }
+
+    /// `f32(code) · f32(scale)` per element, `[rows, cols]` row-major: the exact values the OpenVINO graph
+    /// computes from the same constants (the product is exact in f32).
+    pub fn dequantize(&self) -> Vec<f32> {
+        let group = self.group_size();
+        if group == 0 {
+            return Vec::new();
+        }
+        self.codes
+            .chunks_exact(group)
+            .zip(&self.scales)
+            .flat_map(|(codes, &scale)| {
+                let s = f32::from(scale);
+                codes.iter().map(move |&c| c as f32 * s)
+            })
+            .collect()
+    }
+
+    /// The codes as OpenVINO stores the constant: [`pack_i4`] for INT4, one two's complement byte each for INT8.
+    pub fn packed_codes(&self) -> Vec<u8> {
+        match self.kind {
+            QuantKind::Int4Sym { .. } => pack_nibbles(&self.codes),
+            QuantKind::Int8Sym => self.codes.iter().map(|&c| c as u8).collect(),
+        }
+    }
+}
+
+fn pack_nibbles(codes: &[i8]) -> Vec<u8> {
+    codes
+        .chunks(2)
+        .map(|pair| {
+            let low = pair[0] as u8 & 0x0F;
+            let high = pair.get(1).map_or(0, |&c| c as u8 & 0x0F);
+            low | (high << 4)
+        })
+        .collect()
+}
+
+/// Packs int4 codes (each in `[-8, 7]`) two per byte as OpenVINO `i4` constants: element `2k` in the low nibble,
+/// `2k + 1` in the high nibble, two's complement; an odd count leaves the last high nibble zero.
+pub fn pack_i4(codes: &[i8]) -> Result<Vec<u8>> {
+    if let Some(i) = codes.iter().position(|c| !(-8..=7).contains(c)) {
+        return Err(Error::Input(format!(
+            "int4 code {} at index {i} is outside [-8, 7]",
+            codes[i]
+        )));
+    }
+    Ok(pack_nibbles(codes))
+}
+
+/// The inverse of [`pack_i4`]: the first `len` int4 codes of `packed`.
+pub fn unpack_i4(packed: &[u8], len: usize) -> Result<Vec<i8>> {
+    if packed.len() < len.div_ceil(2) {
+        return Err(Error::Input(format!(
+            "{} bytes hold at most {} int4 codes, {len} requested",
+            packed.len(),
+            packed.len() * 2
+        )));
+    }
+    let nibble = |n: u8| ((n << 4) as i8) >> 4;
+    Ok((0..len)
+        .map(|i| {
+            let byte = packed[i / 2];
+            nibble(if i % 2 == 0 { byte & 0x0F } else { byte >> 4 })
+        })
+        .collect())
+}
+
+/// Rounds to f16 as OpenVINO's fp16 compression does: to nearest even, magnitudes beyond 65504 clamped to ±65504
+/// (NaN stays NaN).
+pub fn round_f16(x: f64) -> f16 {
+    if x > f64::from(f16::MAX) {
+        f16::MAX
+    } else if x < f64::from(f16::MIN) {
+        f16::MIN
+    } else {
+        f16::from_f64(x)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_module() {
+        for (name, expected) in [
+            ("model.embed_tokens.weight", Role::Embedding),
+            ("lm_head.weight", Role::LmHead),
+            ("model.layers.0.mlp.down_proj.weight", Role::Projection),
+            (
+                "model.layers.0.linear_attn.in_proj_qkv.weight",
+                Role::Projection,
+            ),
+            (
+                "model.layers.0.linear_attn.out_proj.weight",
+                Role::Projection,
+            ),
+            ("model.layers.0.linear_attn.conv1d.weight", Role::Other),
+            ("model.layers.0.linear_attn.A_log", Role::Other),
+            ("model.norm.weight", Role::Other),
+            ("weight", Role::Other),
+        ] {
+            assert_eq!(role(name), expected, "{name}");
+        }
+    }
+
+    #[test]
+    fn signed_scale_maps_the_largest_magnitude_to_the_lowest_code() {
+        // max (1.0) beats |min| (0.5): negative scale -1/8, so 1.0 -> -8 and -0.5 -> 4.
+        let q = quantize_int4_sym(&[1.0, -0.5, 0.0, 0.25], 1, 4, 4).unwrap();
+        assert_eq!(f32::from(q.scales()[0]), -0.125);
+        assert_eq!(q.codes(), &[-8, 4, 0, -2]);
+        // |min| == max: the positive scale, the positive extreme clips to 7.
+        let q = quantize_int8_sym(&[-2.0, 2.0], 1, 2).unwrap();
+        assert_eq!(f32::from(q.scales()[0]), 2.0 / 128.0);
+        assert_eq!(q.codes(), &[-128, 127]);
+    }
+
+    #[test]
+    fn round_f16_clamps_instead_of_overflowing() {
+        assert_eq!(round_f16(1e6), f16::MAX);
+        assert_eq!(round_f16(-1e6), f16::MIN);
+        assert_eq!(round_f16(1.0 + 1.0 / 2048.0), f16::ONE); // a tie goes to the even neighbour
+        assert_eq!(f64::from(round_f16(1.0 + 3.0 / 2048.0)), 1.0 + 2.0 / 1024.0);
+        assert!(round_f16(f64::NAN).is_nan());
+    }
+}
