@@ -274,3 +274,201 @@ impl LayerRunner {
         out.finish()
     }
 }
+
+/// The whole-decoder graphs compiled on a device: one for prompt blocks of `block` tokens and one for single-token
+/// decode, with every cache kept on the host and handed between calls.
+pub struct DecoderEngine {
+    prefill: Option<Session>,
+    decode: Session,
+    block: usize,
+    context: usize,
+    config: Config,
+    /// Per-layer states after the last call.
+    pub states: Vec<HostLayerState>,
+    position: usize,
+}
+
+/// What a device run produced, under the dump's names.
+pub struct DeviceRun {
+    /// Token-major taps over the prompt (`embeddings`, `layers.{i}.…`, `final_norm`, `logits`).
+    pub taps: BTreeMap<String, Tensor>,
+    /// States after the prompt (`layers.{i}.conv_state`, …, `key_cache`, `value_cache`).
+    pub states: BTreeMap<String, Tensor>,
+    /// Greedy continuation.
+    pub generated: Vec<u32>,
+}
+
+impl DecoderEngine {
+    /// Builds and compiles the decoder graphs (prompt blocks of `block` tokens, and 1 token) for `device`.
+    pub fn new(
+        builder: &Builder,
+        block: usize,
+        device: &str,
+        opts: &CompileOptions,
+    ) -> Result<Self> {
+        if block == 0 {
+            return Err(Error::Config("--block must be at least 1".into()));
+        }
+        let mut core = crate::runtime::core()?;
+        let mut session = |tokens: usize| -> Result<Session> {
+            let graph = builder.decoder_graph(tokens)?;
+            let outputs = graph.outputs().into_iter().map(|(n, _, _)| n).collect();
+            let compiled = compile(&mut core, &graph, device, opts)?;
+            Session::new(compiled, outputs)
+        };
+        let decode = session(1)?;
+        let prefill = if block > 1 {
+            Some(session(block)?)
+        } else {
+            None
+        };
+        let config = builder.config().clone();
+        let context = builder.options().context;
+        let states = (0..config.num_layers())
+            .map(|l| HostLayerState::zeros(&config, l, context))
+            .collect::<Result<_>>()?;
+        Ok(DecoderEngine {
+            prefill,
+            decode,
+            block,
+            context,
+            config,
+            states,
+            position: 0,
+        })
+    }
+
+    /// The sessions (prompt, decode) for reports.
+    pub fn sessions(&self) -> Vec<&Session> {
+        self.prefill
+            .iter()
+            .chain(std::iter::once(&self.decode))
+            .collect()
+    }
+
+    /// Forgets every state.
+    pub fn reset(&mut self) -> Result<()> {
+        self.states = (0..self.config.num_layers())
+            .map(|l| HostLayerState::zeros(&self.config, l, self.context))
+            .collect::<Result<_>>()?;
+        self.position = 0;
+        Ok(())
+    }
+
+    /// Runs `ids` through the graph of `tokens` slots (`ids.len() <= tokens`), updating the states; returns the
+    /// outputs of the valid rows.
+    fn step(&mut self, ids: &[u32], tokens: usize) -> Result<BTreeMap<String, Tensor>> {
+        let valid = ids.len();
+        let past = self.position;
+        let b = block_inputs(tokens, valid, self.position, past, self.context)?;
+        let mut padded: Vec<i64> = ids.iter().map(|&x| x as i64).collect();
+        padded.resize(tokens, 0);
+        let ids_t = Tensor::from_vec(padded, tokens, &Device::Cpu)?;
+        let mut inputs: Vec<(String, Tensor)> = vec![
+            ("input_ids".into(), ids_t),
+            ("token_valid".into(), b.token_valid),
+            ("attention_mask".into(), b.attention_mask),
+            ("positions".into(), b.positions),
+        ];
+        for (i, s) in self.states.iter().enumerate() {
+            match s {
+                HostLayerState::Linear { conv, recurrent } => {
+                    inputs.push((format!("layers.{i}.conv_state"), conv.clone()));
+                    inputs.push((format!("layers.{i}.recurrent_state"), recurrent.clone()));
+                }
+                HostLayerState::Attention { keys, values, .. } => {
+                    inputs.push((format!("layers.{i}.past_keys"), keys.clone()));
+                    inputs.push((format!("layers.{i}.past_values"), values.clone()));
+                }
+            }
+        }
+        let refs: Vec<(&str, &Tensor)> = inputs.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let session = if tokens == 1 {
+            &mut self.decode
+        } else {
+            self.prefill
+                .as_mut()
+                .ok_or_else(|| Error::Config("no prompt-block graph".into()))?
+        };
+        let mut r = session.run(&refs)?;
+        for (i, s) in self.states.iter_mut().enumerate() {
+            match s {
+                HostLayerState::Linear { conv, recurrent } => {
+                    *conv = r
+                        .remove(&format!("layers.{i}.conv_state_out"))
+                        .unwrap_or_else(|| conv.clone());
+                    *recurrent = r
+                        .remove(&format!("layers.{i}.recurrent_state_out"))
+                        .unwrap_or_else(|| recurrent.clone());
+                }
+                HostLayerState::Attention { keys, values, len } => {
+                    let nk = r.remove(&format!("layers.{i}.new_keys"));
+                    let nv = r.remove(&format!("layers.{i}.new_values"));
+                    let (nk, nv) = nk
+                        .zip(nv)
+                        .ok_or_else(|| Error::Config(format!("layer {i}: no new keys")))?;
+                    *keys = append_cache(keys, &nk, *len, valid)?;
+                    *values = append_cache(values, &nv, *len, valid)?;
+                    *len += valid;
+                }
+            }
+        }
+        self.position += valid;
+        r.into_iter()
+            .map(|(k, v)| Ok((k, v.narrow(0, 0, valid)?)))
+            .collect()
+    }
+
+    /// Runs a prompt in padded blocks, then `generate` greedy tokens with single-token decode.
+    pub fn run(&mut self, ids: &[u32], generate: usize) -> Result<DeviceRun> {
+        if ids.is_empty() {
+            return Err(Error::Config("the prompt is empty".into()));
+        }
+        if let Some(i) = ids
+            .iter()
+            .position(|&id| id as usize >= self.config.vocab_size)
+        {
+            return Err(Error::Config(format!(
+                "token id {} at position {i} is outside the vocabulary of {}",
+                ids[i], self.config.vocab_size
+            )));
+        }
+        if ids.len() + generate.saturating_sub(1) > self.context {
+            return Err(Error::Config(format!(
+                "{} prompt tokens and {generate} generated need {} cache slots, but the static context holds {} \
+                 (--context)",
+                ids.len(),
+                ids.len() + generate.saturating_sub(1),
+                self.context
+            )));
+        }
+        self.reset()?;
+        let mut taps = Collector::default();
+        let mut last = None;
+        for piece in ids.chunks(self.block) {
+            let r = self.step(piece, if self.block == 1 { 1 } else { self.block })?;
+            for (name, t) in &r {
+                taps.push(name, t, piece.len())?;
+            }
+            last = Some(r["logits"].get(piece.len() - 1)?);
+        }
+        let mut states = BTreeMap::new();
+        for (i, s) in self.states.iter().enumerate() {
+            states.extend(s.dump_tensors(i)?);
+        }
+        let mut generated = Vec::with_capacity(generate);
+        let mut logits = last.ok_or_else(|| Error::Config("the prompt is empty".into()))?;
+        for n in 0..generate {
+            let next = reference::model::argmax(&logits)?;
+            generated.push(next);
+            if n + 1 < generate {
+                logits = self.step(&[next], 1)?["logits"].get(0)?;
+            }
+        }
+        Ok(DeviceRun {
+            taps: taps.finish()?,
+            states,
+            generated,
+        })
+    }
+}

@@ -1,0 +1,182 @@
+//! Whole-decoder graphs on the CPU device against the reference: greedy tokens, logits, every tap and state.
+
+use candle_core::{DType, Tensor};
+use npu::devices::CompileOptions;
+use npu::engine::DecoderEngine;
+use npu::graphs::{Builder, DeltaNetGraphForm, GraphOptions};
+use reference::compare::diff;
+use reference::config::Config;
+use reference::deltanet::Inverse;
+use reference::model::{LayerState, Model, RunOptions, greedy_continue};
+use reference::taps::Taps;
+use reference::weights::WeightStore;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+fn testdata() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../testdata")
+}
+
+fn golden(name: &str) -> BTreeMap<String, Tensor> {
+    candle_core::safetensors::load(
+        testdata().join(format!("goldens/{name}.safetensors")),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap()
+    .into_iter()
+    .collect()
+}
+
+/// The reference's taps, states after the prompt, and greedy continuation.
+fn reference_dump(
+    dir: &Path,
+    ids: &[u32],
+    generate: usize,
+) -> (BTreeMap<String, Tensor>, Vec<u32>) {
+    let model = Model::load(dir, DType::F32).unwrap();
+    let mut state = model.new_state().unwrap();
+    let mut taps = Taps::on();
+    let opts = RunOptions::default();
+    let logits = model.prefill(ids, &mut state, &opts, &mut taps).unwrap();
+    let mut out = taps.take();
+    for (i, l) in state.layers.iter().enumerate() {
+        match l {
+            LayerState::Linear(s) => {
+                out.insert(format!("layers.{i}.conv_state"), s.conv.clone());
+                out.insert(format!("layers.{i}.recurrent_state"), s.recurrent.clone());
+            }
+            LayerState::Attention(c) => {
+                out.insert(format!("layers.{i}.key_cache"), c.keys.clone().unwrap());
+                out.insert(format!("layers.{i}.value_cache"), c.values.clone().unwrap());
+            }
+        }
+    }
+    let generated =
+        greedy_continue(&model, &mut state, logits, generate, &[], &opts, |_| Ok(())).unwrap();
+    (out, generated)
+}
+
+#[test]
+fn decoder_graphs_match_the_reference() {
+    for name in ["tiny", "tiny-tied", "tiny-full"] {
+        let dir = testdata().join("models").join(name);
+        let g = golden(name);
+        let ids: Vec<u32> = g["token_ids"]
+            .to_vec1::<i64>()
+            .unwrap()
+            .into_iter()
+            .map(|x| x as u32)
+            .collect();
+        let expected_tokens: Vec<u32> = g["generated"]
+            .to_vec1::<i64>()
+            .unwrap()
+            .into_iter()
+            .map(|x| x as u32)
+            .collect();
+        let (reference, ref_tokens) = reference_dump(&dir, &ids, 16);
+        assert_eq!(ref_tokens, expected_tokens);
+        let config = Config::from_file(&dir.join("config.json")).unwrap();
+        let weights = WeightStore::open(&dir, DType::F32).unwrap();
+        for (block, form) in [
+            (1, DeltaNetGraphForm::Matrix),
+            (16, DeltaNetGraphForm::Chunked(Inverse::Doubling)),
+            (64, DeltaNetGraphForm::Chunked(Inverse::Doubling)),
+        ] {
+            let opts = GraphOptions {
+                form,
+                context: 128,
+                ..GraphOptions::default()
+            };
+            let builder = Builder::new(&config, &weights, opts).unwrap();
+            let start = std::time::Instant::now();
+            let mut engine =
+                DecoderEngine::new(&builder, block, "CPU", &CompileOptions::default()).unwrap();
+            let compile_s = start.elapsed().as_secs_f64();
+            let start = std::time::Instant::now();
+            let run = engine.run(&ids, 16).unwrap();
+            let run_s = start.elapsed().as_secs_f64();
+            let label = format!("{name} block {block}");
+            assert_eq!(run.generated, expected_tokens, "{label}: greedy tokens");
+            let mut worst = 0f64;
+            for (tensor, t) in run.taps.iter().chain(&run.states) {
+                let r = reference
+                    .get(tensor)
+                    .unwrap_or_else(|| panic!("{label}: the reference has no {tensor}"));
+                let d = diff(t, r).unwrap();
+                let ok = if tensor == "logits" {
+                    d.within(1e-3, 0.0)
+                } else {
+                    d.within(0.0, 1e-4)
+                };
+                assert!(ok, "{label} {tensor}: {d}");
+                worst = worst.max(d.relative());
+            }
+            for tensor in reference.keys() {
+                assert!(
+                    run.taps.contains_key(tensor) || run.states.contains_key(tensor),
+                    "{label}: the device run has no {tensor}"
+                );
+            }
+            let logits = diff(&run.taps["logits"], &reference["logits"]).unwrap();
+            println!(
+                "{label}: 16 greedy tokens identical; logits max abs {:.2e}; worst tensor {worst:.2e} of max; compile {compile_s:.2} s, run {run_s:.2} s",
+                logits.max_abs
+            );
+        }
+    }
+}
+
+#[test]
+fn padded_and_unpadded_prompts_agree() {
+    let dir = testdata().join("models/tiny");
+    let config = Config::from_file(&dir.join("config.json")).unwrap();
+    let weights = WeightStore::open(&dir, DType::F32).unwrap();
+    let builder = Builder::new(
+        &config,
+        &weights,
+        GraphOptions {
+            context: 64,
+            ..GraphOptions::default()
+        },
+    )
+    .unwrap();
+    let ids: Vec<u32> = (0..32).map(|i| (i * 37 % 500) as u32).collect();
+    let mut exact = DecoderEngine::new(&builder, 16, "CPU", &CompileOptions::default()).unwrap();
+    let full = exact.run(&ids, 4).unwrap(); // two full blocks
+    let mut padded = DecoderEngine::new(&builder, 24, "CPU", &CompileOptions::default()).unwrap();
+    let part = padded.run(&ids, 4).unwrap(); // one full block and one with 16 padded slots
+    assert_eq!(full.generated, part.generated);
+    for (name, t) in full.taps.iter().chain(&full.states) {
+        let other = part
+            .taps
+            .get(name)
+            .or_else(|| part.states.get(name))
+            .unwrap();
+        let d = diff(other, t).unwrap();
+        assert!(d.within(0.0, 1e-5), "{name}: {d}");
+    }
+}
+
+#[test]
+fn prompt_longer_than_the_static_context_is_refused() {
+    let dir = testdata().join("models/tiny");
+    let config = Config::from_file(&dir.join("config.json")).unwrap();
+    let weights = WeightStore::open(&dir, DType::F32).unwrap();
+    let builder = Builder::new(
+        &config,
+        &weights,
+        GraphOptions {
+            context: 8,
+            ..GraphOptions::default()
+        },
+    )
+    .unwrap();
+    let mut engine = DecoderEngine::new(&builder, 4, "CPU", &CompileOptions::default()).unwrap();
+    let err = engine.run(&[1; 9], 0).err().unwrap().to_string();
+    assert!(
+        err.contains("static context") && err.contains("--context"),
+        "{err}"
+    );
+    let err = engine.run(&[600], 0).err().unwrap().to_string();
+    assert!(err.contains("600") && err.contains("vocabulary"), "{err}");
+}
