@@ -178,6 +178,8 @@ pub struct Compiled {
     pub precision: String,
     /// `EXECUTION_DEVICES` read back, where reported.
     pub execution_devices: Option<String>,
+    /// Every requested property as read back from the compiled model.
+    pub properties: BTreeMap<String, String>,
     /// Seconds spent reading and compiling.
     pub compile_seconds: f64,
 }
@@ -211,37 +213,12 @@ pub fn compile(
         .read_model_from_buffer(xml.as_bytes(), Some(&weights))
         .map_err(|e| ov_err("reading", &e))?;
     let dev = DeviceType::from(device);
-    core.set_property(
-        &dev,
-        &RwPropertyKey::HintInferencePrecision,
-        opts.precision.hint(),
-    )
-    .map_err(|e| Error::Device {
-        device: device.to_string(),
-        message: format!(
-            "refused INFERENCE_PRECISION_HINT={}: {e}",
-            opts.precision.hint()
-        ),
-    })?;
-    // OpenVINO 2026.4's CPU plugin crashes (SIGSEGV in its snippets MLP tokenization) compiling a residual add
-    // whose MLP output is also a graph output, at some block sizes (4 and 8 tokens seen). The parity graphs expose
-    // exactly such taps, so snippets are off on CPU unless the device config says otherwise.
-    if device.starts_with("CPU") && !opts.device_config.contains_key("SNIPPETS_MODE") {
-        core.set_property(
-            &dev,
-            &RwPropertyKey::Other("SNIPPETS_MODE".into()),
-            "DISABLE",
-        )
-        .map_err(|e| Error::Device {
-            device: device.to_string(),
-            message: format!("refused SNIPPETS_MODE=DISABLE: {e}"),
-        })?;
-    }
-    for (k, v) in &opts.device_config {
+    let requested = requested_properties(device, opts);
+    for (k, v) in &requested {
         core.set_property(&dev, &RwPropertyKey::Other(k.clone().into()), v)
             .map_err(|e| Error::Device {
                 device: device.to_string(),
-                message: format!("refused device config {k}={v}: {e}"),
+                message: format!("refused {k}={v}: {e}"),
             })?;
     }
     let compiled = core
@@ -251,6 +228,16 @@ pub fn compile(
         .get_property(&PropertyKey::Rw(RwPropertyKey::HintInferencePrecision))
         .map(|s| s.into_owned())
         .unwrap_or_else(|_| "unknown".into());
+    let properties = requested
+        .keys()
+        .map(|k| {
+            let v = compiled
+                .get_property(&PropertyKey::Other(k.clone().into()))
+                .map(|s| s.into_owned())
+                .unwrap_or_else(|_| "(not reported)".into());
+            (k.clone(), v)
+        })
+        .collect();
     let execution_devices = compiled
         .get_property(&PropertyKey::Other("EXECUTION_DEVICES".into()))
         .ok()
@@ -261,6 +248,32 @@ pub fn compile(
         device: device.to_string(),
         precision,
         execution_devices,
+        properties,
         compile_seconds: start.elapsed().as_secs_f64(),
     })
+}
+
+/// The properties set on `device` before compiling: the precision, this project's defaults for the device, then
+/// the user's device config (which overrides both).
+///
+/// CPU defaults, both needed for exact reference runs on OpenVINO 2026.4:
+/// - `DYNAMIC_QUANTIZATION_GROUP_SIZE=0`: by default the CPU plugin quantizes activations to int8 on the fly when
+///   the weights are int4/int8 (moving the tiny model's activations by ~0.5%); an NPU does not.
+/// - `SNIPPETS_MODE=DISABLE`: the plugin's snippets tokenization crashes (SIGSEGV) compiling a residual add whose
+///   MLP output is also a graph output, at 4 and 8 tokens.
+pub fn requested_properties(device: &str, opts: &CompileOptions) -> BTreeMap<String, String> {
+    let mut p = BTreeMap::new();
+    p.insert(
+        "INFERENCE_PRECISION_HINT".to_string(),
+        opts.precision.hint().to_string(),
+    );
+    if device.starts_with("CPU") {
+        p.insert(
+            "DYNAMIC_QUANTIZATION_GROUP_SIZE".to_string(),
+            "0".to_string(),
+        );
+        p.insert("SNIPPETS_MODE".to_string(), "DISABLE".to_string());
+    }
+    p.extend(opts.device_config.clone());
+    p
 }

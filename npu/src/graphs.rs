@@ -24,6 +24,7 @@ use crate::ir::{ElemType, Graph, Unary, Value};
 use reference::config::{Config, LayerKind};
 use reference::deltanet::Inverse;
 use reference::linear_attn::L2_NORM_EPS;
+use reference::quant::{QuantKind, Storage};
 use reference::weights::WeightStore;
 
 /// How a DeltaNet block is computed inside a graph.
@@ -35,15 +36,6 @@ pub enum DeltaNetGraphForm {
     Chunked(Inverse),
 }
 
-/// How weights are stored in a graph.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GraphWeights {
-    /// f32 constants.
-    F32,
-    /// f16 constants converted to f32 in the graph.
-    F16,
-}
-
 /// Options of the graphs.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GraphOptions {
@@ -53,8 +45,6 @@ pub struct GraphOptions {
     pub output_scale: f32,
     /// Static KV context of the attention layers.
     pub context: usize,
-    /// Weight storage.
-    pub weights: GraphWeights,
 }
 
 impl Default for GraphOptions {
@@ -63,7 +53,6 @@ impl Default for GraphOptions {
             form: DeltaNetGraphForm::Chunked(Inverse::Doubling),
             output_scale: 1024.0,
             context: 1024,
-            weights: GraphWeights::F32,
         }
     }
 }
@@ -121,21 +110,58 @@ impl<'a> Builder<'a> {
             .to_vec1::<f32>()?)
     }
 
-    /// A weight constant as an f32 value in the graph, stored in the chosen format.
-    fn weight(&self, g: &mut Graph, data: &[f32], shape: &[usize]) -> Result<Value> {
-        match self.opts.weights {
-            GraphWeights::F32 => g.const_f32(data, shape),
-            GraphWeights::F16 => {
-                let h: Vec<half::f16> = data.iter().map(|&x| half::f16::from_f32(x)).collect();
+    /// A checkpoint matrix as an f32 value in the graph, stored as the weight store's format says: f32, f16
+    /// (converted in the graph), or integer codes with f16 scales dequantized in the graph as
+    /// `f32(code) * f32(scale)` (exact, and bit-identical to what the reference loads from the same store).
+    fn matrix(&self, g: &mut Graph, full_name: &str, shape: &[usize]) -> Result<Value> {
+        let w = self.weights;
+        match w.storage(full_name, shape) {
+            Storage::Float => {
+                let data = w
+                    .get(full_name, shape)?
+                    .to_dtype(candle_core::DType::F32)?
+                    .flatten_all()?;
+                g.const_f32(&data.to_vec1::<f32>()?, shape)
+            }
+            Storage::F16 => {
+                let data = w
+                    .get(full_name, shape)?
+                    .to_dtype(candle_core::DType::F32)?
+                    .flatten_all()?;
+                let h: Vec<half::f16> = data
+                    .to_vec1::<f32>()?
+                    .iter()
+                    .map(|&x| half::f16::from_f32(x))
+                    .collect();
                 let c = g.const_f16(&h, shape)?;
                 g.convert(c, ElemType::F32)
+            }
+            Storage::Int4Sym { .. } | Storage::Int8Sym => {
+                let q = w.quantized(full_name, shape)?.ok_or_else(|| {
+                    Error::graph(
+                        g.name(),
+                        format!("{full_name}: the store did not quantize it"),
+                    )
+                })?;
+                let (rows, cols) = (q.rows(), q.cols());
+                let [_, groups] = q.scale_shape();
+                let group = cols / groups;
+                let (ty, bytes) = match q.kind() {
+                    QuantKind::Int4Sym { .. } => (ElemType::I4, q.packed_codes()),
+                    QuantKind::Int8Sym => (ElemType::I8, q.packed_codes()),
+                };
+                let codes = g.constant_bytes(ty, &[rows, groups, group], &bytes)?;
+                let codes = g.convert(codes, ElemType::F32)?;
+                let scales = g.const_f16(q.scales(), &[rows, groups, 1])?;
+                let scales = g.convert(scales, ElemType::F32)?;
+                let deq = g.mul(codes, scales)?;
+                g.reshape(deq, shape)
             }
         }
     }
 
     fn decoder_weight(&self, g: &mut Graph, name: &str, shape: &[usize]) -> Result<Value> {
-        let data = self.host(name, shape)?;
-        self.weight(g, &data, shape)
+        self.matrix(g, &format!("{}{name}", self.weights.prefix()), shape)
     }
 
     /// `x @ Wᵀ` for a checkpoint weight `[out, in]`.
@@ -227,7 +253,7 @@ impl<'a> Builder<'a> {
         let mut conv = None;
         for j in 0..k {
             let column: Vec<f32> = (0..conv_dim).map(|ch| w[ch * k + j]).collect();
-            let wj = self.weight(g, &column, &[conv_dim])?;
+            let wj = g.const_f32(&column, &[conv_dim])?;
             let window = g.slice(full, 0, 1 + j, t)?;
             let term = g.mul(window, wj)?;
             conv = Some(match conv {
@@ -737,14 +763,7 @@ impl<'a> Builder<'a> {
         let head = if c.tie_word_embeddings {
             embed
         } else {
-            let data = self
-                .weights
-                .get("lm_head.weight", &[c.vocab_size, c.hidden_size])?;
-            let data = data
-                .to_dtype(candle_core::DType::F32)?
-                .flatten_all()?
-                .to_vec1::<f32>()?;
-            self.weight(&mut g, &data, &[c.vocab_size, c.hidden_size])?
+            self.matrix(&mut g, "lm_head.weight", &[c.vocab_size, c.hidden_size])?
         };
         let logits = g.matmul(normed, head, false, true)?;
         g.result(logits, "logits")?;

@@ -180,3 +180,79 @@ fn prompt_longer_than_the_static_context_is_refused() {
     let err = engine.run(&[600], 0).err().unwrap().to_string();
     assert!(err.contains("600") && err.contains("vocabulary"), "{err}");
 }
+
+/// Graphs holding f16, INT8 or INT4 weights equal the reference run on the same quantized weights: device error
+/// and quantization error are told apart.
+#[test]
+fn quantized_graphs_equal_the_reference_on_the_same_weights() {
+    use reference::quant::WeightFormat;
+    for (name, format) in [
+        ("tiny", "f16"),
+        ("tiny", "int4:32"),
+        ("tiny-full", "int4"),
+        ("tiny-tied", "int4:16"),
+    ] {
+        let dir = testdata().join("models").join(name);
+        let format = WeightFormat::parse(format).unwrap();
+        let config = Config::from_file(&dir.join("config.json")).unwrap();
+        let weights = WeightStore::open_with_format(&dir, DType::F32, format).unwrap();
+        let model = Model::from_weights(config.clone(), &weights).unwrap();
+        let ids: Vec<u32> = golden(name)["token_ids"]
+            .to_vec1::<i64>()
+            .unwrap()
+            .into_iter()
+            .map(|x| x as u32)
+            .collect();
+        let mut state = model.new_state().unwrap();
+        let mut taps = Taps::on();
+        let opts = RunOptions::default();
+        let logits = model.prefill(&ids, &mut state, &opts, &mut taps).unwrap();
+        let tokens =
+            greedy_continue(&model, &mut state, logits, 8, &[], &opts, |_| Ok(())).unwrap();
+        let builder = Builder::new(
+            &config,
+            &weights,
+            GraphOptions {
+                context: 128,
+                ..GraphOptions::default()
+            },
+        )
+        .unwrap();
+        let mut engine =
+            DecoderEngine::new(&builder, 16, "CPU", &CompileOptions::default()).unwrap();
+        let run = engine.run(&ids, 8).unwrap();
+        let label = format!("{name} {}", format.name());
+        assert_eq!(run.generated, tokens, "{label}: greedy tokens");
+        let mut worst = 0f64;
+        for (tensor, t) in &run.taps {
+            let d = diff(t, taps.get(tensor).unwrap()).unwrap();
+            let ok = if tensor == "logits" {
+                d.within(1e-3, 0.0)
+            } else {
+                d.within(0.0, 1e-4)
+            };
+            assert!(ok, "{label} {tensor}: {d}");
+            worst = worst.max(d.relative());
+        }
+        let f32_model = Model::load(&dir, DType::F32).unwrap();
+        let mut f32_taps = Taps::on();
+        f32_model
+            .prefill(
+                &ids,
+                &mut f32_model.new_state().unwrap(),
+                &opts,
+                &mut f32_taps,
+            )
+            .unwrap();
+        let quant_error = diff(&run.taps["logits"], f32_taps.get("logits").unwrap()).unwrap();
+        let device_error = diff(&run.taps["logits"], taps.get("logits").unwrap()).unwrap();
+        println!(
+            "{label}: device vs reference on the same weights: logits {:.2e}, worst tap {worst:.2e} of max; vs the f32 weights: logits {:.2e}",
+            device_error.max_abs, quant_error.max_abs
+        );
+        assert!(
+            quant_error.max_abs > 10.0 * device_error.max_abs.max(1e-6),
+            "{label}: quantization changed nothing?"
+        );
+    }
+}

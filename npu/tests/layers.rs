@@ -77,7 +77,6 @@ fn layer_graphs_match_the_reference() {
                 form,
                 output_scale: scale,
                 context: 160,
-                ..GraphOptions::default()
             };
             let builder = Builder::new(&config, &weights, opts).unwrap();
             let mut worst = 0f64;
