@@ -198,7 +198,7 @@ pub fn compile(
         stage,
         graph: graph.name().to_string(),
         device: device.to_string(),
-        message: e.to_string(),
+        message: openvino_message(e),
     };
     let weights = openvino::Tensor::new(
         openvino::ElementType::U8,
@@ -218,7 +218,7 @@ pub fn compile(
         core.set_property(&dev, &RwPropertyKey::Other(k.clone().into()), v)
             .map_err(|e| Error::Device {
                 device: device.to_string(),
-                message: format!("refused {k}={v}: {e}"),
+                message: format!("refused {k}={v}: {}", openvino_message(&e)),
             })?;
     }
     let compiled = core
@@ -276,4 +276,29 @@ pub fn requested_properties(device: &str, opts: &CompileOptions) -> BTreeMap<Str
     }
     p.extend(opts.device_config.clone());
     p
+}
+
+/// OpenVINO's error text without its source locations (`Exception from src/….cpp:N:`), on one line.
+pub fn openvino_message(e: &dyn std::fmt::Display) -> String {
+    let mut text = e.to_string();
+    while let Some(start) = text.find("Exception from ") {
+        let rest = &text[start..];
+        // The location ends at the first `:<digits>:` after the file name.
+        let end = rest
+            .match_indices(':')
+            .find(|(i, _)| {
+                let tail = &rest[i + 1..];
+                let digits = tail.chars().take_while(char::is_ascii_digit).count();
+                digits > 0 && tail[digits..].starts_with(':')
+            })
+            .map(|(i, _)| {
+                let tail = &rest[i + 1..];
+                i + 1 + tail.chars().take_while(char::is_ascii_digit).count() + 1
+            });
+        match end {
+            Some(end) => text.replace_range(start..start + end, ""),
+            None => break,
+        }
+    }
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
 }

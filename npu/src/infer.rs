@@ -1,6 +1,6 @@
 //! Running a compiled graph: host tensors (candle) in, named outputs out.
 
-use crate::devices::Compiled;
+use crate::devices::{Compiled, openvino_message};
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Tensor};
 use openvino::{ElementType, InferRequest, Shape};
@@ -91,7 +91,7 @@ impl Session {
                 stage: "inference",
                 graph: compiled.graph.clone(),
                 device: compiled.device.clone(),
-                message: format!("creating the request: {e}"),
+                message: format!("creating the request: {}", openvino_message(&e)),
             })?;
         Ok(Session {
             compiled,
@@ -113,17 +113,23 @@ impl Session {
     pub fn run(&mut self, inputs: &[(&str, &Tensor)]) -> Result<BTreeMap<String, Tensor>> {
         for (name, t) in inputs {
             let ov = to_ov(t).map_err(|e| self.err(format!("input `{name}`: {e}")))?;
-            self.request
-                .set_tensor(name, &ov)
-                .map_err(|e| self.err(format!("input `{name}` {:?}: {e}", t.dims())))?;
+            self.request.set_tensor(name, &ov).map_err(|e| {
+                self.err(format!(
+                    "input `{name}` {:?}: {}",
+                    t.dims(),
+                    openvino_message(&e)
+                ))
+            })?;
         }
-        self.request.infer().map_err(|e| self.err(e.to_string()))?;
+        self.request
+            .infer()
+            .map_err(|e| self.err(openvino_message(&e)))?;
         let mut out = BTreeMap::new();
         for name in self.outputs.clone() {
             let t = self
                 .request
                 .get_tensor(&name)
-                .map_err(|e| self.err(format!("output `{name}`: {e}")))?;
+                .map_err(|e| self.err(format!("output `{name}`: {}", openvino_message(&e))))?;
             let t = from_ov(&t).map_err(|e| self.err(format!("output `{name}`: {e}")))?;
             out.insert(name, t);
         }

@@ -662,6 +662,12 @@ impl Graph {
     /// Softmax over `axis`.
     pub fn softmax(&mut self, x: Value, axis: usize) -> Result<Value> {
         let (ty, shape) = (self.elem(x), self.shape(x).to_vec());
+        if axis >= shape.len() || !ty.is_float() {
+            return Err(self.err(
+                "SoftMax",
+                format!("axis {axis} of a {} tensor {shape:?}", ty.ir_name()),
+            ));
+        }
         Ok(self.one(
             "SoftMax",
             "opset8",
@@ -708,6 +714,20 @@ impl Graph {
             ty,
             s,
         ))
+    }
+
+    /// An op this builder does not wrap, with a declared output type and shape (not checked here: OpenVINO's
+    /// reader validates it).
+    pub fn custom(
+        &mut self,
+        op: &'static str,
+        version: &'static str,
+        attrs: Vec<(&'static str, String)>,
+        inputs: &[Value],
+        ty: ElemType,
+        shape: &[usize],
+    ) -> Value {
+        self.one(op, version, attrs, inputs.to_vec(), ty, shape.to_vec())
     }
 
     /// Number of nodes (for tests and reports).

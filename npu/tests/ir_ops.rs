@@ -140,3 +140,44 @@ fn f16_constants_and_select() {
     let expected: Vec<f32> = vec![h[0].to_f32(), -1.0, h[2].to_f32(), -3.0];
     assert_eq!(out["y"].to_vec1::<f32>().unwrap(), expected);
 }
+
+#[test]
+fn a_graph_openvino_rejects_is_a_clear_error() {
+    let mut g = Graph::new("broken");
+    let x = g.parameter("x", ElemType::F32, &[4]);
+    let y = g.custom(
+        "NoSuchOperation",
+        "opset1",
+        vec![],
+        &[x],
+        ElemType::F32,
+        &[4],
+    );
+    g.result(y, "y").unwrap();
+    let mut core = npu::runtime::core().unwrap();
+    let err = compile(&mut core, &g, "CPU", &CompileOptions::default())
+        .err()
+        .expect("must fail")
+        .to_string();
+    assert!(
+        err.contains("broken") && err.contains("CPU") && err.contains("NoSuchOperation"),
+        "{err}"
+    );
+    assert!(!err.contains("Exception from src"), "{err}");
+}
+
+#[test]
+fn an_absent_device_is_named_with_the_available_ones() {
+    let mut g = Graph::new("tiny");
+    let x = g.parameter("x", ElemType::F32, &[2]);
+    g.result(x, "x_out").unwrap_or(());
+    let mut core = npu::runtime::core().unwrap();
+    let err = compile(&mut core, &g, "NO_SUCH_DEVICE", &CompileOptions::default())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("NO_SUCH_DEVICE") && err.contains("available: CPU"),
+        "{err}"
+    );
+}

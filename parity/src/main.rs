@@ -2,11 +2,16 @@
 //!
 //! Exit codes: 0 success, 1 a failed check, 2 an error (bad input, missing file, failed run).
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
+use npu::graphs::{Builder, DeltaNetGraphForm, GraphOptions};
+use parity::device::{DeviceSettings, openvino_dump};
 use parity::dump::{FORMAT, reference_dump};
-use parity::options::{FormArgs, ModelArgs, parse_token_ids};
-use reference::model::{Model, greedy_continue};
+use parity::options::{
+    Backend, DeviceArgs, FormArgs, ModelArgs, Precision, PrefillForm, parse_token_ids,
+};
+use reference::deltanet::Inverse;
+use reference::model::greedy_continue;
 use reference::taps::Taps;
 use reference::tokenizer::{ChatTokenizer, Message};
 use std::io::Write;
@@ -32,6 +37,42 @@ enum Command {
     /// Run a prompt and write every intermediate, the states and a greedy continuation to a safetensors file.
     #[command(after_long_help = FORMAT)]
     Dump(DumpArgs),
+    /// The OpenVINO runtime and its devices: names, architecture, NPU driver, precisions.
+    Devices(DevicesArgs),
+    /// Write the static OpenVINO graphs of a checkpoint (decoder and per-layer) and a manifest of their interfaces.
+    ExportIr(ExportArgs),
+}
+
+#[derive(clap::Args)]
+struct DevicesArgs {
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
+struct ExportArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Output directory.
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+    /// Prompt block sizes to export (single-token graphs are always written).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "16,64",
+        value_name = "N,N"
+    )]
+    blocks: Vec<usize>,
+    /// Also write each layer's own graph (the probe's unit) for every block size.
+    #[arg(long)]
+    layers: bool,
+    /// Static KV context.
+    #[arg(long, default_value_t = 1024, value_name = "N")]
+    context: usize,
+    #[command(flatten)]
+    form: FormArgs,
 }
 
 #[derive(clap::Args)]
@@ -79,6 +120,8 @@ struct DumpArgs {
     out: PathBuf,
     #[command(flatten)]
     form: FormArgs,
+    #[command(flatten)]
+    device: DeviceArgs,
 }
 
 fn messages(system: Option<&str>, prompt: &str) -> Vec<Message> {
@@ -92,9 +135,8 @@ fn messages(system: Option<&str>, prompt: &str) -> Vec<Message> {
 
 fn run(args: RunArgs) -> Result<()> {
     let opts = args.form.run_options()?;
-    let dir = args.model.dir()?;
+    let (dir, _, _, model) = args.model.load()?;
     let tok = ChatTokenizer::load(&dir)?;
-    let model = Model::load(&dir, args.model.dtype.dtype())?;
     let ids = tok.encode_chat(&messages(args.system.as_deref(), &args.prompt), args.think)?;
     let start = Instant::now();
     let mut state = model.new_state()?;
@@ -147,8 +189,22 @@ fn run(args: RunArgs) -> Result<()> {
 }
 
 fn dump(args: DumpArgs) -> Result<()> {
+    let device = match args.device.backend {
+        Backend::Reference => {
+            args.device.check_reference()?;
+            None
+        }
+        Backend::Openvino => {
+            if args.model.dtype != Precision::F32 {
+                bail!(
+                    "--dtype f64 applies to the reference; OpenVINO graphs compute in f32 or f16 (--precision)"
+                );
+            }
+            Some(DeviceSettings::resolve(&args.device, &args.form)?)
+        }
+    };
     let opts = args.form.run_options()?;
-    let dir = args.model.dir()?;
+    let (dir, config, store, model) = args.model.load()?;
     let (ids, prompt) = match (&args.token_ids, &args.prompt) {
         (Some(t), _) => (parse_token_ids(t)?, None),
         (None, Some(p)) => {
@@ -160,19 +216,140 @@ fn dump(args: DumpArgs) -> Result<()> {
         }
         (None, None) => unreachable!("clap requires one of --token-ids and --prompt"),
     };
-    let model = Model::load(&dir, args.model.dtype.dtype())?;
     model.check_ids(&ids).context("--token-ids")?;
-    let mut d = reference_dump(&model, &ids, args.generate, &opts)?;
+    let mut d = match &device {
+        None => {
+            let mut d = reference_dump(&model, &ids, args.generate, &opts)?;
+            d.metadata.insert("weights".into(), store.format().name());
+            d
+        }
+        Some(s) => openvino_dump(&config, &store, &ids, args.generate, s)?,
+    };
     d.metadata.insert("model".into(), dir.display().to_string());
     if let Some(p) = prompt {
         d.metadata.insert("prompt".into(), p);
     }
     d.write(&args.out)?;
     eprintln!(
-        "wrote {} tensors ({} prompt tokens, {} generated) to {}",
+        "wrote {} tensors ({} prompt tokens, {} generated, {} on {}) to {}",
         d.tensors.len(),
         ids.len(),
         args.generate,
+        d.metadata["backend"],
+        d.metadata
+            .get("device")
+            .map(String::as_str)
+            .unwrap_or("the CPU reference"),
+        args.out.display()
+    );
+    Ok(())
+}
+
+fn devices(args: DevicesArgs) -> Result<()> {
+    let (version, devices) = npu::devices::list()?;
+    let runtime = npu::runtime::load()?;
+    if args.json {
+        let list: Vec<serde_json::Value> = devices
+            .iter()
+            .map(|d| {
+                serde_json::json!({
+                    "name": d.name, "full_name": d.full_name, "architecture": d.architecture,
+                    "driver_version": d.driver_version, "capabilities": d.capabilities,
+                    "default_precision": d.default_precision,
+                })
+            })
+            .collect();
+        let out = serde_json::json!({
+            "openvino": version, "library": runtime.library.display().to_string(), "devices": list
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!("OpenVINO {version} ({})", runtime.library.display());
+    for d in devices {
+        println!("{}: {}", d.name, d.full_name);
+        if let Some(a) = &d.architecture {
+            println!("  architecture: {a}");
+        }
+        if let Some(v) = &d.driver_version {
+            println!("  NPU driver: {v}");
+        }
+        println!("  capabilities: {}", d.capabilities.join(" "));
+        if let Some(p) = &d.default_precision {
+            println!("  default inference precision: {p} (reference runs ask for f32 explicitly)");
+        }
+    }
+    Ok(())
+}
+
+fn export_ir(args: ExportArgs) -> Result<()> {
+    let (dir, config, store, _) = args.model.load()?;
+    if args.model.dtype != Precision::F32 {
+        bail!(
+            "--dtype applies to reference runs; graphs are written in f32 with --weights storage"
+        );
+    }
+    let form = match args.form.deltanet_form {
+        PrefillForm::Chunked => DeltaNetGraphForm::Chunked(args.form.inverse(Inverse::Doubling)),
+        PrefillForm::Matrix => DeltaNetGraphForm::Matrix,
+        PrefillForm::Sequential => {
+            bail!("--deltanet-form sequential has no graph form (use matrix or chunked)")
+        }
+    };
+    if args.blocks.contains(&0) {
+        bail!("--blocks: block sizes must be at least 1");
+    }
+    let opts = GraphOptions {
+        form,
+        output_scale: args.form.output_scale(1024.0)? as f32,
+        context: args.context,
+    };
+    let builder = Builder::new(&config, &store, opts)?;
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let mut sizes = vec![1];
+    sizes.extend(args.blocks.iter().copied().filter(|&b| b != 1));
+    let mut graphs = Vec::new();
+    let describe = |g: &npu::ir::Graph, file: &str| {
+        let ports = |list: Vec<(String, npu::ir::ElemType, Vec<usize>)>| -> Vec<serde_json::Value> {
+            list.into_iter()
+                .map(|(n, t, s)| serde_json::json!({"name": n, "type": t.ir_name(), "shape": s}))
+                .collect()
+        };
+        serde_json::json!({"name": g.name(), "xml": file, "bin": file.replace(".xml", ".bin"),
+                           "inputs": ports(g.inputs()), "outputs": ports(g.outputs())})
+    };
+    for &t in &sizes {
+        let g = builder.decoder_graph(t)?;
+        let file = format!("{}.xml", g.name());
+        g.save(&args.out.join(&file))?;
+        graphs.push(describe(&g, &file));
+        if args.layers {
+            for layer in 0..config.num_layers() {
+                let g = builder.layer_graph(layer, t)?;
+                let file = format!("{}.xml", g.name());
+                g.save(&args.out.join(&file))?;
+                graphs.push(describe(&g, &file));
+            }
+        }
+    }
+    let manifest = serde_json::json!({
+        "model": dir.display().to_string(),
+        "weights": store.format().name(),
+        "deltanet_form": match form {
+            DeltaNetGraphForm::Matrix => "matrix".to_string(),
+            DeltaNetGraphForm::Chunked(i) => format!("chunked ({})", i.name()),
+        },
+        "output_scale": opts.output_scale,
+        "context": opts.context,
+        "graphs": graphs,
+    });
+    let path = args.out.join("manifest.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&manifest)?)
+        .with_context(|| format!("writing {}", path.display()))?;
+    eprintln!(
+        "wrote {} graphs and manifest.json to {}",
+        graphs.len(),
         args.out.display()
     );
     Ok(())
@@ -183,6 +360,8 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(a) => run(a),
         Command::Dump(a) => dump(a),
+        Command::Devices(a) => devices(a),
+        Command::ExportIr(a) => export_ir(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -3,8 +3,11 @@
 use anyhow::{Result, bail};
 use candle_core::DType;
 use clap::{Args, ValueEnum};
+use reference::config::Config;
 use reference::deltanet::{Form, Inverse};
-use reference::model::RunOptions;
+use reference::model::{Model, RunOptions};
+use reference::quant::WeightFormat;
+use reference::weights::WeightStore;
 use std::path::PathBuf;
 
 /// The bundled tiny model, used when `--model` is not given.
@@ -65,7 +68,7 @@ pub enum InverseArg {
     Series,
 }
 
-/// Which model, in which precision.
+/// Which model, in which precision, with which weights.
 #[derive(Debug, Clone, Args)]
 pub struct ModelArgs {
     /// Checkpoint directory (config.json, safetensors, tokenizer). Default: the bundled tiny model.
@@ -74,9 +77,26 @@ pub struct ModelArgs {
     /// Precision of the reference run.
     #[arg(long, value_enum, default_value = "f32")]
     pub dtype: Precision,
+    /// Weights as stored: f32 (as in the checkpoint), f16, or int4 (symmetric, group 128, int8 backup; `int4:G` for
+    /// another group). The reference runs the same quantized weights, dequantized exactly.
+    #[arg(long, default_value = "f32", value_parser = parse_weights, value_name = "f32|f16|int4[:G]")]
+    pub weights: WeightFormat,
+}
+
+fn parse_weights(s: &str) -> std::result::Result<WeightFormat, String> {
+    WeightFormat::parse(s).map_err(|e| e.to_string())
 }
 
 impl ModelArgs {
+    /// Opens the weights (in the chosen format) and builds the reference model.
+    pub fn load(&self) -> Result<(PathBuf, Config, WeightStore, Model)> {
+        let dir = self.dir()?;
+        let config = Config::from_file(&dir.join("config.json"))?;
+        let store = WeightStore::open_with_format(&dir, self.dtype.dtype(), self.weights)?;
+        let model = Model::from_weights(config.clone(), &store)?;
+        Ok((dir, config, store, model))
+    }
+
     /// The model directory, checked to exist.
     pub fn dir(&self) -> Result<PathBuf> {
         let dir = self.model.clone().unwrap_or_else(bundled_model);
@@ -96,24 +116,26 @@ impl ModelArgs {
 /// How the reference computes (none of these change the result in exact arithmetic).
 #[derive(Debug, Clone, Args)]
 pub struct FormArgs {
-    /// Delta-rule form for the prompt.
+    /// Delta-rule form for the prompt (OpenVINO: matrix or chunked).
     #[arg(long, value_enum, default_value = "chunked")]
     pub deltanet_form: PrefillForm,
     /// Tokens per chunk of the chunked form.
     #[arg(long, default_value_t = 64, value_name = "N")]
     pub chunk: usize,
-    /// Triangular inverse of the chunked form.
-    #[arg(long, value_enum, default_value = "substitution")]
-    pub inverse: InverseArg,
+    /// Triangular inverse of the chunked form. Default: substitution on the reference (transformers' algorithm),
+    /// doubling on OpenVINO (the NPU port's).
+    #[arg(long, value_enum)]
+    pub inverse: Option<InverseArg>,
     /// Delta-rule form for single-token decode.
     #[arg(long, value_enum, default_value = "matrix")]
     pub decode_form: DecodeForm,
     /// Feed the prompt in forward calls of at most N tokens (state carried between them).
     #[arg(long, value_name = "N")]
     pub prefill_block: Option<usize>,
-    /// DeltaNet output rescaling: q times S inside the recurrence, gated-norm eps times S² (1 = off; the NPU uses 1024).
-    #[arg(long, default_value_t = 1.0, value_name = "S")]
-    pub output_scale: f64,
+    /// DeltaNet output rescaling: q times S inside the recurrence, gated-norm eps times S² (1 = off). Default: 1 on
+    /// the reference, 1024 on OpenVINO (as the NPU port).
+    #[arg(long, value_name = "S")]
+    pub output_scale: Option<f64>,
 }
 
 impl FormArgs {
@@ -125,17 +147,8 @@ impl FormArgs {
         if self.prefill_block == Some(0) {
             bail!("--prefill-block must be at least 1");
         }
-        if !(self.output_scale.is_finite() && self.output_scale > 0.0) {
-            bail!(
-                "--output-scale must be a positive number, got {}",
-                self.output_scale
-            );
-        }
-        let inverse = match self.inverse {
-            InverseArg::Substitution => Inverse::Substitution,
-            InverseArg::Doubling => Inverse::Doubling,
-            InverseArg::Series => Inverse::Series,
-        };
+        let output_scale = self.output_scale(1.0)?;
+        let inverse = self.inverse(Inverse::Substitution);
         Ok(RunOptions {
             prefill: match self.deltanet_form {
                 PrefillForm::Sequential => Form::Sequential,
@@ -150,8 +163,27 @@ impl FormArgs {
                 DecodeForm::Matrix => Form::Matrix,
             },
             prefill_block: self.prefill_block,
-            output_scale: self.output_scale,
+            output_scale,
         })
+    }
+
+    /// `--output-scale`, or `default`, validated.
+    pub fn output_scale(&self, default: f64) -> Result<f64> {
+        let s = self.output_scale.unwrap_or(default);
+        if !(s.is_finite() && s > 0.0) {
+            bail!("--output-scale must be a positive number, got {s}");
+        }
+        Ok(s)
+    }
+
+    /// `--inverse`, or `default`.
+    pub fn inverse(&self, default: Inverse) -> Inverse {
+        match self.inverse {
+            None => default,
+            Some(InverseArg::Substitution) => Inverse::Substitution,
+            Some(InverseArg::Doubling) => Inverse::Doubling,
+            Some(InverseArg::Series) => Inverse::Series,
+        }
     }
 }
 
@@ -170,4 +202,66 @@ pub fn parse_token_ids(text: &str) -> Result<Vec<u32>> {
         bail!("--token-ids: no ids given");
     }
     Ok(ids)
+}
+
+/// The backend that computes a dump.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Backend {
+    /// The candle CPU reference.
+    Reference,
+    /// Static graphs on an OpenVINO device.
+    Openvino,
+}
+
+/// Inference precision asked of an OpenVINO device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DevicePrecision {
+    /// f32 arithmetic.
+    F32,
+    /// f16 arithmetic (as an NPU computes).
+    F16,
+}
+
+/// Where and how a dump is computed.
+#[derive(Debug, Clone, Args)]
+pub struct DeviceArgs {
+    /// Which backend computes the dump.
+    #[arg(long, value_enum, default_value = "reference")]
+    pub backend: Backend,
+    /// OpenVINO device (CPU, NPU, GPU, ...). Default CPU.
+    #[arg(long)]
+    pub device: Option<String>,
+    /// Inference precision asked of the device; what actually ran is read back and recorded. Default f32.
+    #[arg(long, value_enum)]
+    pub precision: Option<DevicePrecision>,
+    /// Prompt block of the OpenVINO graphs (the prompt runs in padded blocks of N tokens). Default 16.
+    #[arg(long, value_name = "N")]
+    pub block: Option<usize>,
+    /// Static KV context of the OpenVINO graphs. Default 1024.
+    #[arg(long, value_name = "N")]
+    pub context: Option<usize>,
+    /// Device properties as a JSON object (default: the QWEN35_DEVICE_CONFIG environment variable, if set).
+    #[arg(long, value_name = "FILE.json")]
+    pub device_config: Option<PathBuf>,
+}
+
+impl DeviceArgs {
+    /// Fails if an OpenVINO-only option is given to the reference backend.
+    pub fn check_reference(&self) -> Result<()> {
+        let given: Vec<&str> = [
+            ("--device", self.device.is_some()),
+            ("--precision", self.precision.is_some()),
+            ("--block", self.block.is_some()),
+            ("--context", self.context.is_some()),
+            ("--device-config", self.device_config.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(n, g)| g.then_some(n))
+        .collect();
+        match given.as_slice() {
+            [] => Ok(()),
+            [one] => bail!("{one} only applies to --backend openvino"),
+            many => bail!("{} only apply to --backend openvino", many.join(", ")),
+        }
+    }
 }

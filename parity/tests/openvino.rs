@@ -1,0 +1,338 @@
+//! `qwen35` with the OpenVINO backend on the CPU device: dumps against the goldens and the reference, devices,
+//! exported IR, and clear errors.
+
+use parity::dump::Dump;
+use reference::compare::diff;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn qwen35(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_qwen35"));
+    c.args(args);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().expect("the binary runs")
+}
+
+fn testdata() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn expect_error(args: &[&str], env: &[(&str, &str)], needles: &[&str]) {
+    let o = qwen35(args, env);
+    let err = stderr(&o);
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "{args:?} should exit with 2; stderr: {err}"
+    );
+    for n in needles {
+        assert!(
+            err.contains(n),
+            "{args:?}: the error does not mention `{n}`:\n{err}"
+        );
+    }
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+fn ids_of(d: &Dump) -> String {
+    d.tensors["token_ids"]
+        .to_vec1::<i64>()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+#[test]
+fn devices_lists_the_cpu() {
+    let o = qwen35(&["devices", "--json"], &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(
+        v["openvino"].as_str().unwrap().starts_with("2026.4.1"),
+        "{v}"
+    );
+    let devices = v["devices"].as_array().unwrap();
+    assert!(
+        devices
+            .iter()
+            .any(|d| d["name"] == "CPU" && !d["full_name"].as_str().unwrap().is_empty()),
+        "{v}"
+    );
+    let o = qwen35(&["devices"], &[]);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("CPU:"));
+}
+
+#[test]
+fn openvino_dumps_match_the_goldens() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, block) in [("tiny", "16"), ("tiny-tied", "64"), ("tiny-full", "1")] {
+        let golden = Dump::read(&testdata().join(format!("goldens/{name}.safetensors"))).unwrap();
+        let out = tmp.path().join(format!("{name}.safetensors"));
+        let model = testdata().join("models").join(name);
+        let ids = ids_of(&golden);
+        let o = qwen35(
+            &[
+                "dump",
+                "--backend",
+                "openvino",
+                "--device",
+                "CPU",
+                "--block",
+                block,
+                "--context",
+                "256",
+                "--model",
+                model.to_str().unwrap(),
+                "--token-ids",
+                &ids,
+                "--generate",
+                "16",
+                "--out",
+                out.to_str().unwrap(),
+            ],
+            &[],
+        );
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        let d = Dump::read(&out).unwrap();
+        assert_eq!(d.metadata["backend"], "openvino");
+        assert_eq!(
+            d.metadata["precision"], "f32",
+            "{name}: a reference run must have computed in f32"
+        );
+        assert_eq!(d.metadata["property.DYNAMIC_QUANTIZATION_GROUP_SIZE"], "0");
+        for (tensor, expected) in &golden.tensors {
+            let actual = d.get(tensor).unwrap();
+            let diff = diff(actual, expected).unwrap();
+            let ok = match tensor.as_str() {
+                "token_ids" | "generated" => diff.max_abs == 0.0,
+                "logits" => diff.within(1e-3, 0.0),
+                _ => diff.within(0.0, 1e-4),
+            };
+            assert!(ok, "{name} block {block} {tensor}: {diff}");
+        }
+    }
+}
+
+#[test]
+fn quantized_device_dump_equals_the_reference_on_the_same_weights() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ids = (0..40)
+        .map(|i| ((i * 53) % 500).to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut dumps = vec![];
+    for backend in ["reference", "openvino"] {
+        let out = tmp.path().join(format!("{backend}.safetensors"));
+        let o = qwen35(
+            &[
+                "dump",
+                "--backend",
+                backend,
+                "--weights",
+                "int4:32",
+                "--token-ids",
+                &ids,
+                "--generate",
+                "8",
+                "--out",
+                out.to_str().unwrap(),
+            ],
+            &[],
+        );
+        assert!(o.status.success(), "{backend}: {}", stderr(&o));
+        dumps.push(Dump::read(&out).unwrap());
+    }
+    assert_eq!(dumps[0].metadata["weights"], "int4:32");
+    assert_eq!(dumps[1].metadata["weights"], "int4:32");
+    assert_eq!(
+        dumps[0].tensors["generated"].to_vec1::<i64>().unwrap(),
+        dumps[1].tensors["generated"].to_vec1::<i64>().unwrap()
+    );
+    let d = diff(&dumps[1].tensors["logits"], &dumps[0].tensors["logits"]).unwrap();
+    assert!(d.within(1e-3, 0.0), "logits: {d}");
+}
+
+#[test]
+fn export_ir_writes_graphs_openvino_reads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("ir");
+    let o = qwen35(
+        &[
+            "export-ir",
+            "--out",
+            out.to_str().unwrap(),
+            "--layers",
+            "--blocks",
+            "16",
+            "--weights",
+            "int4:32",
+            "--context",
+            "64",
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("manifest.json")).unwrap()).unwrap();
+    let graphs = manifest["graphs"].as_array().unwrap();
+    assert_eq!(
+        graphs.len(),
+        2 * (1 + 4),
+        "decoder and 4 layers, for 1 and 16 tokens"
+    );
+    let mut core = npu::runtime::core().unwrap();
+    for g in graphs {
+        let xml = out.join(g["xml"].as_str().unwrap());
+        let bin = out.join(g["bin"].as_str().unwrap());
+        let model = core
+            .read_model_from_file(xml.to_str().unwrap(), bin.to_str().unwrap())
+            .unwrap();
+        assert_eq!(
+            model.get_inputs_len().unwrap(),
+            g["inputs"].as_array().unwrap().len(),
+            "{}",
+            g["name"]
+        );
+        assert_eq!(
+            model.get_outputs_len().unwrap(),
+            g["outputs"].as_array().unwrap().len(),
+            "{}",
+            g["name"]
+        );
+    }
+    // Deterministic: the same export twice gives the same bytes.
+    let again = tmp.path().join("again");
+    let o = qwen35(
+        &[
+            "export-ir",
+            "--out",
+            again.to_str().unwrap(),
+            "--blocks",
+            "16",
+            "--weights",
+            "int4:32",
+            "--context",
+            "64",
+        ],
+        &[],
+    );
+    assert!(o.status.success());
+    for f in ["decoder_t16.xml", "decoder_t16.bin", "decoder_t1.bin"] {
+        assert_eq!(
+            std::fs::read(out.join(f)).unwrap(),
+            std::fs::read(again.join(f)).unwrap(),
+            "{f}"
+        );
+    }
+}
+
+#[test]
+fn openvino_errors_are_clear() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("x.safetensors");
+    let out = out.to_str().unwrap();
+    let ov = ["dump", "--backend", "openvino"];
+    fn with<'a>(ov: &[&'a str], extra: &[&'a str], out: &'a str) -> Vec<&'a str> {
+        let mut v: Vec<&str> = ov.to_vec();
+        v.extend_from_slice(extra);
+        v.extend_from_slice(&["--out", out]);
+        v
+    }
+    expect_error(
+        &with(&ov, &["--device", "NPU", "--token-ids", "1,2"], out),
+        &[],
+        &["NPU", "not available", "CPU"],
+    );
+    expect_error(
+        &with(&ov, &["--token-ids", "1,2"], out),
+        &[("OPENVINO_LIB", "/no/such/libopenvino_c.so")],
+        &["OPENVINO_LIB", "/no/such/libopenvino_c.so"],
+    );
+    expect_error(
+        &with(
+            &ov,
+            &["--token-ids", "1,2", "--deltanet-form", "sequential"],
+            out,
+        ),
+        &[],
+        &["--deltanet-form", "matrix or chunked"],
+    );
+    expect_error(
+        &with(&ov, &["--token-ids", "1,2", "--dtype", "f64"], out),
+        &[],
+        &["--dtype"],
+    );
+    expect_error(
+        &with(
+            &ov,
+            &["--token-ids", "1,2,3,4,5,6,7,8,9,10", "--context", "8"],
+            out,
+        ),
+        &[],
+        &["static context", "--context"],
+    );
+    expect_error(
+        &with(&ov, &["--token-ids", "1,2", "--block", "0"], out),
+        &[],
+        &["--block"],
+    );
+    expect_error(
+        &with(&ov, &["--token-ids", "1,2", "--weights", "int3"], out),
+        &[],
+        &["--weights", "int3"],
+    );
+    let cfg = tmp.path().join("cfg.json");
+    let cfg_path = cfg.to_str().unwrap().to_string();
+    let cfg_str = cfg_path.as_str();
+    std::fs::write(&cfg, r#"{"NOT_A_PROPERTY": "1"}"#).unwrap();
+    expect_error(
+        &with(
+            &ov,
+            &["--token-ids", "1,2", "--device-config", cfg_str],
+            out,
+        ),
+        &[],
+        &["NOT_A_PROPERTY", "CPU"],
+    );
+    std::fs::write(&cfg, r#"["not", "an", "object"]"#).unwrap();
+    expect_error(
+        &with(
+            &ov,
+            &["--token-ids", "1,2", "--device-config", cfg_str],
+            out,
+        ),
+        &[],
+        &["cfg.json", "JSON object"],
+    );
+    expect_error(
+        &with(&ov, &["--token-ids", "1,2"], out),
+        &[("QWEN35_DEVICE_CONFIG", "{oops")],
+        &["QWEN35_DEVICE_CONFIG", "JSON"],
+    );
+    expect_error(
+        &[
+            "dump",
+            "--device",
+            "CPU",
+            "--token-ids",
+            "1,2",
+            "--out",
+            out,
+        ],
+        &[],
+        &["--device", "--backend openvino"],
+    );
+    expect_error(
+        &["devices"],
+        &[("OPENVINO_LIB", "/no/such/dir")],
+        &["OPENVINO_LIB"],
+    );
+}
