@@ -355,7 +355,9 @@ fn bad_input_gives_clear_errors() {
     );
 
     // --prompt needs a tokenizer.
-    let dir = tmp.path().join("missing");
+    let dir = tmp.path().join("no-tokenizer");
+    std::fs::create_dir_all(&dir).unwrap();
+    broken_checkpoint(&dir, |_| {});
     expect_error(
         &[
             "dump",
