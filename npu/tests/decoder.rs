@@ -7,7 +7,7 @@ use npu::graphs::{Builder, DeltaNetGraphForm, GraphOptions};
 use reference::compare::diff;
 use reference::config::Config;
 use reference::deltanet::Inverse;
-use reference::model::{LayerState, Model, RunOptions, greedy_continue};
+use reference::model::{Model, RunOptions, greedy_continue};
 use reference::taps::Taps;
 use reference::weights::WeightStore;
 use std::collections::BTreeMap;
@@ -39,18 +39,7 @@ fn reference_dump(
     let opts = RunOptions::default();
     let logits = model.prefill(ids, &mut state, &opts, &mut taps).unwrap();
     let mut out = taps.take();
-    for (i, l) in state.layers.iter().enumerate() {
-        match l {
-            LayerState::Linear(s) => {
-                out.insert(format!("layers.{i}.conv_state"), s.conv.clone());
-                out.insert(format!("layers.{i}.recurrent_state"), s.recurrent.clone());
-            }
-            LayerState::Attention(c) => {
-                out.insert(format!("layers.{i}.key_cache"), c.keys.clone().unwrap());
-                out.insert(format!("layers.{i}.value_cache"), c.values.clone().unwrap());
-            }
-        }
-    }
+    out.extend(state.named_tensors());
     let generated =
         greedy_continue(&model, &mut state, logits, generate, &[], &opts, |_| Ok(())).unwrap();
     (out, generated)

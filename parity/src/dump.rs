@@ -3,7 +3,7 @@
 
 use anyhow::{Context, Result, bail};
 use candle_core::{DType, Device, Tensor};
-use reference::model::{LayerState, Model, RunOptions, greedy_continue};
+use reference::model::{Model, RunOptions, greedy_continue};
 use reference::taps::Taps;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -94,23 +94,7 @@ pub fn reference_dump(
     let mut tensors = taps.take();
     let ids_i64: Vec<i64> = ids.iter().map(|&x| x as i64).collect();
     tensors.insert("token_ids".into(), Tensor::new(ids_i64, &Device::Cpu)?);
-    for (i, layer) in state.layers.iter().enumerate() {
-        match layer {
-            LayerState::Linear(s) => {
-                tensors.insert(format!("layers.{i}.conv_state"), s.conv.clone());
-                tensors.insert(format!("layers.{i}.recurrent_state"), s.recurrent.clone());
-            }
-            LayerState::Attention(c) => {
-                let (k, v) = c
-                    .keys
-                    .clone()
-                    .zip(c.values.clone())
-                    .context("an attention layer saw no tokens")?;
-                tensors.insert(format!("layers.{i}.key_cache"), k);
-                tensors.insert(format!("layers.{i}.value_cache"), v);
-            }
-        }
-    }
+    tensors.extend(state.named_tensors());
     let generated = if generate > 0 {
         greedy_continue(model, &mut state, logits, generate, &[], opts, |_| Ok(()))?
     } else {

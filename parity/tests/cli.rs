@@ -5,41 +5,10 @@ use parity::dump::Dump;
 use reference::compare::diff;
 use reference::synthetic::{random_weights, small_config_json, write_safetensors};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
 
-fn qwen35(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_qwen35"))
-        .args(args)
-        .output()
-        .expect("the binary runs")
-}
-
-fn testdata() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-/// Runs `args` expecting exit code 2 and an error mentioning every `needle`.
-fn expect_error(args: &[&str], needles: &[&str]) {
-    let o = qwen35(args);
-    let err = stderr(&o);
-    assert_eq!(
-        o.status.code(),
-        Some(2),
-        "{args:?} should fail with exit code 2; stderr: {err}"
-    );
-    for n in needles {
-        assert!(
-            err.contains(n),
-            "{args:?}: the error does not mention `{n}`:\n{err}"
-        );
-    }
-    assert!(!err.contains("panicked"), "{args:?} panicked:\n{err}");
-}
+mod common;
+use common::{expect_error, qwen35, stderr, testdata};
 
 fn golden(name: &str) -> Dump {
     Dump::read(&testdata().join(format!("goldens/{name}.safetensors"))).unwrap()

@@ -3,42 +3,9 @@
 
 use parity::dump::Dump;
 use reference::compare::diff;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
-fn qwen35(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_qwen35"));
-    c.args(args);
-    for (k, v) in env {
-        c.env(k, v);
-    }
-    c.output().expect("the binary runs")
-}
-
-fn testdata() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn expect_error(args: &[&str], env: &[(&str, &str)], needles: &[&str]) {
-    let o = qwen35(args, env);
-    let err = stderr(&o);
-    assert_eq!(
-        o.status.code(),
-        Some(2),
-        "{args:?} should exit with 2; stderr: {err}"
-    );
-    for n in needles {
-        assert!(
-            err.contains(n),
-            "{args:?}: the error does not mention `{n}`:\n{err}"
-        );
-    }
-    assert!(!err.contains("panicked"), "{err}");
-}
+mod common;
+use common::{expect_error_env as expect_error, qwen35_env as qwen35, stderr, testdata};
 
 fn ids_of(d: &Dump) -> String {
     d.tensors["token_ids"]

@@ -49,6 +49,30 @@ pub struct State {
     pub layers: Vec<LayerState>,
 }
 
+impl State {
+    /// Every layer's state under the dump's names: `layers.{i}.conv_state` `[C, K]` and
+    /// `layers.{i}.recurrent_state` `[Hv, Dk, Dv]`, or `layers.{i}.key_cache` / `value_cache` `[Hkv, P, D]` (attention
+    /// layers that have seen no token are left out).
+    pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
+        let mut out = Vec::new();
+        for (i, layer) in self.layers.iter().enumerate() {
+            match layer {
+                LayerState::Linear(s) => {
+                    out.push((format!("layers.{i}.conv_state"), s.conv.clone()));
+                    out.push((format!("layers.{i}.recurrent_state"), s.recurrent.clone()));
+                }
+                LayerState::Attention(c) => {
+                    if let (Some(k), Some(v)) = (&c.keys, &c.values) {
+                        out.push((format!("layers.{i}.key_cache"), k.clone()));
+                        out.push((format!("layers.{i}.value_cache"), v.clone()));
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
 /// How a run computes; none of these change the result in exact arithmetic.
 #[derive(Debug, Clone, Copy)]
 pub struct RunOptions {

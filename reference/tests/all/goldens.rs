@@ -5,7 +5,7 @@ use crate::common::*;
 use candle_core::{DType, Device, Tensor};
 use reference::compare::{Diff, diff};
 use reference::deltanet::{self, Form, Inverse};
-use reference::model::{LayerState, Model, RunOptions, greedy_continue};
+use reference::model::{Model, RunOptions, greedy_continue};
 use reference::taps::Taps;
 use reference::tokenizer::{ChatTokenizer, Message};
 use std::collections::HashMap;
@@ -71,18 +71,7 @@ fn run_prompt(
     let mut taps = Taps::on();
     let logits = model.prefill(ids, &mut state, opts, &mut taps).unwrap();
     let mut out: HashMap<String, Tensor> = taps.take().into_iter().collect();
-    for (i, layer) in state.layers.iter().enumerate() {
-        match layer {
-            LayerState::Linear(s) => {
-                out.insert(format!("layers.{i}.conv_state"), s.conv.clone());
-                out.insert(format!("layers.{i}.recurrent_state"), s.recurrent.clone());
-            }
-            LayerState::Attention(c) => {
-                out.insert(format!("layers.{i}.key_cache"), c.keys.clone().unwrap());
-                out.insert(format!("layers.{i}.value_cache"), c.values.clone().unwrap());
-            }
-        }
-    }
+    out.extend(state.named_tensors());
     let generated = greedy_continue(model, &mut state, logits, 16, &[], opts, |_| Ok(())).unwrap();
     (out, generated)
 }
