@@ -34,6 +34,9 @@ pub enum DeltaNetGraphForm {
     Matrix,
     /// The chunkwise-parallel form over the whole block with the given triangular inverse.
     Chunked(Inverse),
+    /// One `Loop` op stepping the recurrence token by token, as the optimum-intel export has it (runs on CPU;
+    /// NPUs cannot run `Loop`).
+    Loop,
 }
 
 /// Options of the graphs.
@@ -323,6 +326,7 @@ impl<'a> Builder<'a> {
                 DeltaNetGraphForm::Chunked(inverse) => {
                     self.chunk(g, qh, kh, vh, gh, bh, rec_state, inverse)?
                 }
+                DeltaNetGraphForm::Loop => Self::loop_steps(g, qh, kh, vh, gh, bh, rec_state)?,
             }
         };
         g.result(s_new, &format!("{prefix}recurrent_state_out"))?;
@@ -404,6 +408,57 @@ impl<'a> Builder<'a> {
             s = s_next;
         }
         Ok((g.concat(&outs, 1)?, s))
+    }
+
+    /// The recurrence as a `Loop` over tokens: `S ← exp(g) S; delta = beta (v − Sᵀk); S ← S + k deltaᵀ; o = Sᵀq`.
+    fn loop_steps(
+        g: &mut Graph,
+        q: Value,
+        k: Value,
+        v: Value,
+        gd: Value,
+        beta: Value,
+        s: Value,
+    ) -> Result<(Value, Value)> {
+        let (hv, t, dk) = (g.shape(q)[0], g.shape(q)[1], g.shape(q)[2]);
+        let dv = g.shape(v)[2];
+        let mut b = Graph::new(&format!("{}_deltanet_loop", g.name()));
+        let qt = b.parameter("q_t", ElemType::F32, &[hv, 1, dk]);
+        let kt = b.parameter("k_t", ElemType::F32, &[hv, 1, dk]);
+        let vt = b.parameter("v_t", ElemType::F32, &[hv, 1, dv]);
+        let gt = b.parameter("g_t", ElemType::F32, &[hv, 1]);
+        let bt = b.parameter("beta_t", ElemType::F32, &[hv, 1]);
+        let st = b.parameter("state", ElemType::F32, &[hv, dk, dv]);
+        let decay = b.unary(Unary::Exp, gt)?;
+        let decay = b.reshape(decay, &[hv, 1, 1])?;
+        let s1 = b.mul(st, decay)?;
+        let recalled = b.matmul(kt, s1, false, false)?; // [Hv, 1, Dv]
+        let diff = b.sub(vt, recalled)?;
+        let strength = b.reshape(bt, &[hv, 1, 1])?;
+        let delta = b.mul(diff, strength)?;
+        let outer = b.matmul(kt, delta, true, false)?; // [Hv, Dk, Dv]
+        let s2 = b.add(s1, outer)?;
+        let o = b.matmul(qt, s2, false, false)?; // [Hv, 1, Dv]
+        b.result(s2, "loop_state_out")?;
+        b.result(o, "loop_o_t")?;
+        use crate::ir::{LoopInput, LoopOutput};
+        let outs = g.loop_op(
+            t,
+            b,
+            &[
+                (q, LoopInput::Sliced { axis: 1 }),
+                (k, LoopInput::Sliced { axis: 1 }),
+                (v, LoopInput::Sliced { axis: 1 }),
+                (gd, LoopInput::Sliced { axis: 1 }),
+                (beta, LoopInput::Sliced { axis: 1 }),
+                (s, LoopInput::Merged { result: 0 }),
+            ],
+            &[
+                LoopOutput::Concat { result: 1, axis: 1 },
+                LoopOutput::Last { result: 0 },
+            ],
+        )?;
+        Ok((outs[0], outs[1]))
     }
 
     /// The chunkwise-parallel form over the whole block (see `reference::deltanet::chunk`).

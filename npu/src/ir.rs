@@ -94,6 +94,56 @@ struct Node {
     attrs: Vec<(&'static str, String)>,
     inputs: Vec<Value>,
     outputs: Vec<Port>,
+    body: Option<Box<LoopBody>>,
+}
+
+/// The body of a `Loop` node: its nodes (constants already pointing into the parent's `.bin`), the port map and
+/// the back edges, all by body node ids.
+#[derive(Debug, Clone)]
+struct LoopBody {
+    nodes: Vec<Node>,
+    /// `(external input port, body Parameter id, slicing axis)`.
+    inputs: Vec<(usize, usize, Option<usize>)>,
+    /// `(external output port, body Result id, concatenation axis)`.
+    outputs: Vec<(usize, usize, Option<usize>)>,
+    /// Body Result id of the execution condition.
+    condition: usize,
+    /// `(body Result id, body Parameter id)`.
+    back_edges: Vec<(usize, usize)>,
+}
+
+/// How a `Loop` input reaches its body Parameter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoopInput {
+    /// Iteration `i` sees slice `i` (of size 1) along `axis`.
+    Sliced {
+        /// The slicing axis.
+        axis: usize,
+    },
+    /// Every iteration sees the whole value.
+    Invariant,
+    /// The first iteration sees the value, the next ones the body result with this index (a carried state).
+    Merged {
+        /// Index of the body result fed back.
+        result: usize,
+    },
+}
+
+/// Which body result a `Loop` output takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoopOutput {
+    /// The value of the last iteration.
+    Last {
+        /// Index of the body result.
+        result: usize,
+    },
+    /// The values of every iteration, concatenated along `axis`.
+    Concat {
+        /// Index of the body result.
+        result: usize,
+        /// The concatenation axis.
+        axis: usize,
+    },
 }
 
 /// A graph under construction.
@@ -264,6 +314,7 @@ impl Graph {
                     names: vec![],
                 })
                 .collect(),
+            body: None,
         });
         id
     }
@@ -716,6 +767,167 @@ impl Graph {
         ))
     }
 
+    /// A `Loop` (opset5) running `body` `trips` times. `inputs[i]` feeds the body's `i`-th parameter; every body
+    /// result listed in `outputs` becomes an output of the loop, in that order. The body's constants move into this
+    /// graph's `.bin`.
+    pub fn loop_op(
+        &mut self,
+        trips: usize,
+        body: Graph,
+        inputs: &[(Value, LoopInput)],
+        outputs: &[LoopOutput],
+    ) -> Result<Vec<Value>> {
+        let params: Vec<usize> = (0..body.nodes.len())
+            .filter(|&i| body.nodes[i].op == "Parameter")
+            .collect();
+        let mut results: Vec<usize> = (0..body.nodes.len())
+            .filter(|&i| body.nodes[i].op == "Result")
+            .collect();
+        if params.len() != inputs.len() {
+            return Err(self.err(
+                "Loop",
+                format!(
+                    "{} inputs for {} body parameters",
+                    inputs.len(),
+                    params.len()
+                ),
+            ));
+        }
+        let result_shape = |r: usize| {
+            let v = body.nodes[r].inputs[0];
+            let p = &body.nodes[v.node].outputs[v.port];
+            (p.ty, p.shape.clone())
+        };
+        let mut port_inputs = Vec::new();
+        let mut back_edges = Vec::new();
+        for (k, (&(value, how), &param)) in inputs.iter().zip(&params).enumerate() {
+            let outer = self.shape(value).to_vec();
+            let inner = body.nodes[param].outputs[0].shape.clone();
+            let expected = match how {
+                LoopInput::Sliced { axis } => {
+                    if axis >= outer.len() || outer[axis] != trips {
+                        return Err(self.err(
+                            "Loop",
+                            format!("input {k}: {outer:?} has no {trips} slices on axis {axis}"),
+                        ));
+                    }
+                    let mut s = outer.clone();
+                    s[axis] = 1;
+                    s
+                }
+                LoopInput::Invariant => outer.clone(),
+                LoopInput::Merged { result } => {
+                    let r = *results
+                        .get(result)
+                        .ok_or_else(|| self.err("Loop", format!("no body result {result}")))?;
+                    if result_shape(r).1 != outer {
+                        return Err(self.err(
+                            "Loop",
+                            format!("input {k}: carried result {result} is not {outer:?}"),
+                        ));
+                    }
+                    back_edges.push((r, param));
+                    outer.clone()
+                }
+            };
+            if inner != expected || body.nodes[param].outputs[0].ty != self.elem(value) {
+                return Err(self.err(
+                    "Loop",
+                    format!("input {k}: body parameter {inner:?}, expected {expected:?}"),
+                ));
+            }
+            let axis = match how {
+                LoopInput::Sliced { axis } => Some(axis),
+                _ => None,
+            };
+            port_inputs.push((2 + k, param, axis));
+        }
+        let mut out_types = Vec::new();
+        let mut port_outputs = Vec::new();
+        for (j, o) in outputs.iter().enumerate() {
+            let (idx, axis) = match *o {
+                LoopOutput::Last { result } => (result, None),
+                LoopOutput::Concat { result, axis } => (result, Some(axis)),
+            };
+            let r = *results
+                .get(idx)
+                .ok_or_else(|| self.err("Loop", format!("no body result {idx}")))?;
+            let (ty, mut shape) = result_shape(r);
+            if let Some(a) = axis {
+                if a >= shape.len() || shape[a] != 1 {
+                    return Err(self.err(
+                        "Loop",
+                        format!("output {j}: {shape:?} cannot be stacked on axis {a}"),
+                    ));
+                }
+                shape[a] = trips;
+            }
+            out_types.push((ty, shape));
+            port_outputs.push((2 + inputs.len() + j, r, axis));
+        }
+        // The body: constants rebased into this graph's .bin, plus an always-true execution condition.
+        let shift = self.bin.len();
+        self.bin.extend_from_slice(&body.bin);
+        let mut nodes = body.nodes;
+        for n in nodes.iter_mut().filter(|n| n.op == "Const") {
+            for (k, v) in n.attrs.iter_mut() {
+                if *k == "offset" {
+                    *v = (v.parse::<usize>().unwrap_or(0) + shift).to_string();
+                }
+            }
+        }
+        let offset = self.bin.len();
+        self.bin.push(1);
+        let cond_const = nodes.len();
+        nodes.push(Node {
+            name: "loop_condition".into(),
+            op: "Const",
+            version: "opset1",
+            attrs: vec![
+                ("element_type", "boolean".into()),
+                ("shape", String::new()),
+                ("offset", offset.to_string()),
+                ("size", "1".into()),
+            ],
+            inputs: vec![],
+            outputs: vec![Port {
+                ty: ElemType::Boolean,
+                shape: vec![],
+                names: vec![],
+            }],
+            body: None,
+        });
+        let condition = nodes.len();
+        nodes.push(Node {
+            name: "loop_condition/sink_port_0".into(),
+            op: "Result",
+            version: "opset1",
+            attrs: vec![],
+            inputs: vec![Value {
+                node: cond_const,
+                port: 0,
+            }],
+            outputs: vec![],
+            body: None,
+        });
+        results.push(condition);
+        let trip = self.const_i64(&[trips as i64], &[])?;
+        let exec = self.constant_bytes(ElemType::Boolean, &[], &[1])?;
+        let mut all_inputs = vec![trip, exec];
+        all_inputs.extend(inputs.iter().map(|(v, _)| *v));
+        let id = self.push("Loop", "opset5", vec![], all_inputs, out_types);
+        self.nodes[id].body = Some(Box::new(LoopBody {
+            nodes,
+            inputs: port_inputs,
+            outputs: port_outputs,
+            condition,
+            back_edges,
+        }));
+        Ok((0..outputs.len())
+            .map(|port| Value { node: id, port })
+            .collect())
+    }
+
     /// An op this builder does not wrap, with a declared output type and shape (not checked here: OpenVINO's
     /// reader validates it).
     pub fn custom(
@@ -779,76 +991,134 @@ impl Graph {
         let mut xml = String::new();
         let _ = writeln!(xml, "<?xml version=\"1.0\"?>");
         let _ = writeln!(xml, "<net name=\"{}\" version=\"11\">", escape(&self.name));
-        let _ = writeln!(xml, "\t<layers>");
-        let port_xml = |xml: &mut String, id: usize, p: &Port, with_names: bool| {
-            let names = if with_names && !p.names.is_empty() {
-                format!(" names=\"{}\"", escape(&p.names.join(",")))
-            } else {
-                String::new()
-            };
-            let _ = write!(
-                xml,
-                "\t\t\t\t<port id=\"{id}\" precision=\"{}\"{names}",
-                p.ty.precision()
-            );
-            if p.shape.is_empty() {
-                let _ = writeln!(xml, " />");
-            } else {
-                let _ = writeln!(xml, ">");
-                for d in &p.shape {
-                    let _ = writeln!(xml, "\t\t\t\t\t<dim>{d}</dim>");
-                }
-                let _ = writeln!(xml, "\t\t\t\t</port>");
-            }
-        };
-        for (id, n) in self.nodes.iter().enumerate() {
-            let _ = writeln!(
-                xml,
-                "\t\t<layer id=\"{id}\" name=\"{}\" type=\"{}\" version=\"{}\">",
-                escape(&n.name),
-                n.op,
-                n.version
-            );
-            if !n.attrs.is_empty() {
-                let attrs: Vec<String> = n
-                    .attrs
-                    .iter()
-                    .map(|(k, v)| format!("{k}=\"{}\"", escape(v)))
-                    .collect();
-                let _ = writeln!(xml, "\t\t\t<data {} />", attrs.join(" "));
-            }
-            if !n.inputs.is_empty() {
-                let _ = writeln!(xml, "\t\t\t<input>");
-                for (i, v) in n.inputs.iter().enumerate() {
-                    port_xml(&mut xml, i, &self.nodes[v.node].outputs[v.port], false);
-                }
-                let _ = writeln!(xml, "\t\t\t</input>");
-            }
-            if !n.outputs.is_empty() {
-                let _ = writeln!(xml, "\t\t\t<output>");
-                for (j, p) in n.outputs.iter().enumerate() {
-                    port_xml(&mut xml, n.inputs.len() + j, p, true);
-                }
-                let _ = writeln!(xml, "\t\t\t</output>");
-            }
-            let _ = writeln!(xml, "\t\t</layer>");
-        }
-        let _ = writeln!(xml, "\t</layers>");
-        let _ = writeln!(xml, "\t<edges>");
-        for (id, n) in self.nodes.iter().enumerate() {
-            for (i, v) in n.inputs.iter().enumerate() {
-                let from_port = self.nodes[v.node].inputs.len() + v.port;
-                let _ = writeln!(
-                    xml,
-                    "\t\t<edge from-layer=\"{}\" from-port=\"{from_port}\" to-layer=\"{id}\" to-port=\"{i}\" />",
-                    v.node
-                );
-            }
-        }
-        let _ = writeln!(xml, "\t</edges>");
+        write_nodes(&mut xml, &self.nodes, 1);
         let _ = writeln!(xml, "</net>");
         (xml, self.bin.clone())
     }
+}
+
+fn write_port(xml: &mut String, indent: &str, id: usize, p: &Port, with_names: bool) {
+    let names = if with_names && !p.names.is_empty() {
+        format!(" names=\"{}\"", escape(&p.names.join(",")))
+    } else {
+        String::new()
+    };
+    let _ = write!(
+        xml,
+        "{indent}<port id=\"{id}\" precision=\"{}\"{names}",
+        p.ty.precision()
+    );
+    if p.shape.is_empty() {
+        let _ = writeln!(xml, " />");
+    } else {
+        let _ = writeln!(xml, ">");
+        for d in &p.shape {
+            let _ = writeln!(xml, "{indent}\t<dim>{d}</dim>");
+        }
+        let _ = writeln!(xml, "{indent}</port>");
+    }
+}
+
+/// `<layers>` and `<edges>` of a node list, at an indentation depth.
+fn write_nodes(xml: &mut String, nodes: &[Node], depth: usize) {
+    let t = |n: usize| "\t".repeat(depth + n);
+    let _ = writeln!(xml, "{}<layers>", t(0));
+    for (id, n) in nodes.iter().enumerate() {
+        let _ = writeln!(
+            xml,
+            "{}<layer id=\"{id}\" name=\"{}\" type=\"{}\" version=\"{}\">",
+            t(1),
+            escape(&n.name),
+            n.op,
+            n.version
+        );
+        if !n.attrs.is_empty() {
+            let attrs: Vec<String> = n
+                .attrs
+                .iter()
+                .map(|(k, v)| format!("{k}=\"{}\"", escape(v)))
+                .collect();
+            let _ = writeln!(xml, "{}<data {} />", t(2), attrs.join(" "));
+        }
+        if let Some(body) = &n.body {
+            write_port_map(xml, body, depth + 2);
+        }
+        if !n.inputs.is_empty() {
+            let _ = writeln!(xml, "{}<input>", t(2));
+            for (i, v) in n.inputs.iter().enumerate() {
+                write_port(xml, &t(3), i, &nodes[v.node].outputs[v.port], false);
+            }
+            let _ = writeln!(xml, "{}</input>", t(2));
+        }
+        if !n.outputs.is_empty() {
+            let _ = writeln!(xml, "{}<output>", t(2));
+            for (j, p) in n.outputs.iter().enumerate() {
+                write_port(xml, &t(3), n.inputs.len() + j, p, true);
+            }
+            let _ = writeln!(xml, "{}</output>", t(2));
+        }
+        if let Some(body) = &n.body {
+            let _ = writeln!(xml, "{}<body>", t(2));
+            write_nodes(xml, &body.nodes, depth + 3);
+            let _ = writeln!(xml, "{}</body>", t(2));
+        }
+        let _ = writeln!(xml, "{}</layer>", t(1));
+    }
+    let _ = writeln!(xml, "{}</layers>", t(0));
+    let _ = writeln!(xml, "{}<edges>", t(0));
+    for (id, n) in nodes.iter().enumerate() {
+        for (i, v) in n.inputs.iter().enumerate() {
+            let from_port = nodes[v.node].inputs.len() + v.port;
+            let _ = writeln!(
+                xml,
+                "{}<edge from-layer=\"{}\" from-port=\"{from_port}\" to-layer=\"{id}\" to-port=\"{i}\" />",
+                t(1),
+                v.node
+            );
+        }
+    }
+    let _ = writeln!(xml, "{}</edges>", t(0));
+}
+
+fn write_port_map(xml: &mut String, body: &LoopBody, depth: usize) {
+    let t = |n: usize| "\t".repeat(depth + n);
+    let slicing = |axis: Option<usize>| match axis {
+        Some(a) => format!(" axis=\"{a}\" start=\"0\" end=\"-1\" stride=\"1\" part_size=\"1\""),
+        None => String::new(),
+    };
+    let _ = writeln!(xml, "{}<port_map>", t(0));
+    for &(port, param, axis) in &body.inputs {
+        let _ = writeln!(
+            xml,
+            "{}<input{} external_port_id=\"{port}\" internal_layer_id=\"{param}\" />",
+            t(1),
+            slicing(axis)
+        );
+    }
+    for &(port, result, axis) in &body.outputs {
+        let _ = writeln!(
+            xml,
+            "{}<output{} external_port_id=\"{port}\" internal_layer_id=\"{result}\" />",
+            t(1),
+            slicing(axis)
+        );
+    }
+    let _ = writeln!(
+        xml,
+        "{}<output external_port_id=\"-1\" internal_layer_id=\"{}\" purpose=\"execution_condition\" />",
+        t(1),
+        body.condition
+    );
+    let _ = writeln!(xml, "{}</port_map>", t(0));
+    let _ = writeln!(xml, "{}<back_edges>", t(0));
+    for &(from, to) in &body.back_edges {
+        let _ = writeln!(
+            xml,
+            "{}<edge from-layer=\"{from}\" to-layer=\"{to}\" />",
+            t(1)
+        );
+    }
+    let _ = writeln!(xml, "{}</back_edges>", t(0));
 }
 
 fn escape(s: &str) -> String {

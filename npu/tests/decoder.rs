@@ -70,6 +70,7 @@ fn decoder_graphs_match_the_reference() {
             (1, DeltaNetGraphForm::Matrix),
             (16, DeltaNetGraphForm::Chunked(Inverse::Doubling)),
             (64, DeltaNetGraphForm::Chunked(Inverse::Doubling)),
+            (16, DeltaNetGraphForm::Loop),
         ] {
             let opts = GraphOptions {
                 form,
@@ -84,7 +85,7 @@ fn decoder_graphs_match_the_reference() {
             let start = std::time::Instant::now();
             let run = engine.run(&ids, 16).unwrap();
             let run_s = start.elapsed().as_secs_f64();
-            let label = format!("{name} block {block}");
+            let label = format!("{name} block {block} {form:?}");
             assert_eq!(run.generated, expected_tokens, "{label}: greedy tokens");
             let mut worst = 0f64;
             for (tensor, t) in run.taps.iter().chain(&run.states) {

@@ -71,6 +71,7 @@ fn layer_graphs_match_the_reference() {
             (8, DeltaNetGraphForm::Chunked(Inverse::Series), 1024.0),
             (5, DeltaNetGraphForm::Matrix, 1024.0),
             (1, DeltaNetGraphForm::Matrix, 1024.0),
+            (16, DeltaNetGraphForm::Loop, 1.0),
         ];
         for (tokens, form, scale) in forms {
             let opts = GraphOptions {

@@ -1,14 +1,13 @@
 //! Dumps computed by static graphs on an OpenVINO device, in the reference's dump format.
 
 use crate::dump::Dump;
-use crate::options::{DeviceArgs, DevicePrecision, FormArgs, PrefillForm};
+use crate::options::{DeviceArgs, DevicePrecision, FormArgs};
 use anyhow::{Result, bail};
 use candle_core::{Device, Tensor};
 use npu::devices::{CompileOptions, Precision, device_config};
 use npu::engine::DecoderEngine;
 use npu::graphs::{Builder, DeltaNetGraphForm, GraphOptions};
 use reference::config::Config;
-use reference::deltanet::Inverse;
 use reference::weights::WeightStore;
 use std::collections::BTreeMap;
 
@@ -45,15 +44,7 @@ impl DeviceSettings {
                 "--chunk applies to the reference; an OpenVINO chunk is the whole block (--block)"
             );
         }
-        let graph_form = match form.deltanet_form {
-            PrefillForm::Chunked => DeltaNetGraphForm::Chunked(form.inverse(Inverse::Doubling)),
-            PrefillForm::Matrix => DeltaNetGraphForm::Matrix,
-            PrefillForm::Sequential => {
-                bail!(
-                    "--deltanet-form sequential is the reference's oracle; OpenVINO graphs use matrix or chunked"
-                )
-            }
-        };
+        let graph_form = form.graph_form()?;
         let compile = CompileOptions {
             precision: match dev.precision.unwrap_or(DevicePrecision::F32) {
                 DevicePrecision::F32 => Precision::F32,
@@ -131,6 +122,7 @@ pub fn openvino_dump(
         "deltanet_prefill".into(),
         match s.graph.form {
             DeltaNetGraphForm::Matrix => "matrix".into(),
+            DeltaNetGraphForm::Loop => "loop".into(),
             DeltaNetGraphForm::Chunked(inv) => format!("chunked({}, {})", s.block, inv.name()),
         },
     );

@@ -7,10 +7,7 @@ use clap::{Parser, Subcommand};
 use npu::graphs::{Builder, DeltaNetGraphForm, GraphOptions};
 use parity::device::{DeviceSettings, openvino_dump};
 use parity::dump::{FORMAT, reference_dump};
-use parity::options::{
-    Backend, DeviceArgs, FormArgs, ModelArgs, Precision, PrefillForm, parse_token_ids,
-};
-use reference::deltanet::Inverse;
+use parity::options::{Backend, DeviceArgs, FormArgs, ModelArgs, Precision, parse_token_ids};
 use reference::model::greedy_continue;
 use reference::taps::Taps;
 use reference::tokenizer::{ChatTokenizer, Message};
@@ -188,11 +185,18 @@ fn run(args: RunArgs) -> Result<()> {
     Ok(())
 }
 
+/// What a dump will run, validated before any work.
+enum Plan {
+    Reference(reference::model::RunOptions),
+    OpenVino(DeviceSettings),
+}
+
 fn dump(args: DumpArgs) -> Result<()> {
-    let device = match args.device.backend {
+    // Validate the backend's options before any work; those of the other backend are refused, not ignored.
+    let plan = match args.device.backend {
         Backend::Reference => {
             args.device.check_reference()?;
-            None
+            Plan::Reference(args.form.run_options()?)
         }
         Backend::Openvino => {
             if args.model.dtype != Precision::F32 {
@@ -200,10 +204,9 @@ fn dump(args: DumpArgs) -> Result<()> {
                     "--dtype f64 applies to the reference; OpenVINO graphs compute in f32 or f16 (--precision)"
                 );
             }
-            Some(DeviceSettings::resolve(&args.device, &args.form)?)
+            Plan::OpenVino(DeviceSettings::resolve(&args.device, &args.form)?)
         }
     };
-    let opts = args.form.run_options()?;
     let (dir, config, store, model) = args.model.load()?;
     let (ids, prompt) = match (&args.token_ids, &args.prompt) {
         (Some(t), _) => (parse_token_ids(t)?, None),
@@ -217,13 +220,13 @@ fn dump(args: DumpArgs) -> Result<()> {
         (None, None) => unreachable!("clap requires one of --token-ids and --prompt"),
     };
     model.check_ids(&ids).context("--token-ids")?;
-    let mut d = match &device {
-        None => {
-            let mut d = reference_dump(&model, &ids, args.generate, &opts)?;
+    let mut d = match &plan {
+        Plan::Reference(opts) => {
+            let mut d = reference_dump(&model, &ids, args.generate, opts)?;
             d.metadata.insert("weights".into(), store.format().name());
             d
         }
-        Some(s) => openvino_dump(&config, &store, &ids, args.generate, s)?,
+        Plan::OpenVino(settings) => openvino_dump(&config, &store, &ids, args.generate, settings)?,
     };
     d.metadata.insert("model".into(), dir.display().to_string());
     if let Some(p) = prompt {
@@ -289,13 +292,7 @@ fn export_ir(args: ExportArgs) -> Result<()> {
             "--dtype applies to reference runs; graphs are written in f32 with --weights storage"
         );
     }
-    let form = match args.form.deltanet_form {
-        PrefillForm::Chunked => DeltaNetGraphForm::Chunked(args.form.inverse(Inverse::Doubling)),
-        PrefillForm::Matrix => DeltaNetGraphForm::Matrix,
-        PrefillForm::Sequential => {
-            bail!("--deltanet-form sequential has no graph form (use matrix or chunked)")
-        }
-    };
+    let form = args.form.graph_form()?;
     if args.blocks.contains(&0) {
         bail!("--blocks: block sizes must be at least 1");
     }
@@ -338,6 +335,7 @@ fn export_ir(args: ExportArgs) -> Result<()> {
         "weights": store.format().name(),
         "deltanet_form": match form {
             DeltaNetGraphForm::Matrix => "matrix".to_string(),
+            DeltaNetGraphForm::Loop => "loop".to_string(),
             DeltaNetGraphForm::Chunked(i) => format!("chunked ({})", i.name()),
         },
         "output_scale": opts.output_scale,

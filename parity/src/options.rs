@@ -3,6 +3,7 @@
 use anyhow::{Result, bail};
 use candle_core::DType;
 use clap::{Args, ValueEnum};
+use npu::graphs::DeltaNetGraphForm;
 use reference::config::Config;
 use reference::deltanet::{Form, Inverse};
 use reference::model::{Model, RunOptions};
@@ -46,6 +47,8 @@ pub enum PrefillForm {
     Matrix,
     /// Chunkwise parallel (see `--chunk`, `--inverse`).
     Chunked,
+    /// OpenVINO only: one Loop op stepping token by token, as the optimum-intel export has it (CPU; not NPU).
+    Loop,
 }
 
 /// Delta-rule form of single-token decode calls.
@@ -116,7 +119,7 @@ impl ModelArgs {
 /// How the reference computes (none of these change the result in exact arithmetic).
 #[derive(Debug, Clone, Args)]
 pub struct FormArgs {
-    /// Delta-rule form for the prompt (OpenVINO: matrix or chunked).
+    /// Delta-rule form for the prompt (OpenVINO: matrix, chunked or loop).
     #[arg(long, value_enum, default_value = "chunked")]
     pub deltanet_form: PrefillForm,
     /// Tokens per chunk of the chunked form.
@@ -151,6 +154,11 @@ impl FormArgs {
         let inverse = self.inverse(Inverse::Substitution);
         Ok(RunOptions {
             prefill: match self.deltanet_form {
+                PrefillForm::Loop => {
+                    bail!(
+                        "--deltanet-form loop is an OpenVINO graph form; the reference's token loop is `sequential`"
+                    )
+                }
                 PrefillForm::Sequential => Form::Sequential,
                 PrefillForm::Matrix => Form::Matrix,
                 PrefillForm::Chunked => Form::Chunked {
@@ -174,6 +182,19 @@ impl FormArgs {
             bail!("--output-scale must be a positive number, got {s}");
         }
         Ok(s)
+    }
+
+    /// The DeltaNet form of OpenVINO graphs (`--deltanet-form` matrix, chunked or loop; chunked uses `--inverse`,
+    /// block doubling by default).
+    pub fn graph_form(&self) -> Result<DeltaNetGraphForm> {
+        Ok(match self.deltanet_form {
+            PrefillForm::Chunked => DeltaNetGraphForm::Chunked(self.inverse(Inverse::Doubling)),
+            PrefillForm::Matrix => DeltaNetGraphForm::Matrix,
+            PrefillForm::Loop => DeltaNetGraphForm::Loop,
+            PrefillForm::Sequential => bail!(
+                "--deltanet-form sequential is the reference's oracle; OpenVINO graphs use matrix, chunked or loop"
+            ),
+        })
     }
 
     /// `--inverse`, or `default`.

@@ -230,7 +230,7 @@ fn openvino_errors_are_clear() {
             out,
         ),
         &[],
-        &["--deltanet-form", "matrix or chunked"],
+        &["--deltanet-form", "matrix, chunked or loop"],
     );
     expect_error(
         &with(&ov, &["--token-ids", "1,2", "--dtype", "f64"], out),
@@ -302,4 +302,32 @@ fn openvino_errors_are_clear() {
         &[("OPENVINO_LIB", "/no/such/dir")],
         &["OPENVINO_LIB"],
     );
+    expect_error(
+        &with(&ov, &["--token-ids", "1,2", "--chunk", "8"], out),
+        &[],
+        &["--chunk", "--block"],
+    );
+    expect_error(
+        &[
+            "dump",
+            "--deltanet-form",
+            "loop",
+            "--token-ids",
+            "1,2",
+            "--out",
+            out,
+        ],
+        &[],
+        &["loop", "sequential"],
+    );
+    // The Loop form runs on CPU and refuses nothing valid.
+    let o = qwen35(
+        &with(
+            &ov,
+            &["--token-ids", "1,2,3", "--deltanet-form", "loop"],
+            out,
+        ),
+        &[],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
 }
