@@ -193,19 +193,19 @@ pub fn compile(
 ) -> Result<Compiled> {
     let start = std::time::Instant::now();
     require(core, device)?;
-    let (xml, bin) = graph.serialize();
     let ov_err = |stage: &'static str, e: &dyn std::fmt::Display| Error::OpenVino {
         stage,
         graph: graph.name().to_string(),
         device: device.to_string(),
         message: openvino_message(e),
     };
+    let (xml, bin) = graph.serialize();
     let weights = openvino::Tensor::new(
         openvino::ElementType::U8,
         &openvino::Shape::new(&[bin.len() as i64]).map_err(|e| ov_err("reading", &e))?,
     )
     .and_then(|mut t| {
-        t.get_raw_data_mut()?.copy_from_slice(&bin);
+        t.get_raw_data_mut()?.copy_from_slice(bin);
         Ok(t)
     })
     .map_err(|e| ov_err("reading", &e))?;

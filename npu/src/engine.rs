@@ -8,6 +8,7 @@ use crate::graphs::Builder;
 use crate::infer::Session;
 use candle_core::{DType, Device, Tensor};
 use reference::config::{Config, LayerKind};
+use reference::model::state_names;
 use std::collections::BTreeMap;
 
 /// The state of one layer, kept on the host between graph calls.
@@ -66,20 +67,17 @@ impl HostLayerState {
     /// The state under the dump's names: `conv_state`/`recurrent_state` or `key_cache`/`value_cache` (filled part).
     pub fn dump_tensors(&self, layer: usize) -> Result<Vec<(String, Tensor)>> {
         Ok(match self {
-            HostLayerState::Linear { conv, recurrent } => vec![
-                (format!("layers.{layer}.conv_state"), conv.clone()),
-                (format!("layers.{layer}.recurrent_state"), recurrent.clone()),
-            ],
-            HostLayerState::Attention { keys, values, len } => vec![
-                (
-                    format!("layers.{layer}.key_cache"),
-                    keys.narrow(1, 0, *len)?,
-                ),
-                (
-                    format!("layers.{layer}.value_cache"),
-                    values.narrow(1, 0, *len)?,
-                ),
-            ],
+            HostLayerState::Linear { conv, recurrent } => {
+                let [c, r] = state_names(layer, LayerKind::Linear);
+                vec![(c, conv.clone()), (r, recurrent.clone())]
+            }
+            HostLayerState::Attention { keys, values, len } => {
+                let [k, v] = state_names(layer, LayerKind::Full);
+                vec![
+                    (k, keys.narrow(1, 0, *len)?),
+                    (v, values.narrow(1, 0, *len)?),
+                ]
+            }
         })
     }
 }
@@ -154,6 +152,14 @@ fn append_cache(cache: &Tensor, new: &Tensor, len: usize, n: usize) -> Result<Te
         parts.push(cache.narrow(1, len + n, ctx - len - n)?);
     }
     Ok(Tensor::cat(&parts, 1)?)
+}
+
+/// A graph output that must be there.
+fn output(outputs: &BTreeMap<String, Tensor>, name: &str) -> Result<Tensor> {
+    outputs
+        .get(name)
+        .cloned()
+        .ok_or_else(|| Error::Config(format!("the graph has no output `{name}`")))
 }
 
 /// Collects token-major outputs across blocks (valid rows only).
@@ -240,8 +246,8 @@ impl LayerRunner {
                         ("conv_state", conv),
                         ("recurrent_state", recurrent),
                     ])?;
-                    *conv = r["conv_state_out"].clone();
-                    *recurrent = r["recurrent_state_out"].clone();
+                    *conv = output(&r, "conv_state_out")?;
+                    *recurrent = output(&r, "recurrent_state_out")?;
                     r
                 }
                 (LayerKind::Full, HostLayerState::Attention { keys, values, len }) => {
@@ -252,8 +258,8 @@ impl LayerRunner {
                         ("past_keys", keys),
                         ("past_values", values),
                     ])?;
-                    *keys = append_cache(keys, &r["new_keys"], *len, valid)?;
-                    *values = append_cache(values, &r["new_values"], *len, valid)?;
+                    *keys = append_cache(keys, &output(&r, "new_keys")?, *len, valid)?;
+                    *values = append_cache(values, &output(&r, "new_values")?, *len, valid)?;
                     *len += valid;
                     r
                 }
@@ -394,12 +400,17 @@ impl DecoderEngine {
         for (i, s) in self.states.iter_mut().enumerate() {
             match s {
                 HostLayerState::Linear { conv, recurrent } => {
+                    let missing = || {
+                        Error::Config(format!(
+                            "the decoder graph has no state outputs for layer {i}"
+                        ))
+                    };
                     *conv = r
                         .remove(&format!("layers.{i}.conv_state_out"))
-                        .unwrap_or_else(|| conv.clone());
+                        .ok_or_else(missing)?;
                     *recurrent = r
                         .remove(&format!("layers.{i}.recurrent_state_out"))
-                        .unwrap_or_else(|| recurrent.clone());
+                        .ok_or_else(missing)?;
                 }
                 HostLayerState::Attention { keys, values, len } => {
                     let nk = r.remove(&format!("layers.{i}.new_keys"));
@@ -446,11 +457,11 @@ impl DecoderEngine {
         let mut taps = Collector::default();
         let mut last = None;
         for piece in ids.chunks(self.block) {
-            let r = self.step(piece, if self.block == 1 { 1 } else { self.block })?;
+            let r = self.step(piece, self.block)?;
             for (name, t) in &r {
                 taps.push(name, t, piece.len())?;
             }
-            last = Some(r["logits"].get(piece.len() - 1)?);
+            last = Some(output(&r, "logits")?.get(piece.len() - 1)?);
         }
         let mut states = BTreeMap::new();
         for (i, s) in self.states.iter().enumerate() {
@@ -462,7 +473,7 @@ impl DecoderEngine {
             let next = reference::model::argmax(&logits)?;
             generated.push(next);
             if n + 1 < generate {
-                logits = self.step(&[next], 1)?["logits"].get(0)?;
+                logits = output(&self.step(&[next], 1)?, "logits")?.get(0)?;
             }
         }
         Ok(DeviceRun {

@@ -70,7 +70,7 @@ pub struct Builder<'a> {
 /// The inputs a layer reads inside a graph.
 struct LayerInputs {
     hidden: Value,
-    valid: Value,
+    valid: Option<Value>,
     mask: Option<Value>,
     angles: Option<(Value, Value)>,
 }
@@ -83,12 +83,7 @@ impl<'a> Builder<'a> {
                 "the static context must hold at least one token".into(),
             ));
         }
-        if !(opts.output_scale > 0.0 && opts.output_scale.is_finite()) {
-            return Err(Error::Config(format!(
-                "output scale must be positive, got {}",
-                opts.output_scale
-            )));
-        }
+        reference::linear_attn::check_output_scale(opts.output_scale as f64)?;
         Ok(Builder {
             config,
             weights,
@@ -726,7 +721,12 @@ impl<'a> Builder<'a> {
             h,
         )?;
         let mixed = match self.config.layer_types[layer] {
-            LayerKind::Linear => self.deltanet(g, x, inputs.valid, layer, prefix)?,
+            LayerKind::Linear => {
+                let valid = inputs.valid.ok_or_else(|| {
+                    Error::graph(g.name(), "a linear-attention layer needs token_valid")
+                })?;
+                self.deltanet(g, x, valid, layer, prefix)?
+            }
             LayerKind::Full => self.attention(g, x, inputs, layer, prefix)?,
         };
         g.result(mixed, &format!("{prefix}mixer_output"))?;
@@ -757,7 +757,7 @@ impl<'a> Builder<'a> {
         let inputs = match kind {
             LayerKind::Linear => LayerInputs {
                 hidden,
-                valid: g.parameter("token_valid", ElemType::F32, &[tokens]),
+                valid: Some(g.parameter("token_valid", ElemType::F32, &[tokens])),
                 mask: None,
                 angles: None,
             },
@@ -771,7 +771,7 @@ impl<'a> Builder<'a> {
                 let angles = self.rotary(&mut g, positions)?;
                 LayerInputs {
                     hidden,
-                    valid: hidden,
+                    valid: None,
                     mask: Some(mask),
                     angles: Some(angles),
                 }
@@ -806,7 +806,7 @@ impl<'a> Builder<'a> {
         for layer in 0..c.num_layers() {
             let inputs = LayerInputs {
                 hidden,
-                valid,
+                valid: Some(valid),
                 mask: Some(mask),
                 angles: Some(angles),
             };

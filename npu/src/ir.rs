@@ -986,14 +986,14 @@ impl Graph {
         std::fs::write(&bin_path, bin).map_err(|e| Error::io(&bin_path, e))
     }
 
-    /// The IR: `(xml, bin)`.
-    pub fn serialize(&self) -> (String, Vec<u8>) {
+    /// The IR: `(xml, bin)`, the weights borrowed (they can be the bulk of a checkpoint).
+    pub fn serialize(&self) -> (String, &[u8]) {
         let mut xml = String::new();
         let _ = writeln!(xml, "<?xml version=\"1.0\"?>");
         let _ = writeln!(xml, "<net name=\"{}\" version=\"11\">", escape(&self.name));
         write_nodes(&mut xml, &self.nodes, 1);
         let _ = writeln!(xml, "</net>");
-        (xml, self.bin.clone())
+        (xml, &self.bin)
     }
 }
 
@@ -1162,7 +1162,8 @@ mod tests {
             let c = g.const_f32(&[1.0, 2.0], &[2]).unwrap();
             let y = g.add(x, c).unwrap();
             g.result(y, "y").unwrap();
-            g.serialize()
+            let (xml, bin) = g.serialize();
+            (xml, bin.to_vec())
         };
         assert_eq!(build(), build());
     }

@@ -34,16 +34,6 @@ impl DeviceSettings {
         if context == 0 {
             bail!("--context must be at least 1");
         }
-        if form.prefill_block.is_some() {
-            bail!(
-                "--prefill-block applies to the reference; OpenVINO prompts run in blocks of --block"
-            );
-        }
-        if form.chunk != 64 {
-            bail!(
-                "--chunk applies to the reference; an OpenVINO chunk is the whole block (--block)"
-            );
-        }
         let graph_form = form.graph_form()?;
         let compile = CompileOptions {
             precision: match dev.precision.unwrap_or(DevicePrecision::F32) {

@@ -139,7 +139,8 @@ fn run(args: RunArgs) -> Result<()> {
     let mut state = model.new_state()?;
     let logits = model.prefill(&ids, &mut state, &opts, &mut Taps::off())?;
     let prefill_time = start.elapsed();
-    let stop = tok.stop_ids();
+    let mut stop = tok.stop_ids();
+    stop.extend(model.config().eos_token_ids.iter().copied());
     let mut generated = Vec::new();
     let mut printed = 0;
     let mut out = std::io::stdout().lock();
@@ -286,13 +287,13 @@ fn devices(args: DevicesArgs) -> Result<()> {
 }
 
 fn export_ir(args: ExportArgs) -> Result<()> {
-    let (dir, config, store, _) = args.model.load()?;
     if args.model.dtype != Precision::F32 {
         bail!(
             "--dtype applies to reference runs; graphs are written in f32 with --weights storage"
         );
     }
     let form = args.form.graph_form()?;
+    let (dir, config, store) = args.model.open()?;
     if args.blocks.contains(&0) {
         bail!("--blocks: block sizes must be at least 1");
     }

@@ -91,11 +91,17 @@ fn parse_weights(s: &str) -> std::result::Result<WeightFormat, String> {
 }
 
 impl ModelArgs {
-    /// Opens the weights (in the chosen format) and builds the reference model.
-    pub fn load(&self) -> Result<(PathBuf, Config, WeightStore, Model)> {
+    /// Reads the config and opens the weights in the chosen format.
+    pub fn open(&self) -> Result<(PathBuf, Config, WeightStore)> {
         let dir = self.dir()?;
         let config = Config::from_file(&dir.join("config.json"))?;
         let store = WeightStore::open_with_format(&dir, self.dtype.dtype(), self.weights)?;
+        Ok((dir, config, store))
+    }
+
+    /// [`ModelArgs::open`], and the reference model on those weights.
+    pub fn load(&self) -> Result<(PathBuf, Config, WeightStore, Model)> {
+        let (dir, config, store) = self.open()?;
         let model = Model::from_weights(config.clone(), &store)?;
         Ok((dir, config, store, model))
     }
@@ -122,17 +128,17 @@ pub struct FormArgs {
     /// Delta-rule form for the prompt (OpenVINO: matrix, chunked or loop).
     #[arg(long, value_enum, default_value = "chunked")]
     pub deltanet_form: PrefillForm,
-    /// Tokens per chunk of the chunked form.
-    #[arg(long, default_value_t = 64, value_name = "N")]
-    pub chunk: usize,
+    /// Reference only: tokens per chunk of the chunked form (default 64; an OpenVINO chunk is the whole --block).
+    #[arg(long, value_name = "N")]
+    pub chunk: Option<usize>,
     /// Triangular inverse of the chunked form. Default: substitution on the reference (transformers' algorithm),
     /// doubling on OpenVINO (the NPU port's).
     #[arg(long, value_enum)]
     pub inverse: Option<InverseArg>,
-    /// Delta-rule form for single-token decode.
-    #[arg(long, value_enum, default_value = "matrix")]
-    pub decode_form: DecodeForm,
-    /// Feed the prompt in forward calls of at most N tokens (state carried between them).
+    /// Reference only: delta-rule form for single-token decode (default matrix; OpenVINO decodes in the matrix form).
+    #[arg(long, value_enum)]
+    pub decode_form: Option<DecodeForm>,
+    /// Reference only: feed the prompt in forward calls of at most N tokens (state carried between them).
     #[arg(long, value_name = "N")]
     pub prefill_block: Option<usize>,
     /// DeltaNet output rescaling: q times S inside the recurrence, gated-norm eps times S² (1 = off). Default: 1 on
@@ -144,8 +150,14 @@ pub struct FormArgs {
 impl FormArgs {
     /// The validated run options.
     pub fn run_options(&self) -> Result<RunOptions> {
-        if self.chunk == 0 {
+        let chunk = self.chunk.unwrap_or(64);
+        if chunk == 0 {
             bail!("--chunk must be at least 1");
+        }
+        if self.deltanet_form != PrefillForm::Chunked
+            && (self.chunk.is_some() || self.inverse.is_some())
+        {
+            bail!("--chunk and --inverse apply to --deltanet-form chunked");
         }
         if self.prefill_block == Some(0) {
             bail!("--prefill-block must be at least 1");
@@ -162,11 +174,11 @@ impl FormArgs {
                 PrefillForm::Sequential => Form::Sequential,
                 PrefillForm::Matrix => Form::Matrix,
                 PrefillForm::Chunked => Form::Chunked {
-                    block: self.chunk,
+                    block: chunk,
                     inverse,
                 },
             },
-            decode: match self.decode_form {
+            decode: match self.decode_form.unwrap_or(DecodeForm::Matrix) {
                 DecodeForm::Sequential => Form::Sequential,
                 DecodeForm::Matrix => Form::Matrix,
             },
@@ -178,15 +190,30 @@ impl FormArgs {
     /// `--output-scale`, or `default`, validated.
     pub fn output_scale(&self, default: f64) -> Result<f64> {
         let s = self.output_scale.unwrap_or(default);
-        if !(s.is_finite() && s > 0.0) {
-            bail!("--output-scale must be a positive number, got {s}");
-        }
+        reference::linear_attn::check_output_scale(s)
+            .map_err(|e| anyhow::anyhow!("--output-scale: {e}"))?;
         Ok(s)
     }
 
     /// The DeltaNet form of OpenVINO graphs (`--deltanet-form` matrix, chunked or loop; chunked uses `--inverse`,
-    /// block doubling by default).
+    /// block doubling by default). Reference-only options are refused.
     pub fn graph_form(&self) -> Result<DeltaNetGraphForm> {
+        if self.prefill_block.is_some() {
+            bail!(
+                "--prefill-block applies to the reference; OpenVINO prompts run in blocks of --block"
+            );
+        }
+        if self.chunk.is_some() {
+            bail!(
+                "--chunk applies to the reference; an OpenVINO chunk is the whole block (--block)"
+            );
+        }
+        if self.decode_form.is_some_and(|d| d != DecodeForm::Matrix) {
+            bail!("--decode-form: OpenVINO decode graphs use the matrix form");
+        }
+        if self.deltanet_form != PrefillForm::Chunked && self.inverse.is_some() {
+            bail!("--inverse applies to --deltanet-form chunked");
+        }
         Ok(match self.deltanet_form {
             PrefillForm::Chunked => DeltaNetGraphForm::Chunked(self.inverse(Inverse::Doubling)),
             PrefillForm::Matrix => DeltaNetGraphForm::Matrix,
@@ -212,8 +239,7 @@ impl FormArgs {
 pub fn parse_token_ids(text: &str) -> Result<Vec<u32>> {
     let ids = text
         .split(',')
-        .map(|s| s.trim())
-        .filter(|s| !s.is_empty())
+        .map(str::trim)
         .map(|s| {
             s.parse::<u32>()
                 .map_err(|_| anyhow::anyhow!("--token-ids: `{s}` is not a token id"))

@@ -320,6 +320,52 @@ fn openvino_errors_are_clear() {
         &[],
         &["loop", "sequential"],
     );
+    // Options that would be ignored are refused; the output scale must keep the math exact.
+    expect_error(
+        &with(
+            &ov,
+            &["--token-ids", "1,2", "--decode-form", "sequential"],
+            out,
+        ),
+        &[],
+        &["--decode-form", "matrix"],
+    );
+    expect_error(
+        &with(
+            &ov,
+            &[
+                "--token-ids",
+                "1,2",
+                "--deltanet-form",
+                "matrix",
+                "--inverse",
+                "series",
+            ],
+            out,
+        ),
+        &[],
+        &["--inverse", "chunked"],
+    );
+    for scale in ["1000", "1e20", "0.5"] {
+        expect_error(
+            &with(&ov, &["--token-ids", "1,2", "--output-scale", scale], out),
+            &[],
+            &["--output-scale", "power of two"],
+        );
+        expect_error(
+            &[
+                "dump",
+                "--token-ids",
+                "1,2",
+                "--output-scale",
+                scale,
+                "--out",
+                out,
+            ],
+            &[],
+            &["--output-scale", "power of two"],
+        );
+    }
     // The Loop form runs on CPU and refuses nothing valid.
     let o = qwen35(
         &with(

@@ -2,7 +2,7 @@
 //! cache, causal softmax, sigmoid output gate.
 
 use crate::config::Config;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::ops::{linear, rms_norm, sigmoid, softmax_last_dim};
 use crate::rope::RotaryTables;
 use crate::taps::Taps;
@@ -101,7 +101,6 @@ impl Attention {
             Some(prev) => Tensor::cat(&[prev, &v], 1)?,
             None => v,
         };
-        let s = past + t;
 
         // Query head h uses kv head h / (H / Hkv): group the query heads of each kv head together.
         let group = nh / nkv;
@@ -116,9 +115,6 @@ impl Attention {
             .reshape((t, nh * d))?;
         let gated = (out * sigmoid(&gate)?)?;
         taps.record(|| format!("{tap}.gated_output"), &gated)?;
-        if keys.dim(1)? != s {
-            return Err(Error::Input("attention cache length mismatch".into()));
-        }
         cache.keys = Some(keys);
         cache.values = Some(values);
         linear(&gated, &self.o_proj)

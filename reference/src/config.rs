@@ -209,12 +209,13 @@ impl Config {
             }
             Some(v) => return Err(f.err("layer_types", format!("expected a list, found {v}"))),
             None => {
-                let interval = f.usize("full_attention_interval").map_err(|_| {
-                    f.err(
+                if !f.map.contains_key("full_attention_interval") {
+                    return Err(f.err(
                         "layer_types",
                         "missing, and so is full_attention_interval: the layer kinds cannot be derived",
-                    )
-                })?;
+                    ));
+                }
+                let interval = f.usize("full_attention_interval")?;
                 (0..num_hidden_layers)
                     .map(|i| {
                         if (i + 1) % interval == 0 {
@@ -308,24 +309,20 @@ impl Config {
             mrope_section,
         };
 
-        let eos_token_ids = match f
-            .map
-            .get("eos_token_id")
-            .or_else(|| outer.and_then(|o| o.map.get("eos_token_id")))
-        {
+        let eos_key = if f.map.contains_key("eos_token_id") {
+            f
+        } else {
+            outer.unwrap_or(f)
+        };
+        let as_id = |v: &Value| -> Result<u32> {
+            v.as_u64()
+                .and_then(|x| u32::try_from(x).ok())
+                .ok_or_else(|| eos_key.err("eos_token_id", format!("{v} is not a token id")))
+        };
+        let eos_token_ids = match eos_key.map.get("eos_token_id") {
             None | Some(Value::Null) => vec![],
-            Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-            Some(Value::Array(a)) => a
-                .iter()
-                .filter_map(|x| x.as_u64())
-                .map(|x| x as u32)
-                .collect(),
-            Some(v) => {
-                return Err(f.err(
-                    "eos_token_id",
-                    format!("expected an id or a list, found {v}"),
-                ));
-            }
+            Some(Value::Array(a)) => a.iter().map(as_id).collect::<Result<_>>()?,
+            Some(v) => vec![as_id(v)?],
         };
 
         let config = Config {
@@ -556,6 +553,15 @@ mod tests {
         let mut v = flat();
         v["model_type"] = "llama".into();
         expect_err(v, "model_type");
+
+        let mut v = flat();
+        v["eos_token_id"] = serde_json::json!([3, -1]);
+        expect_err(v, "eos_token_id");
+
+        let mut v = flat();
+        v.as_object_mut().unwrap().remove("layer_types");
+        v["full_attention_interval"] = 0.into();
+        expect_err(v, "full_attention_interval");
 
         let mut v = flat();
         v.as_object_mut().unwrap().remove("tie_word_embeddings");

@@ -138,11 +138,7 @@ impl GatedDeltaNet {
         taps.record(|| format!("{tap}.beta"), &beta)?;
 
         let scale = opts.output_scale;
-        if !(scale > 0.0 && scale.is_finite()) {
-            return Err(Error::Input(format!(
-                "output scale must be positive, got {scale}"
-            )));
-        }
+        check_output_scale(scale)?;
         let q = (l2_normalize(&q, L2_NORM_EPS)? * ((self.dk as f64).powf(-0.5) * scale))?;
         let k = l2_normalize(&k, L2_NORM_EPS)?;
         let group = self.hv / self.hk;
@@ -167,6 +163,21 @@ impl GatedDeltaNet {
         };
         Ok(out)
     }
+}
+
+/// Largest accepted DeltaNet output scale (2^16; the NPU port uses 2^10).
+pub const MAX_OUTPUT_SCALE: f64 = 65536.0;
+
+/// The DeltaNet output rescaling must be a power of two in `1..=2^16`: only then is it exact (every product and sum
+/// scales without rounding, and `eps · scale²` stays a normal f32), which is the whole point of the trick.
+pub fn check_output_scale(scale: f64) -> Result<()> {
+    let power_of_two = scale.is_finite() && scale >= 1.0 && scale.log2().fract() == 0.0;
+    if !power_of_two || scale > MAX_OUTPUT_SCALE {
+        return Err(Error::Input(format!(
+            "output scale {scale}: must be a power of two from 1 to {MAX_OUTPUT_SCALE} (1 = off, the NPU port uses 1024)"
+        )));
+    }
+    Ok(())
 }
 
 /// Depthwise causal convolution over time with a carried state, no bias.

@@ -49,6 +49,21 @@ pub struct State {
     pub layers: Vec<LayerState>,
 }
 
+/// The dump names of a layer's two state tensors: `layers.{i}.conv_state` and `layers.{i}.recurrent_state` for a
+/// linear-attention layer, `layers.{i}.key_cache` and `layers.{i}.value_cache` for an attention layer.
+pub fn state_names(layer: usize, kind: LayerKind) -> [String; 2] {
+    match kind {
+        LayerKind::Linear => [
+            format!("layers.{layer}.conv_state"),
+            format!("layers.{layer}.recurrent_state"),
+        ],
+        LayerKind::Full => [
+            format!("layers.{layer}.key_cache"),
+            format!("layers.{layer}.value_cache"),
+        ],
+    }
+}
+
 impl State {
     /// Every layer's state under the dump's names: `layers.{i}.conv_state` `[C, K]` and
     /// `layers.{i}.recurrent_state` `[Hv, Dk, Dv]`, or `layers.{i}.key_cache` / `value_cache` `[Hkv, P, D]` (attention
@@ -58,13 +73,15 @@ impl State {
         for (i, layer) in self.layers.iter().enumerate() {
             match layer {
                 LayerState::Linear(s) => {
-                    out.push((format!("layers.{i}.conv_state"), s.conv.clone()));
-                    out.push((format!("layers.{i}.recurrent_state"), s.recurrent.clone()));
+                    let [conv, recurrent] = state_names(i, LayerKind::Linear);
+                    out.push((conv, s.conv.clone()));
+                    out.push((recurrent, s.recurrent.clone()));
                 }
                 LayerState::Attention(c) => {
                     if let (Some(k), Some(v)) = (&c.keys, &c.values) {
-                        out.push((format!("layers.{i}.key_cache"), k.clone()));
-                        out.push((format!("layers.{i}.value_cache"), v.clone()));
+                        let [keys, values] = state_names(i, LayerKind::Full);
+                        out.push((keys, k.clone()));
+                        out.push((values, v.clone()));
                     }
                 }
             }
@@ -280,7 +297,16 @@ impl Model {
         }
         let normed = rms_norm(&h, &self.norm, eps)?;
         taps.record(|| "final_norm".into(), &normed)?;
-        state.position += t;
+        // The next text position follows the largest position used (for text: position + T; after an image, the
+        // row maximum + 1, as transformers' rope deltas continue).
+        let last = positions
+            .0
+            .iter()
+            .flat_map(|r| r.iter())
+            .copied()
+            .max()
+            .unwrap_or(-1);
+        state.position = usize::try_from(last + 1).unwrap_or(0).max(state.position);
         if taps.enabled() {
             let logits = linear(&normed, &self.lm_head)?;
             taps.record(|| "logits".into(), &logits)?;

@@ -34,7 +34,7 @@ impl Positions {
 /// The rotary embedding of the full-attention layers.
 #[derive(Debug, Clone)]
 pub struct Rope {
-    /// `theta^(-2i / rotary_dim)`, rounded to f32 as the checkpoint defines it; angles are then computed in f64.
+    /// `theta^(-2i / rotary_dim)`, rounded to f32 as the checkpoint defines it (exact in f32 and f64).
     inv_freq: Vec<f64>,
     rotary_dim: usize,
     section: Option<[usize; 3]>,
@@ -95,23 +95,20 @@ impl Rope {
                 "multimodal positions (rows differ) need rope_parameters.mrope_section in the config".into(),
             ));
         }
+        // angle[t, i] = position[row(i)][t] · inv_freq[i], multiplied in the run's dtype: in f32 that is exactly
+        // transformers' f32 product (positions below 2^24 and the f32 inv_freq are exact in any float dtype).
         let half = self.rotary_dim / 2;
-        let mut cos = Vec::with_capacity(t * self.rotary_dim);
-        let mut sin = Vec::with_capacity(t * self.rotary_dim);
-        for tok in 0..t {
-            let angles: Vec<f64> = (0..half)
-                .map(|i| positions.0[self.row_of(i)][tok] as f64 * self.inv_freq[i])
-                .collect();
-            for _ in 0..2 {
-                cos.extend(angles.iter().map(|a| a.cos()));
-                sin.extend(angles.iter().map(|a| a.sin()));
-            }
-        }
-        let shape = (t, self.rotary_dim);
+        let selected: Vec<f64> = (0..t * half)
+            .map(|idx| rows[self.row_of(idx % half)][idx / half] as f64)
+            .collect();
+        let pos = Tensor::from_vec(selected, (t, half), dev)?.to_dtype(dtype)?;
+        let inv = Tensor::from_vec(self.inv_freq.clone(), half, dev)?.to_dtype(dtype)?;
+        let angles = pos.broadcast_mul(&inv)?;
+        let angles = Tensor::cat(&[&angles, &angles], 1)?;
         Ok(RotaryTables {
             rotary_dim: self.rotary_dim,
-            cos: Tensor::from_vec(cos, shape, dev)?.to_dtype(dtype)?,
-            sin: Tensor::from_vec(sin, shape, dev)?.to_dtype(dtype)?,
+            cos: angles.cos()?,
+            sin: angles.sin()?,
         })
     }
 }

@@ -50,8 +50,8 @@ fn token_text(v: &serde_json::Value) -> Option<String> {
 }
 
 impl ChatTokenizer {
-    /// Loads `tokenizer.json`, and the chat template from `tokenizer_config.json` (`chat_template`) or
-    /// `chat_template.jinja`, from a checkpoint directory.
+    /// Loads `tokenizer.json`, and the chat template from `chat_template.jinja` or else `tokenizer_config.json`'s
+    /// `chat_template` (the file wins, as in transformers), from a checkpoint directory.
     pub fn load(dir: &Path) -> Result<Self> {
         let tokenizer_path = dir.join("tokenizer.json");
         if !tokenizer_path.exists() {
@@ -102,8 +102,9 @@ impl ChatTokenizer {
             }
             eos_token = json.get("eos_token").and_then(token_text);
         }
+        // As transformers: a chat_template.jinja file takes precedence over the config's chat_template.
         let jinja = dir.join("chat_template.jinja");
-        if template.is_none() && jinja.exists() {
+        if jinja.exists() {
             let text = std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?;
             template = Some((text, jinja));
         }

@@ -269,3 +269,52 @@ fn kernels_match_fla_naive() {
         }
     }
 }
+
+/// Positions the chat prompts never reach, against transformers: text at 250000.. (RoPE angles rounded as
+/// transformers rounds them, in f32) and an image-like MRoPE grid whose three rows differ.
+#[test]
+fn positions_far_and_multimodal_match_transformers() {
+    use reference::rope::Positions;
+    let g = load_golden(&testdata().join("goldens/tiny.positions.safetensors"));
+    let model = Model::load(&testdata().join("models/tiny"), DType::F32).unwrap();
+    for case in ["offset", "image"] {
+        let t = |n: &str| g.tensors[&format!("{case}.{n}")].clone();
+        let ids = ids_of(&t("token_ids"));
+        let rows: Vec<Vec<i64>> = t("positions").to_vec2().unwrap();
+        let positions = Positions([rows[0].clone(), rows[1].clone(), rows[2].clone()]);
+        let mut state = model.new_state().unwrap();
+        let mut taps = Taps::on();
+        model
+            .forward_at(
+                &ids,
+                &positions,
+                &mut state,
+                &RunOptions::default(),
+                &mut taps,
+            )
+            .unwrap();
+        let next = rows.iter().flatten().max().unwrap() + 1;
+        assert_eq!(
+            state.position as i64, next,
+            "{case}: text continues after the largest position"
+        );
+        for (name, expected) in &g.tensors {
+            let Some(tap) = name.strip_prefix(&format!("{case}.")) else {
+                continue;
+            };
+            if tap == "positions" || tap == "token_ids" {
+                continue;
+            }
+            let d = diff(taps.get(tap).unwrap(), expected).unwrap();
+            let ok = if tap == "logits" {
+                d.within(LOGITS_ATOL, 0.0)
+            } else {
+                d.within(0.0, LAYER_RTOL)
+            };
+            assert!(ok, "{case} {tap}: {d}");
+            if tap == "logits" {
+                println!("{case}: logits within {:.2e} of transformers", d.max_abs);
+            }
+        }
+    }
+}
