@@ -8,19 +8,10 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 mod common;
-use common::{expect_error, qwen35, stderr, testdata};
+use common::{expect_error, ids_arg, qwen35, stderr, testdata};
 
 fn golden(name: &str) -> Dump {
     Dump::read(&testdata().join(format!("goldens/{name}.safetensors"))).unwrap()
-}
-
-fn ids_arg(t: &Tensor) -> String {
-    t.to_vec1::<i64>()
-        .unwrap()
-        .iter()
-        .map(|x| x.to_string())
-        .collect::<Vec<_>>()
-        .join(",")
 }
 
 #[test]

@@ -7,16 +7,6 @@ use reference::compare::diff;
 mod common;
 use common::{expect_error_env as expect_error, qwen35_env as qwen35, stderr, testdata};
 
-fn ids_of(d: &Dump) -> String {
-    d.tensors["token_ids"]
-        .to_vec1::<i64>()
-        .unwrap()
-        .iter()
-        .map(|x| x.to_string())
-        .collect::<Vec<_>>()
-        .join(",")
-}
-
 #[test]
 fn devices_lists_the_cpu() {
     let o = qwen35(&["devices", "--json"], &[]);
@@ -44,7 +34,7 @@ fn openvino_dumps_match_the_goldens() {
         let golden = Dump::read(&testdata().join(format!("goldens/{name}.safetensors"))).unwrap();
         let out = tmp.path().join(format!("{name}.safetensors"));
         let model = testdata().join("models").join(name);
-        let ids = ids_of(&golden);
+        let ids = common::ids_arg(&golden.tensors["token_ids"]);
         let o = qwen35(
             &[
                 "dump",

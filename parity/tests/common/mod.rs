@@ -51,3 +51,13 @@ pub fn expect_error_env(args: &[&str], env: &[(&str, &str)], needles: &[&str]) {
 pub fn expect_error(args: &[&str], needles: &[&str]) {
     expect_error_env(args, &[], needles)
 }
+
+/// `--token-ids` text for an i64 id tensor.
+pub fn ids_arg(t: &candle_core::Tensor) -> String {
+    t.to_vec1::<i64>()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
