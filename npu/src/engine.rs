@@ -435,15 +435,7 @@ impl DecoderEngine {
         if ids.is_empty() {
             return Err(Error::Config("the prompt is empty".into()));
         }
-        if let Some(i) = ids
-            .iter()
-            .position(|&id| id as usize >= self.config.vocab_size)
-        {
-            return Err(Error::Config(format!(
-                "token id {} at position {i} is outside the vocabulary of {}",
-                ids[i], self.config.vocab_size
-            )));
-        }
+        self.config.check_token_ids(ids)?;
         if ids.len() + generate.saturating_sub(1) > self.context {
             return Err(Error::Config(format!(
                 "{} prompt tokens and {generate} generated need {} cache slots, but the static context holds {} \

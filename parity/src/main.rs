@@ -208,7 +208,9 @@ fn dump(args: DumpArgs) -> Result<()> {
             Plan::OpenVino(DeviceSettings::resolve(&args.device, &args.form)?)
         }
     };
-    let (dir, config, store, model) = args.model.load()?;
+    // The reference model is built only for a reference dump: a device dump needs the weights, not a second copy
+    // of them in f32.
+    let (dir, config, store) = args.model.open()?;
     let (ids, prompt) = match (&args.token_ids, &args.prompt) {
         (Some(t), _) => (parse_token_ids(t)?, None),
         (None, Some(p)) => {
@@ -220,9 +222,10 @@ fn dump(args: DumpArgs) -> Result<()> {
         }
         (None, None) => unreachable!("clap requires one of --token-ids and --prompt"),
     };
-    model.check_ids(&ids).context("--token-ids")?;
+    config.check_token_ids(&ids).context("--token-ids")?;
     let mut d = match &plan {
         Plan::Reference(opts) => {
+            let model = reference::model::Model::from_weights(config.clone(), &store)?;
             let mut d = reference_dump(&model, &ids, args.generate, opts)?;
             d.metadata.insert("weights".into(), store.format().name());
             d

@@ -427,6 +427,17 @@ impl Config {
         Ok(())
     }
 
+    /// Checks that every id is inside the vocabulary.
+    pub fn check_token_ids(&self, ids: &[u32]) -> Result<()> {
+        match ids.iter().position(|&id| id as usize >= self.vocab_size) {
+            Some(i) => Err(Error::Input(format!(
+                "token id {} at position {i} is outside the vocabulary of {}",
+                ids[i], self.vocab_size
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// Number of decoder layers.
     pub fn num_layers(&self) -> usize {
         self.layer_types.len()

@@ -208,14 +208,7 @@ impl Model {
 
     /// Checks that every id is inside the vocabulary.
     pub fn check_ids(&self, ids: &[u32]) -> Result<()> {
-        let v = self.config.vocab_size;
-        match ids.iter().position(|&id| id as usize >= v) {
-            Some(i) => Err(Error::Input(format!(
-                "token id {} at position {i} is outside the vocabulary of {v}",
-                ids[i]
-            ))),
-            None => Ok(()),
-        }
+        self.config.check_token_ids(ids)
     }
 
     /// Runs `ids` (text positions continuing from `state.position`) and returns the last token's logits `[V]`.
