@@ -185,32 +185,33 @@ pub struct Compiled {
 }
 
 /// Reads a graph into OpenVINO (from memory) and compiles it for `device` with `opts` set explicitly first.
+///
+/// The graph is consumed: it is written to a private temporary directory and dropped before OpenVINO reads it back
+/// (memory-mapping the weights), so the weights are not held twice while compiling.
 pub fn compile(
     core: &mut Core,
-    graph: &Graph,
+    graph: Graph,
     device: &str,
     opts: &CompileOptions,
 ) -> Result<Compiled> {
     let start = std::time::Instant::now();
     require(core, device)?;
+    let graph_name = graph.name().to_string();
     let ov_err = |stage: &'static str, e: &dyn std::fmt::Display| Error::OpenVino {
         stage,
-        graph: graph.name().to_string(),
+        graph: graph_name.clone(),
         device: device.to_string(),
         message: openvino_message(e),
     };
-    let (xml, bin) = graph.serialize();
-    let weights = openvino::Tensor::new(
-        openvino::ElementType::U8,
-        &openvino::Shape::new(&[bin.len() as i64]).map_err(|e| ov_err("reading", &e))?,
-    )
-    .and_then(|mut t| {
-        t.get_raw_data_mut()?.copy_from_slice(bin);
-        Ok(t)
-    })
-    .map_err(|e| ov_err("reading", &e))?;
+    let scratch = ScratchDir::new()?;
+    let xml_path = scratch.0.join("graph.xml");
+    graph.save(&xml_path)?;
+    drop(graph);
     let model = core
-        .read_model_from_buffer(xml.as_bytes(), Some(&weights))
+        .read_model_from_file(
+            &xml_path.to_string_lossy(),
+            &xml_path.with_extension("bin").to_string_lossy(),
+        )
         .map_err(|e| ov_err("reading", &e))?;
     let dev = DeviceType::from(device);
     let requested = requested_properties(device, opts);
@@ -244,7 +245,7 @@ pub fn compile(
         .map(|s| s.into_owned());
     Ok(Compiled {
         model: compiled,
-        graph: graph.name().to_string(),
+        graph: graph_name,
         device: device.to_string(),
         precision,
         execution_devices,
@@ -301,4 +302,23 @@ pub fn openvino_message(e: &dyn std::fmt::Display) -> String {
         }
     }
     text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// A private temporary directory, removed on drop.
+struct ScratchDir(std::path::PathBuf);
+
+impl ScratchDir {
+    fn new() -> Result<Self> {
+        static COUNTER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("qwen35-ir-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+        Ok(ScratchDir(dir))
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }

@@ -204,7 +204,7 @@ impl LayerRunner {
         let graph = builder.layer_graph(layer, tokens)?;
         let outputs = graph.outputs().into_iter().map(|(n, _, _)| n).collect();
         let mut core = crate::runtime::core()?;
-        let compiled = compile(&mut core, &graph, device, opts)?;
+        let compiled = compile(&mut core, graph, device, opts)?;
         Ok(LayerRunner {
             session: Session::new(compiled, outputs)?,
             layer,
@@ -319,7 +319,7 @@ impl DecoderEngine {
         let mut session = |tokens: usize| -> Result<Session> {
             let graph = builder.decoder_graph(tokens)?;
             let outputs = graph.outputs().into_iter().map(|(n, _, _)| n).collect();
-            let compiled = compile(&mut core, &graph, device, opts)?;
+            let compiled = compile(&mut core, graph, device, opts)?;
             Session::new(compiled, outputs)
         };
         let decode = session(1)?;

@@ -9,7 +9,7 @@ use reference::synthetic::Rng;
 
 fn run(g: &Graph, inputs: &[(&str, &Tensor)]) -> std::collections::BTreeMap<String, Tensor> {
     let mut core = npu::runtime::core().expect("OpenVINO runtime (run scripts/fetch-openvino.sh)");
-    let compiled = compile(&mut core, g, "CPU", &CompileOptions::default()).unwrap();
+    let compiled = compile(&mut core, g.clone(), "CPU", &CompileOptions::default()).unwrap();
     assert_eq!(
         compiled.precision, "f32",
         "a reference run must compute in f32"
@@ -155,7 +155,7 @@ fn a_graph_openvino_rejects_is_a_clear_error() {
     );
     g.result(y, "y").unwrap();
     let mut core = npu::runtime::core().unwrap();
-    let err = compile(&mut core, &g, "CPU", &CompileOptions::default())
+    let err = compile(&mut core, g, "CPU", &CompileOptions::default())
         .err()
         .expect("must fail")
         .to_string();
@@ -172,7 +172,7 @@ fn an_absent_device_is_named_with_the_available_ones() {
     let x = g.parameter("x", ElemType::F32, &[2]);
     g.result(x, "x_out").unwrap_or(());
     let mut core = npu::runtime::core().unwrap();
-    let err = compile(&mut core, &g, "NO_SUCH_DEVICE", &CompileOptions::default())
+    let err = compile(&mut core, g, "NO_SUCH_DEVICE", &CompileOptions::default())
         .err()
         .unwrap()
         .to_string();
