@@ -67,6 +67,17 @@ pub struct Builder<'a> {
     opts: GraphOptions,
 }
 
+/// The delta rule's inputs inside a graph, heads first (as `reference::deltanet::Inputs`): `q`, `k` `[Hv, T, Dk]`,
+/// `v` `[Hv, T, Dv]`, log-decays `decay` and write strengths `beta` `[Hv, T]`.
+#[derive(Debug, Clone, Copy)]
+struct Recurrence {
+    q: Value,
+    k: Value,
+    v: Value,
+    decay: Value,
+    beta: Value,
+}
+
 /// The inputs a layer reads inside a graph.
 struct LayerInputs {
     hidden: Value,
@@ -313,15 +324,20 @@ impl<'a> Builder<'a> {
         let gh = g.transpose(gdecay, &[1, 0])?; // [Hv, T]
         let bh = g.transpose(beta, &[1, 0])?;
 
+        let x = Recurrence {
+            q: qh,
+            k: kh,
+            v: vh,
+            decay: gh,
+            beta: bh,
+        };
         let (o, s_new) = if t == 1 {
-            self.matrix_step(g, qh, kh, vh, gh, bh, rec_state)?
+            Self::matrix_step(g, x, rec_state)?
         } else {
             match self.opts.form {
-                DeltaNetGraphForm::Matrix => self.matrix_steps(g, qh, kh, vh, gh, bh, rec_state)?,
-                DeltaNetGraphForm::Chunked(inverse) => {
-                    self.chunk(g, qh, kh, vh, gh, bh, rec_state, inverse)?
-                }
-                DeltaNetGraphForm::Loop => Self::loop_steps(g, qh, kh, vh, gh, bh, rec_state)?,
+                DeltaNetGraphForm::Matrix => Self::matrix_steps(g, x, rec_state)?,
+                DeltaNetGraphForm::Chunked(inverse) => self.chunk(g, x, rec_state, inverse)?,
+                DeltaNetGraphForm::Loop => Self::loop_steps(g, x, rec_state)?,
             }
         };
         g.result(s_new, &format!("{prefix}recurrent_state_out"))?;
@@ -343,17 +359,14 @@ impl<'a> Builder<'a> {
     }
 
     /// One token: `[q;k]ᵀS` in one product, `o = d·qᵀS + (q·k)·delta`, `S' = d·S + k deltaᵀ`.
-    #[allow(clippy::too_many_arguments)]
-    fn matrix_step(
-        &self,
-        g: &mut Graph,
-        q: Value,
-        k: Value,
-        v: Value,
-        gd: Value,
-        beta: Value,
-        s: Value,
-    ) -> Result<(Value, Value)> {
+    fn matrix_step(g: &mut Graph, x: Recurrence, s: Value) -> Result<(Value, Value)> {
+        let Recurrence {
+            q,
+            k,
+            v,
+            decay: gd,
+            beta,
+        } = x;
         let hv = g.shape(q)[0];
         let qk = g.concat(&[q, k], 1)?; // [Hv, 2, Dk]
         let read = g.matmul(qk, s, false, false)?; // [Hv, 2, Dv]
@@ -377,17 +390,14 @@ impl<'a> Builder<'a> {
     }
 
     /// The matrix step unrolled over every token of the block.
-    #[allow(clippy::too_many_arguments)]
-    fn matrix_steps(
-        &self,
-        g: &mut Graph,
-        q: Value,
-        k: Value,
-        v: Value,
-        gd: Value,
-        beta: Value,
-        s: Value,
-    ) -> Result<(Value, Value)> {
+    fn matrix_steps(g: &mut Graph, x: Recurrence, s: Value) -> Result<(Value, Value)> {
+        let Recurrence {
+            q,
+            k,
+            v,
+            decay: gd,
+            beta,
+        } = x;
         let t = g.shape(q)[1];
         let mut s = s;
         let mut outs = Vec::with_capacity(t);
@@ -398,7 +408,14 @@ impl<'a> Builder<'a> {
                 g.slice(v, 1, i, 1)?,
             );
             let (gi, bi) = (g.slice(gd, 1, i, 1)?, g.slice(beta, 1, i, 1)?);
-            let (o, s_next) = self.matrix_step(g, qi, ki, vi, gi, bi, s)?;
+            let step = Recurrence {
+                q: qi,
+                k: ki,
+                v: vi,
+                decay: gi,
+                beta: bi,
+            };
+            let (o, s_next) = Self::matrix_step(g, step, s)?;
             outs.push(o);
             s = s_next;
         }
@@ -406,15 +423,14 @@ impl<'a> Builder<'a> {
     }
 
     /// The recurrence as a `Loop` over tokens: `S ← exp(g) S; delta = beta (v − Sᵀk); S ← S + k deltaᵀ; o = Sᵀq`.
-    fn loop_steps(
-        g: &mut Graph,
-        q: Value,
-        k: Value,
-        v: Value,
-        gd: Value,
-        beta: Value,
-        s: Value,
-    ) -> Result<(Value, Value)> {
+    fn loop_steps(g: &mut Graph, x: Recurrence, s: Value) -> Result<(Value, Value)> {
+        let Recurrence {
+            q,
+            k,
+            v,
+            decay: gd,
+            beta,
+        } = x;
         let (hv, t, dk) = (g.shape(q)[0], g.shape(q)[1], g.shape(q)[2]);
         let dv = g.shape(v)[2];
         let mut b = Graph::new(&format!("{}_deltanet_loop", g.name()));
@@ -457,18 +473,20 @@ impl<'a> Builder<'a> {
     }
 
     /// The chunkwise-parallel form over the whole block (see `reference::deltanet::chunk`).
-    #[allow(clippy::too_many_arguments)]
     fn chunk(
         &self,
         g: &mut Graph,
-        q: Value,
-        k: Value,
-        v: Value,
-        gd: Value,
-        beta: Value,
+        x: Recurrence,
         s0: Value,
         inverse: Inverse,
     ) -> Result<(Value, Value)> {
+        let Recurrence {
+            q,
+            k,
+            v,
+            decay: gd,
+            beta,
+        } = x;
         let (hv, t) = (g.shape(q)[0], g.shape(q)[1]);
         // G = cumsum(g) as a product with an upper-triangular matrix of ones.
         let upper: Vec<f32> = (0..t * t)

@@ -116,11 +116,16 @@ fn decoder_graphs_match_the_reference() {
     }
 }
 
-#[test]
-fn padded_and_unpadded_prompts_agree() {
+/// The bundled tiny model's config and f32 weights.
+fn tiny() -> (Config, WeightStore) {
     let dir = testdata().join("models/tiny");
     let config = Config::from_file(&dir.join("config.json")).unwrap();
-    let weights = WeightStore::open(&dir, DType::F32).unwrap();
+    (config, WeightStore::open(&dir, DType::F32).unwrap())
+}
+
+#[test]
+fn padded_and_unpadded_prompts_agree() {
+    let (config, weights) = tiny();
     let builder = Builder::new(
         &config,
         &weights,
@@ -149,9 +154,7 @@ fn padded_and_unpadded_prompts_agree() {
 
 #[test]
 fn prompt_longer_than_the_static_context_is_refused() {
-    let dir = testdata().join("models/tiny");
-    let config = Config::from_file(&dir.join("config.json")).unwrap();
-    let weights = WeightStore::open(&dir, DType::F32).unwrap();
+    let (config, weights) = tiny();
     let builder = Builder::new(
         &config,
         &weights,

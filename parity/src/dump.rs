@@ -34,7 +34,9 @@ DUMP FORMAT (safetensors; T prompt tokens, H hidden, V vocabulary, N generated)
   layers.{i}.self_attn.gated_output [T, Hq*D]    o_proj input (attention times sigmoid(gate))
   layers.{i}.key_cache            [Hkv, T, D]    keys after q/k norm and RoPE
   layers.{i}.value_cache          [Hkv, T, D]
-Metadata (strings): backend, dtype, deltanet_prefill, deltanet_decode, output_scale, prefill_block, model, prompt.";
+Metadata (strings): backend, dtype, weights, deltanet_prefill, deltanet_decode, output_scale, model, prompt; the
+reference adds prefill_block; OpenVINO adds openvino (version), device, precision_requested, precision (read back),
+execution_devices, property.* (every property set, read back), block, context, compile_seconds, run_seconds.";
 
 /// A dump in memory.
 #[derive(Debug, Default)]
