@@ -88,21 +88,33 @@ pub fn require(core: &Core, device: &str) -> Result<()> {
     })
 }
 
-/// The inference precision requested from a device.
+/// The inference precision asked of a device (`INFERENCE_PRECISION_HINT`); what actually ran is read back from the
+/// compiled model. (Not the reference's dtype, which is f32 or f64.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Precision {
+pub enum InferencePrecision {
     /// Full f32 arithmetic (reference runs).
     F32,
     /// Half precision, as an NPU computes.
     F16,
 }
 
-impl Precision {
+impl InferencePrecision {
     /// The property value.
     pub fn hint(self) -> &'static str {
         match self {
-            Precision::F32 => "f32",
-            Precision::F16 => "f16",
+            InferencePrecision::F32 => "f32",
+            InferencePrecision::F16 => "f16",
+        }
+    }
+
+    /// Parses a property value (`f32`, `f16`).
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "f32" => Ok(InferencePrecision::F32),
+            "f16" => Ok(InferencePrecision::F16),
+            other => Err(Error::Config(format!(
+                "inference precision `{other}`: expected f32 or f16"
+            ))),
         }
     }
 }
@@ -111,7 +123,7 @@ impl Precision {
 #[derive(Debug, Clone, PartialEq)]
 pub struct CompileOptions {
     /// `INFERENCE_PRECISION_HINT`.
-    pub precision: Precision,
+    pub precision: InferencePrecision,
     /// Further device properties (e.g. NPUW settings), from `--device-config` or `QWEN35_DEVICE_CONFIG`.
     pub device_config: BTreeMap<String, String>,
 }
@@ -119,7 +131,7 @@ pub struct CompileOptions {
 impl Default for CompileOptions {
     fn default() -> Self {
         CompileOptions {
-            precision: Precision::F32,
+            precision: InferencePrecision::F32,
             device_config: BTreeMap::new(),
         }
     }
@@ -182,9 +194,13 @@ pub struct Compiled {
     pub properties: BTreeMap<String, String>,
     /// Seconds spent reading and compiling.
     pub compile_seconds: f64,
+    /// The graph's input names, in order, as the compiled model reports them.
+    pub inputs: Vec<String>,
+    /// The graph's output names, in order, as the compiled model reports them.
+    pub outputs: Vec<String>,
 }
 
-/// Reads a graph into OpenVINO (from memory) and compiles it for `device` with `opts` set explicitly first.
+/// Compiles one of this project's graphs for `device` with `opts` set explicitly first.
 ///
 /// The graph is consumed: it is written to a private temporary directory and dropped before OpenVINO reads it back
 /// (memory-mapping the weights), so the weights are not held twice while compiling.
@@ -194,19 +210,33 @@ pub fn compile(
     device: &str,
     opts: &CompileOptions,
 ) -> Result<Compiled> {
+    require(core, device)?;
+    let name = graph.name().to_string();
+    let scratch = ScratchDir::new()?;
+    let xml_path = scratch.0.join("graph.xml");
+    graph.save(&xml_path)?;
+    drop(graph);
+    compile_file(core, &xml_path, &name, device, opts)
+}
+
+/// Reads an IR file (`.xml` with its `.bin` beside it) and compiles it for `device` with `opts` set explicitly
+/// first; `name` names the graph in errors and reports.
+pub fn compile_file(
+    core: &mut Core,
+    xml_path: &Path,
+    name: &str,
+    device: &str,
+    opts: &CompileOptions,
+) -> Result<Compiled> {
     let start = std::time::Instant::now();
     require(core, device)?;
-    let graph_name = graph.name().to_string();
+    let graph_name = name.to_string();
     let ov_err = |stage: &'static str, e: &dyn std::fmt::Display| Error::OpenVino {
         stage,
         graph: graph_name.clone(),
         device: device.to_string(),
         message: openvino_message(e),
     };
-    let scratch = ScratchDir::new()?;
-    let xml_path = scratch.0.join("graph.xml");
-    graph.save(&xml_path)?;
-    drop(graph);
     let model = core
         .read_model_from_file(
             &xml_path.to_string_lossy(),
@@ -243,7 +273,28 @@ pub fn compile(
         .get_property(&PropertyKey::Other("EXECUTION_DEVICES".into()))
         .ok()
         .map(|s| s.into_owned());
+    let port_names =
+        |count: std::result::Result<usize, openvino::InferenceError>,
+         port: &dyn Fn(usize) -> std::result::Result<openvino::Node, openvino::InferenceError>|
+         -> Result<Vec<String>> {
+            let count = count.map_err(|e| ov_err("compiling", &e))?;
+            (0..count)
+                .map(|i| {
+                    port(i)
+                        .and_then(|n| n.get_name())
+                        .map_err(|e| ov_err("compiling", &e))
+                })
+                .collect()
+        };
+    let inputs = port_names(compiled.get_input_size(), &|i| {
+        compiled.get_input_by_index(i)
+    })?;
+    let outputs = port_names(compiled.get_output_size(), &|i| {
+        compiled.get_output_by_index(i)
+    })?;
     Ok(Compiled {
+        inputs,
+        outputs,
         model: compiled,
         graph: graph_name,
         device: device.to_string(),

@@ -5,13 +5,28 @@
 use crate::devices::{CompileOptions, compile};
 use crate::error::{Error, Result};
 use crate::graphs::Builder;
+use crate::graphs::ports;
 use crate::infer::Session;
 use candle_core::{DType, Device, Tensor};
 use reference::config::{Config, LayerKind};
+use reference::masks;
 use reference::model::state_names;
+use reference::taps::names;
 use std::collections::BTreeMap;
 
-/// The state of one layer, kept on the host between graph calls.
+/// Tokens per prompt block of the decoder graphs unless asked otherwise (the NPU port's smaller block).
+pub const DEFAULT_BLOCK: usize = 16;
+
+/// A graph output that must be there.
+fn output(outputs: &BTreeMap<String, Tensor>, name: &str) -> Result<Tensor> {
+    outputs
+        .get(name)
+        .cloned()
+        .ok_or_else(|| Error::Interface(format!("the graph has no output `{name}`")))
+}
+
+/// The state of one layer, kept on the host between graph calls and handed to the graphs through the layer kind's
+/// [`ports::StatePorts`].
 #[derive(Debug, Clone)]
 pub enum HostLayerState {
     /// Conv `[C, K]` and recurrent `[Hv, Dk, Dv]` states.
@@ -80,6 +95,65 @@ impl HostLayerState {
             }
         })
     }
+
+    /// The layer kind this state belongs to.
+    pub fn kind(&self) -> LayerKind {
+        match self {
+            HostLayerState::Linear { .. } => LayerKind::Linear,
+            HostLayerState::Attention { .. } => LayerKind::Full,
+        }
+    }
+
+    /// The graph inputs carrying this state, named under `prefix` (see [`ports::StatePorts`]).
+    pub fn feed(&self, prefix: &str) -> [(String, Tensor); 2] {
+        let [a, b] = ports::state_ports(self.kind()).inputs;
+        let (x, y) = match self {
+            HostLayerState::Linear { conv, recurrent } => (conv, recurrent),
+            HostLayerState::Attention { keys, values, .. } => (keys, values),
+        };
+        [
+            (format!("{prefix}{a}"), x.clone()),
+            (format!("{prefix}{b}"), y.clone()),
+        ]
+    }
+
+    /// Takes this layer's new state out of a call's outputs (named under `prefix`, see [`ports::StatePorts`]): the new conv
+    /// and recurrent states, or the block's keys and values, of which the first `valid` are appended to the cache.
+    pub fn take_from(
+        &mut self,
+        outputs: &mut BTreeMap<String, Tensor>,
+        prefix: &str,
+        valid: usize,
+    ) -> Result<()> {
+        let [a, b] = ports::state_ports(self.kind()).outputs;
+        let mut take = |name: &str| {
+            let port = format!("{prefix}{name}");
+            outputs
+                .remove(&port)
+                .ok_or_else(|| Error::Interface(format!("the graph has no output `{port}`")))
+        };
+        let (x, y) = (take(a)?, take(b)?);
+        match self {
+            HostLayerState::Linear { conv, recurrent } => {
+                *conv = x;
+                *recurrent = y;
+            }
+            HostLayerState::Attention { keys, values, len } => {
+                *keys = append_cache(keys, &x, *len, valid)?;
+                *values = append_cache(values, &y, *len, valid)?;
+                *len += valid;
+            }
+        }
+        Ok(())
+    }
+
+    /// Filled cache slots (0 for a linear layer, whose state has no length).
+    fn cached(&self) -> usize {
+        match self {
+            HostLayerState::Attention { len, .. } => *len,
+            HostLayerState::Linear { .. } => 0,
+        }
+    }
 }
 
 /// The host-side inputs of one block: `token_valid` `[T]`, `attention_mask` `[T, CTX + T]`, `positions` `[3, T]`.
@@ -92,41 +166,47 @@ pub struct BlockInputs {
     pub positions: Tensor,
 }
 
-/// The inputs of a block of `tokens` slots holding `valid` real tokens at positions `start..`, with `past`
-/// cache slots filled, for a static context of `context` slots.
-pub fn block_inputs(
-    tokens: usize,
-    valid: usize,
-    start: usize,
-    past: usize,
-    context: usize,
-) -> Result<BlockInputs> {
-    if past + valid > context {
-        return Err(Error::Config(format!(
-            "the sequence needs {} tokens but the static context holds {context} (--context)",
-            past + valid
-        )));
-    }
-    let dev = &Device::Cpu;
-    let v: Vec<f32> = (0..tokens)
-        .map(|i| if i < valid { 1.0 } else { 0.0 })
-        .collect();
-    let mut mask = Vec::with_capacity(tokens * (context + tokens));
-    for row in 0..tokens {
-        for col in 0..context {
-            mask.push(if col < past { 0.0 } else { f32::NEG_INFINITY });
+impl BlockInputs {
+    /// The inputs of a block of `tokens` slots holding `valid` real tokens at text positions `start..`, with `past`
+    /// cache slots filled, for a static context of `context` slots.
+    pub fn new(
+        tokens: usize,
+        valid: usize,
+        start: usize,
+        past: usize,
+        context: usize,
+    ) -> Result<BlockInputs> {
+        if past + valid > context {
+            return Err(Error::Input(format!(
+                "the sequence needs {} tokens but the static context holds {context} (--context)",
+                past + valid
+            )));
         }
-        for col in 0..tokens {
-            mask.push(if col <= row { 0.0 } else { f32::NEG_INFINITY });
-        }
+        let dev = &Device::Cpu;
+        let v: Vec<f32> = (0..tokens)
+            .map(|i| if i < valid { 1.0 } else { 0.0 })
+            .collect();
+        let mask: Vec<f32> = masks::attention_bias(tokens, past, context)
+            .into_iter()
+            .map(|x| x as f32)
+            .collect();
+        let pos: Vec<i64> = (0..tokens).map(|i| (start + i) as i64).collect();
+        let pos3: Vec<i64> = pos.iter().chain(&pos).chain(&pos).copied().collect();
+        Ok(BlockInputs {
+            token_valid: Tensor::from_vec(v, tokens, dev)?,
+            attention_mask: Tensor::from_vec(mask, (tokens, context + tokens), dev)?,
+            positions: Tensor::from_vec(pos3, (3, tokens), dev)?,
+        })
     }
-    let pos: Vec<i64> = (0..tokens).map(|i| (start + i) as i64).collect();
-    let pos3: Vec<i64> = pos.iter().chain(&pos).chain(&pos).copied().collect();
-    Ok(BlockInputs {
-        token_valid: Tensor::from_vec(v, tokens, dev)?,
-        attention_mask: Tensor::from_vec(mask, (tokens, context + tokens), dev)?,
-        positions: Tensor::from_vec(pos3, (3, tokens), dev)?,
-    })
+
+    /// The three inputs under their port names.
+    fn named(self) -> [(String, Tensor); 3] {
+        [
+            (ports::TOKEN_VALID.into(), self.token_valid),
+            (ports::ATTENTION_MASK.into(), self.attention_mask),
+            (ports::POSITIONS.into(), self.positions),
+        ]
+    }
 }
 
 /// Pads `[n, …]` with zero rows to `[tokens, …]`.
@@ -152,14 +232,6 @@ fn append_cache(cache: &Tensor, new: &Tensor, len: usize, n: usize) -> Result<Te
         parts.push(cache.narrow(1, len + n, ctx - len - n)?);
     }
     Ok(Tensor::cat(&parts, 1)?)
-}
-
-/// A graph output that must be there.
-fn output(outputs: &BTreeMap<String, Tensor>, name: &str) -> Result<Tensor> {
-    outputs
-        .get(name)
-        .cloned()
-        .ok_or_else(|| Error::Config(format!("the graph has no output `{name}`")))
 }
 
 /// Collects token-major outputs across blocks (valid rows only).
@@ -202,11 +274,10 @@ impl LayerRunner {
         opts: &CompileOptions,
     ) -> Result<Self> {
         let graph = builder.layer_graph(layer, tokens)?;
-        let outputs = graph.outputs().into_iter().map(|(n, _, _)| n).collect();
         let mut core = crate::runtime::core()?;
         let compiled = compile(&mut core, graph, device, opts)?;
         Ok(LayerRunner {
-            session: Session::new(compiled, outputs)?,
+            session: Session::new(compiled)?,
             layer,
             kind: builder.config().layer_types[layer],
             tokens,
@@ -227,53 +298,34 @@ impl LayerRunner {
         start: usize,
         state: &mut HostLayerState,
     ) -> Result<BTreeMap<String, Tensor>> {
+        if state.kind() != self.kind {
+            return Err(Error::Interface(format!(
+                "layer {}: a {} state for a {} layer",
+                self.layer,
+                state.kind().name(),
+                self.kind.name()
+            )));
+        }
         let s = hidden.dim(0)?;
         let mut out = Collector::default();
         let mut done = 0;
         while done < s {
             let valid = self.tokens.min(s - done);
             let x = pad_rows(&hidden.narrow(0, done, valid)?, self.tokens)?;
-            let past = match state {
-                HostLayerState::Attention { len, .. } => *len,
-                HostLayerState::Linear { .. } => 0,
-            };
-            let b = block_inputs(self.tokens, valid, start + done, past, self.context)?;
-            let results = match (self.kind, &mut *state) {
-                (LayerKind::Linear, HostLayerState::Linear { conv, recurrent }) => {
-                    let r = self.session.run(&[
-                        ("hidden", &x),
-                        ("token_valid", &b.token_valid),
-                        ("conv_state", conv),
-                        ("recurrent_state", recurrent),
-                    ])?;
-                    *conv = output(&r, "conv_state_out")?;
-                    *recurrent = output(&r, "recurrent_state_out")?;
-                    r
-                }
-                (LayerKind::Full, HostLayerState::Attention { keys, values, len }) => {
-                    let r = self.session.run(&[
-                        ("hidden", &x),
-                        ("attention_mask", &b.attention_mask),
-                        ("positions", &b.positions),
-                        ("past_keys", keys),
-                        ("past_values", values),
-                    ])?;
-                    *keys = append_cache(keys, &output(&r, "new_keys")?, *len, valid)?;
-                    *values = append_cache(values, &output(&r, "new_values")?, *len, valid)?;
-                    *len += valid;
-                    r
-                }
-                _ => {
-                    return Err(Error::Config(format!(
-                        "layer {}: the state is of the other kind",
-                        self.layer
-                    )));
-                }
-            };
+            let b = BlockInputs::new(
+                self.tokens,
+                valid,
+                start + done,
+                state.cached(),
+                self.context,
+            )?;
+            let mut inputs = vec![(ports::HIDDEN.to_string(), x)];
+            inputs.extend(b.named());
+            inputs.extend(state.feed(""));
+            let mut results = self.session.run_declared(&inputs)?;
+            state.take_from(&mut results, "", valid)?;
             for (name, t) in &results {
-                if !name.ends_with("_out") && !name.starts_with("new_") {
-                    out.push(name, t, valid)?;
-                }
+                out.push(name, t, valid)?;
             }
             done += valid;
         }
@@ -313,14 +365,15 @@ impl DecoderEngine {
         opts: &CompileOptions,
     ) -> Result<Self> {
         if block == 0 {
-            return Err(Error::Config("--block must be at least 1".into()));
+            return Err(Error::Input(
+                "a prompt block must hold at least 1 token".into(),
+            ));
         }
         let mut core = crate::runtime::core()?;
         let mut session = |tokens: usize| -> Result<Session> {
             let graph = builder.decoder_graph(tokens)?;
-            let outputs = graph.outputs().into_iter().map(|(n, _, _)| n).collect();
             let compiled = compile(&mut core, graph, device, opts)?;
-            Session::new(compiled, outputs)
+            Session::new(compiled)
         };
         let decode = session(1)?;
         let prefill = if block > 1 {
@@ -365,64 +418,27 @@ impl DecoderEngine {
     /// outputs of the valid rows.
     fn step(&mut self, ids: &[u32], tokens: usize) -> Result<BTreeMap<String, Tensor>> {
         let valid = ids.len();
-        let past = self.position;
-        let b = block_inputs(tokens, valid, self.position, past, self.context)?;
+        let b = BlockInputs::new(tokens, valid, self.position, self.position, self.context)?;
         let mut padded: Vec<i64> = ids.iter().map(|&x| x as i64).collect();
         padded.resize(tokens, 0);
-        let ids_t = Tensor::from_vec(padded, tokens, &Device::Cpu)?;
-        let mut inputs: Vec<(String, Tensor)> = vec![
-            ("input_ids".into(), ids_t),
-            ("token_valid".into(), b.token_valid),
-            ("attention_mask".into(), b.attention_mask),
-            ("positions".into(), b.positions),
-        ];
+        let mut inputs = vec![(
+            ports::INPUT_IDS.to_string(),
+            Tensor::from_vec(padded, tokens, &Device::Cpu)?,
+        )];
+        inputs.extend(b.named());
         for (i, s) in self.states.iter().enumerate() {
-            match s {
-                HostLayerState::Linear { conv, recurrent } => {
-                    inputs.push((format!("layers.{i}.conv_state"), conv.clone()));
-                    inputs.push((format!("layers.{i}.recurrent_state"), recurrent.clone()));
-                }
-                HostLayerState::Attention { keys, values, .. } => {
-                    inputs.push((format!("layers.{i}.past_keys"), keys.clone()));
-                    inputs.push((format!("layers.{i}.past_values"), values.clone()));
-                }
-            }
+            inputs.extend(s.feed(&ports::layer_prefix(i)));
         }
-        let refs: Vec<(&str, &Tensor)> = inputs.iter().map(|(n, t)| (n.as_str(), t)).collect();
         let session = if tokens == 1 {
             &mut self.decode
         } else {
             self.prefill
                 .as_mut()
-                .ok_or_else(|| Error::Config("no prompt-block graph".into()))?
+                .ok_or_else(|| Error::Interface("no prompt-block graph".into()))?
         };
-        let mut r = session.run(&refs)?;
+        let mut r = session.run_declared(&inputs)?;
         for (i, s) in self.states.iter_mut().enumerate() {
-            match s {
-                HostLayerState::Linear { conv, recurrent } => {
-                    let missing = || {
-                        Error::Config(format!(
-                            "the decoder graph has no state outputs for layer {i}"
-                        ))
-                    };
-                    *conv = r
-                        .remove(&format!("layers.{i}.conv_state_out"))
-                        .ok_or_else(missing)?;
-                    *recurrent = r
-                        .remove(&format!("layers.{i}.recurrent_state_out"))
-                        .ok_or_else(missing)?;
-                }
-                HostLayerState::Attention { keys, values, len } => {
-                    let nk = r.remove(&format!("layers.{i}.new_keys"));
-                    let nv = r.remove(&format!("layers.{i}.new_values"));
-                    let (nk, nv) = nk
-                        .zip(nv)
-                        .ok_or_else(|| Error::Config(format!("layer {i}: no new keys")))?;
-                    *keys = append_cache(keys, &nk, *len, valid)?;
-                    *values = append_cache(values, &nv, *len, valid)?;
-                    *len += valid;
-                }
-            }
+            s.take_from(&mut r, &ports::layer_prefix(i), valid)?;
         }
         self.position += valid;
         r.into_iter()
@@ -433,11 +449,11 @@ impl DecoderEngine {
     /// Runs a prompt in padded blocks, then `generate` greedy tokens with single-token decode.
     pub fn run(&mut self, ids: &[u32], generate: usize) -> Result<DeviceRun> {
         if ids.is_empty() {
-            return Err(Error::Config("the prompt is empty".into()));
+            return Err(Error::Input("the prompt is empty".into()));
         }
         self.config.check_token_ids(ids)?;
         if ids.len() + generate.saturating_sub(1) > self.context {
-            return Err(Error::Config(format!(
+            return Err(Error::Input(format!(
                 "{} prompt tokens and {generate} generated need {} cache slots, but the static context holds {} \
                  (--context)",
                 ids.len(),
@@ -453,19 +469,19 @@ impl DecoderEngine {
             for (name, t) in &r {
                 taps.push(name, t, piece.len())?;
             }
-            last = Some(output(&r, "logits")?.get(piece.len() - 1)?);
+            last = Some(output(&r, names::LOGITS)?.get(piece.len() - 1)?);
         }
         let mut states = BTreeMap::new();
         for (i, s) in self.states.iter().enumerate() {
             states.extend(s.dump_tensors(i)?);
         }
         let mut generated = Vec::with_capacity(generate);
-        let mut logits = last.ok_or_else(|| Error::Config("the prompt is empty".into()))?;
+        let mut logits = last.ok_or_else(|| Error::Input("the prompt is empty".into()))?;
         for n in 0..generate {
             let next = reference::model::argmax(&logits)?;
             generated.push(next);
             if n + 1 < generate {
-                logits = output(&self.step(&[next], 1)?, "logits")?.get(0)?;
+                logits = output(&self.step(&[next], 1)?, names::LOGITS)?.get(0)?;
             }
         }
         Ok(DeviceRun {

@@ -36,9 +36,17 @@ pub enum Error {
         /// OpenVINO's message.
         message: String,
     },
-    /// An invalid option or configuration (device config JSON, static context, form options).
+    /// An invalid option or configuration (device config JSON, graph options).
     #[error("{0}")]
     Config(String),
+    /// An invalid input of a run: an empty prompt, a sequence longer than the static context, a layer that does not
+    /// exist.
+    #[error("{0}")]
+    Input(String),
+    /// A graph's interface is not what its caller expects (an output missing, a state of the other layer kind): a
+    /// mismatch between the builder and its user, reported instead of a panic.
+    #[error("graph interface: {0}")]
+    Interface(String),
     /// A file could not be read or written.
     #[error("{path}: {source}")]
     Io {

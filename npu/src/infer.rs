@@ -11,7 +11,6 @@ pub struct Session {
     /// The compiled graph and what it was compiled with.
     pub compiled: Compiled,
     request: InferRequest,
-    outputs: Vec<String>,
 }
 
 fn to_ov(t: &Tensor) -> std::result::Result<openvino::Tensor, String> {
@@ -82,8 +81,8 @@ fn from_ov(t: &openvino::Tensor) -> std::result::Result<Tensor, String> {
 }
 
 impl Session {
-    /// Creates the infer request of a compiled graph whose outputs are named `outputs`.
-    pub fn new(mut compiled: Compiled, outputs: Vec<String>) -> Result<Self> {
+    /// Creates the infer request of a compiled graph.
+    pub fn new(mut compiled: Compiled) -> Result<Self> {
         let request = compiled
             .model
             .create_infer_request()
@@ -93,11 +92,7 @@ impl Session {
                 device: compiled.device.clone(),
                 message: format!("creating the request: {}", openvino_message(&e)),
             })?;
-        Ok(Session {
-            compiled,
-            request,
-            outputs,
-        })
+        Ok(Session { compiled, request })
     }
 
     fn err(&self, message: String) -> Error {
@@ -107,6 +102,27 @@ impl Session {
             device: self.compiled.device.clone(),
             message,
         }
+    }
+
+    /// Runs with every input the graph declares taken by name from `offered` (an engine offers what a block may
+    /// need; a graph declares what it reads, e.g. a per-layer DeltaNet graph no attention mask); a declared input
+    /// that is not offered is an error. Returns every output by name.
+    pub fn run_declared(
+        &mut self,
+        offered: &[(String, Tensor)],
+    ) -> Result<BTreeMap<String, Tensor>> {
+        let names = self.compiled.inputs.clone();
+        let mut chosen = Vec::with_capacity(names.len());
+        for name in &names {
+            let (_, t) = offered.iter().find(|(n, _)| n == name).ok_or_else(|| {
+                Error::Interface(format!(
+                    "graph {} reads `{name}`, which its caller does not provide",
+                    self.compiled.graph
+                ))
+            })?;
+            chosen.push((name.as_str(), t));
+        }
+        self.run(&chosen)
     }
 
     /// Sets every input by name, runs, and returns every output by name.
@@ -125,7 +141,7 @@ impl Session {
             .infer()
             .map_err(|e| self.err(openvino_message(&e)))?;
         let mut out = BTreeMap::new();
-        for name in self.outputs.clone() {
+        for name in self.compiled.outputs.clone() {
             let t = self
                 .request
                 .get_tensor(&name)

@@ -1,19 +1,34 @@
 //! Finding and loading the OpenVINO runtime without a system install.
 //!
-//! Search order: `OPENVINO_LIB` (the path of `libopenvino_c.so*`) if set; else the project-local copy that
-//! `scripts/fetch-openvino.sh` unpacks from the pinned PyPI wheel into `third_party/openvino/`; else the usual system
-//! locations. The library is loaded once per process.
+//! Search order: `OPENVINO_LIB` (the path of `libopenvino_c.so*`, or a directory holding it) if set; else a
+//! `third_party/openvino/` directory (where `scripts/fetch-openvino.sh` unpacks the pinned PyPI wheel) beside the
+//! running executable or in one of its parent directories (a checkout's `target/release/qwen35` finds its own copy);
+//! else the checkout this crate was built from; else the usual system locations. An error lists every place looked
+//! at. The library is loaded once per process.
 
 use crate::error::{Error, Result};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-/// The project-local runtime directory filled by `scripts/fetch-openvino.sh`.
+/// Where `scripts/fetch-openvino.sh` puts the runtime, relative to a checkout's root.
+const PROJECT_LOCAL: &str = "third_party/openvino";
+
+/// The project-local runtime directory of the checkout this crate was built from.
 pub fn project_local_dir() -> PathBuf {
-    PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../third_party/openvino"
-    ))
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(PROJECT_LOCAL)
+}
+
+/// `third_party/openvino` beside the running executable and in each of its parent directories.
+fn beside_executable() -> Vec<PathBuf> {
+    let Ok(exe) = std::env::current_exe() else {
+        return vec![];
+    };
+    exe.ancestors()
+        .skip(1)
+        .map(|dir| dir.join(PROJECT_LOCAL))
+        .collect()
 }
 
 const SYSTEM_DIRS: [&str; 5] = [
@@ -69,30 +84,34 @@ pub fn locate() -> Result<PathBuf> {
             path.display()
         )));
     }
-    let mut looked = vec![project_local_dir()];
-    if let Some(lib) = library_in(&project_local_dir()) {
-        return Ok(lib);
-    }
-    let mut candidates: Vec<PathBuf> = SYSTEM_DIRS.iter().map(PathBuf::from).collect();
+    let exe_dirs = beside_executable();
+    let mut looked: Vec<String> = match std::env::current_exe() {
+        Ok(exe) => vec![format!(
+            "{PROJECT_LOCAL} beside {} and in its parent directories",
+            exe.display()
+        )],
+        Err(_) => vec![],
+    };
+    let mut others: Vec<PathBuf> = vec![project_local_dir()];
+    others.extend(SYSTEM_DIRS.iter().map(PathBuf::from));
     if let Ok(entries) = std::fs::read_dir("/opt/intel") {
         for e in entries.flatten() {
-            candidates.push(e.path().join("runtime/lib/intel64"));
+            others.push(e.path().join("runtime/lib/intel64"));
         }
     }
-    for dir in candidates {
+    if let Some(lib) = exe_dirs.iter().find_map(|dir| library_in(dir)) {
+        return Ok(lib);
+    }
+    for dir in others {
         if let Some(lib) = library_in(&dir) {
             return Ok(lib);
         }
-        looked.push(dir);
+        looked.push(dir.display().to_string());
     }
     Err(Error::Runtime(format!(
         "libopenvino_c.so not found (OPENVINO_LIB is unset; looked in {}). Run scripts/fetch-openvino.sh to fetch \
          the pinned runtime into third_party/openvino/, or set OPENVINO_LIB to the path of libopenvino_c.so.*",
-        looked
-            .iter()
-            .map(|p| p.display().to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
+        looked.join(", ")
     )))
 }
 

@@ -1,13 +1,14 @@
 //! Dumps computed by static graphs on an OpenVINO device, in the reference's dump format.
 
 use crate::dump::Dump;
-use crate::options::{DeviceArgs, DevicePrecision, FormArgs};
+use crate::options::{DeviceArgs, FormArgs};
 use anyhow::{Result, bail};
 use candle_core::{Device, Tensor};
-use npu::devices::{CompileOptions, Precision, device_config};
-use npu::engine::DecoderEngine;
-use npu::graphs::{Builder, DeltaNetGraphForm, GraphOptions};
+use npu::devices::{CompileOptions, InferencePrecision, device_config};
+use npu::engine::{DEFAULT_BLOCK, DecoderEngine};
+use npu::graphs::{Builder, DEFAULT_CONTEXT, DeltaNetGraphForm, GraphOptions};
 use reference::config::Config;
+use reference::linear_attn::PORT_OUTPUT_SCALE;
 use reference::weights::WeightStore;
 use std::collections::BTreeMap;
 
@@ -26,20 +27,17 @@ pub struct DeviceSettings {
 impl DeviceSettings {
     /// Validates the OpenVINO options (rejecting reference-only ones).
     pub fn resolve(dev: &DeviceArgs, form: &FormArgs) -> Result<Self> {
-        let block = dev.block.unwrap_or(16);
+        let block = dev.block.unwrap_or(DEFAULT_BLOCK);
         if block == 0 {
             bail!("--block must be at least 1");
         }
-        let context = dev.context.unwrap_or(1024);
+        let context = dev.context.unwrap_or(DEFAULT_CONTEXT);
         if context == 0 {
             bail!("--context must be at least 1");
         }
         let graph_form = form.graph_form()?;
         let compile = CompileOptions {
-            precision: match dev.precision.unwrap_or(DevicePrecision::F32) {
-                DevicePrecision::F32 => Precision::F32,
-                DevicePrecision::F16 => Precision::F16,
-            },
+            precision: dev.precision.unwrap_or(InferencePrecision::F32),
             device_config: device_config(dev.device_config.as_deref())?,
         };
         Ok(DeviceSettings {
@@ -47,7 +45,7 @@ impl DeviceSettings {
             block,
             graph: GraphOptions {
                 form: graph_form,
-                output_scale: form.output_scale(1024.0)? as f32,
+                output_scale: form.output_scale(PORT_OUTPUT_SCALE)? as f32,
                 context,
             },
             compile,

@@ -50,7 +50,7 @@ pub struct Dump {
 impl Dump {
     /// Writes the dump.
     pub fn write(&self, path: &Path) -> Result<()> {
-        reference::weights::save_safetensors(path, &self.tensors, &self.metadata)
+        reference::io::save_safetensors(path, &self.tensors, &self.metadata)
             .with_context(|| format!("writing the dump {}", path.display()))
     }
 

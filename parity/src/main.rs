@@ -4,10 +4,11 @@
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
-use npu::graphs::{Builder, DeltaNetGraphForm, GraphOptions};
+use npu::graphs::{Builder, DEFAULT_CONTEXT, GraphOptions};
 use parity::device::{DeviceSettings, openvino_dump};
 use parity::dump::{FORMAT, reference_dump};
-use parity::options::{Backend, DeviceArgs, FormArgs, ModelArgs, Precision, parse_token_ids};
+use parity::options::{Backend, DeviceArgs, Dtype, FormArgs, ModelArgs, parse_token_ids};
+use reference::linear_attn::PORT_OUTPUT_SCALE;
 use reference::model::greedy_continue;
 use reference::taps::Taps;
 use reference::tokenizer::{ChatTokenizer, Message};
@@ -66,7 +67,7 @@ struct ExportArgs {
     #[arg(long)]
     layers: bool,
     /// Static KV context.
-    #[arg(long, default_value_t = 1024, value_name = "N")]
+    #[arg(long, default_value_t = DEFAULT_CONTEXT, value_name = "N")]
     context: usize,
     #[command(flatten)]
     form: FormArgs,
@@ -200,7 +201,7 @@ fn dump(args: DumpArgs) -> Result<()> {
             Plan::Reference(args.form.run_options()?)
         }
         Backend::Openvino => {
-            if args.model.dtype != Precision::F32 {
+            if args.model.dtype != Dtype::F32 {
                 bail!(
                     "--dtype f64 applies to the reference; OpenVINO graphs compute in f32 or f16 (--precision)"
                 );
@@ -290,7 +291,7 @@ fn devices(args: DevicesArgs) -> Result<()> {
 }
 
 fn export_ir(args: ExportArgs) -> Result<()> {
-    if args.model.dtype != Precision::F32 {
+    if args.model.dtype != Dtype::F32 {
         bail!(
             "--dtype applies to reference runs; graphs are written in f32 with --weights storage"
         );
@@ -302,7 +303,7 @@ fn export_ir(args: ExportArgs) -> Result<()> {
     }
     let opts = GraphOptions {
         form,
-        output_scale: args.form.output_scale(1024.0)? as f32,
+        output_scale: args.form.output_scale(PORT_OUTPUT_SCALE)? as f32,
         context: args.context,
     };
     let builder = Builder::new(&config, &store, opts)?;
@@ -337,11 +338,7 @@ fn export_ir(args: ExportArgs) -> Result<()> {
     let manifest = serde_json::json!({
         "model": dir.display().to_string(),
         "weights": store.format().name(),
-        "deltanet_form": match form {
-            DeltaNetGraphForm::Matrix => "matrix".to_string(),
-            DeltaNetGraphForm::Loop => "loop".to_string(),
-            DeltaNetGraphForm::Chunked(i) => format!("chunked ({})", i.name()),
-        },
+        "deltanet_form": form.describe(),
         "output_scale": opts.output_scale,
         "context": opts.context,
         "graphs": graphs,

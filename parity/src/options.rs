@@ -3,37 +3,30 @@
 use anyhow::{Result, bail};
 use candle_core::DType;
 use clap::{Args, ValueEnum};
+use npu::devices::InferencePrecision;
 use npu::graphs::DeltaNetGraphForm;
 use reference::config::Config;
-use reference::deltanet::{Form, Inverse};
+use reference::deltanet::{DEFAULT_CHUNK, Form, Inverse};
 use reference::model::{Model, RunOptions};
 use reference::quant::WeightFormat;
 use reference::weights::WeightStore;
 use std::path::PathBuf;
 
-/// The bundled tiny model, used when `--model` is not given.
-pub fn bundled_model() -> PathBuf {
-    PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../testdata/models/tiny"
-    ))
-}
-
-/// Precision of a reference run.
+/// The dtype a reference run computes in (`--dtype`). (Not a device's inference precision, which is `--precision`.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Precision {
+pub enum Dtype {
     /// 32-bit floats (the default).
     F32,
     /// 64-bit floats: the high-precision ground truth.
     F64,
 }
 
-impl Precision {
+impl Dtype {
     /// The tensor dtype.
     pub fn dtype(self) -> DType {
         match self {
-            Precision::F32 => DType::F32,
-            Precision::F64 => DType::F64,
+            Dtype::F32 => DType::F32,
+            Dtype::F64 => DType::F64,
         }
     }
 }
@@ -79,7 +72,7 @@ pub struct ModelArgs {
     pub model: Option<PathBuf>,
     /// Precision of the reference run.
     #[arg(long, value_enum, default_value = "f32")]
-    pub dtype: Precision,
+    pub dtype: Dtype,
     /// Weights as stored: f32 (as in the checkpoint), f16, or int4 (symmetric, group 128, int8 backup; `int4:G` for
     /// another group). The reference runs the same quantized weights, dequantized exactly.
     #[arg(long, default_value = "f32", value_parser = parse_weights, value_name = "f32|f16|int4[:G]")]
@@ -88,6 +81,10 @@ pub struct ModelArgs {
 
 fn parse_weights(s: &str) -> std::result::Result<WeightFormat, String> {
     WeightFormat::parse(s).map_err(|e| e.to_string())
+}
+
+fn parse_precision(s: &str) -> std::result::Result<InferencePrecision, String> {
+    InferencePrecision::parse(s).map_err(|e| e.to_string())
 }
 
 impl ModelArgs {
@@ -106,19 +103,13 @@ impl ModelArgs {
         Ok((dir, config, store, model))
     }
 
-    /// The model directory, checked to exist.
+    /// The model directory, checked to hold a config: `--model`, or the bundled tiny model.
     pub fn dir(&self) -> Result<PathBuf> {
-        let dir = self.model.clone().unwrap_or_else(bundled_model);
-        if !dir.join("config.json").exists() {
-            match &self.model {
-                Some(d) => bail!("--model {}: no config.json in this directory", d.display()),
-                None => bail!(
-                    "the bundled model is missing ({}); pass --model DIR",
-                    dir.display()
-                ),
-            }
+        match &self.model {
+            Some(d) if d.join("config.json").exists() => Ok(d.clone()),
+            Some(d) => bail!("--model {}: no config.json in this directory", d.display()),
+            None => crate::bundled::model_dir(),
         }
-        Ok(dir)
     }
 }
 
@@ -128,7 +119,8 @@ pub struct FormArgs {
     /// Delta-rule form for the prompt (OpenVINO: matrix, chunked or loop).
     #[arg(long, value_enum, default_value = "chunked")]
     pub deltanet_form: PrefillForm,
-    /// Reference only: tokens per chunk of the chunked form (default 64; an OpenVINO chunk is the whole --block).
+    /// Reference only: tokens per chunk of the chunked form (default 64, transformers' chunk size; an OpenVINO chunk
+    /// is the whole --block).
     #[arg(long, value_name = "N")]
     pub chunk: Option<usize>,
     /// Triangular inverse of the chunked form. Default: substitution on the reference (transformers' algorithm),
@@ -150,7 +142,7 @@ pub struct FormArgs {
 impl FormArgs {
     /// The validated run options.
     pub fn run_options(&self) -> Result<RunOptions> {
-        let chunk = self.chunk.unwrap_or(64);
+        let chunk = self.chunk.unwrap_or(DEFAULT_CHUNK);
         if chunk == 0 {
             bail!("--chunk must be at least 1");
         }
@@ -260,15 +252,6 @@ pub enum Backend {
     Openvino,
 }
 
-/// Inference precision asked of an OpenVINO device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum DevicePrecision {
-    /// f32 arithmetic.
-    F32,
-    /// f16 arithmetic (as an NPU computes).
-    F16,
-}
-
 /// Where and how a dump is computed.
 #[derive(Debug, Clone, Args)]
 pub struct DeviceArgs {
@@ -278,9 +261,10 @@ pub struct DeviceArgs {
     /// OpenVINO device (CPU, NPU, GPU, ...). Default CPU.
     #[arg(long)]
     pub device: Option<String>,
-    /// Inference precision asked of the device; what actually ran is read back and recorded. Default f32.
-    #[arg(long, value_enum)]
-    pub precision: Option<DevicePrecision>,
+    /// Inference precision asked of the device (f32, or f16 as an NPU computes); what actually ran is read back and
+    /// recorded. Default f32.
+    #[arg(long, value_parser = parse_precision, value_name = "f32|f16")]
+    pub precision: Option<InferencePrecision>,
     /// Prompt block of the OpenVINO graphs (the prompt runs in padded blocks of N tokens). Default 16.
     #[arg(long, value_name = "N")]
     pub block: Option<usize>,

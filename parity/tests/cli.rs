@@ -257,12 +257,8 @@ fn bad_input_gives_clear_errors() {
         "model.norm.weight".into(),
         Tensor::zeros(32, DType::U32, &candle_core::Device::Cpu).unwrap(),
     );
-    reference::weights::save_safetensors(
-        &dir.join("model.safetensors"),
-        &tensors,
-        &BTreeMap::new(),
-    )
-    .unwrap();
+    reference::io::save_safetensors(&dir.join("model.safetensors"), &tensors, &BTreeMap::new())
+        .unwrap();
     expect_error(
         &[
             "dump",

@@ -3,9 +3,11 @@
 
 use crate::config::Config;
 use crate::error::Result;
+use crate::masks;
 use crate::ops::{linear, rms_norm, sigmoid, softmax_last_dim};
 use crate::rope::RotaryTables;
-use crate::taps::Taps;
+use crate::schema::{Param, Schema};
+use crate::taps::{Taps, names};
 use crate::weights::WeightStore;
 use candle_core::Tensor;
 
@@ -46,21 +48,20 @@ pub struct Attention {
 }
 
 impl Attention {
-    /// Loads `{prefix}.*` (prefix like `layers.3.self_attn`).
-    pub fn load(w: &WeightStore, prefix: &str, c: &Config) -> Result<Self> {
-        let (h, d) = (c.hidden_size, c.head_dim);
-        let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
-        let name = |s: &str| format!("{prefix}.{s}");
+    /// Loads layer `layer`'s `self_attn.*` tensors.
+    pub fn load(w: &WeightStore, layer: usize, c: &Config) -> Result<Self> {
+        let s = Schema::new(c);
+        let load = |p: Param| w.load(&s.layer(layer, p));
         Ok(Attention {
-            q_proj: w.decoder(&name("q_proj.weight"), &[nh * d * 2, h])?,
-            k_proj: w.decoder(&name("k_proj.weight"), &[nkv * d, h])?,
-            v_proj: w.decoder(&name("v_proj.weight"), &[nkv * d, h])?,
-            o_proj: w.decoder(&name("o_proj.weight"), &[h, nh * d])?,
-            q_norm: w.decoder(&name("q_norm.weight"), &[d])?,
-            k_norm: w.decoder(&name("k_norm.weight"), &[d])?,
-            heads: nh,
-            kv_heads: nkv,
-            head_dim: d,
+            q_proj: load(Param::QProj)?,
+            k_proj: load(Param::KProj)?,
+            v_proj: load(Param::VProj)?,
+            o_proj: load(Param::OProj)?,
+            q_norm: load(Param::QNorm)?,
+            k_norm: load(Param::KNorm)?,
+            heads: c.num_attention_heads,
+            kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
             eps: c.rms_norm_eps,
         })
     }
@@ -114,14 +115,15 @@ impl Attention {
             .transpose(0, 1)?
             .reshape((t, nh * d))?;
         let gated = (out * sigmoid(&gate)?)?;
-        taps.record(|| format!("{tap}.gated_output"), &gated)?;
+        taps.record(|| format!("{tap}.{}", names::GATED_OUTPUT), &gated)?;
         cache.keys = Some(keys);
         cache.values = Some(values);
         linear(&gated, &self.o_proj)
     }
 }
 
-/// Additive causal mask `[G·T, P + T]`: query `t` (at absolute position `P + t`) sees keys `0..=P + t`.
+/// The additive causal bias `[G·T, P + T]` of [`masks::attention_bias`] (query `t`, at position `P + t`, sees keys
+/// `0..=P + t`), repeated for the `G` query heads that share a kv head.
 fn causal_bias(
     t: usize,
     past: usize,
@@ -129,18 +131,6 @@ fn causal_bias(
     dtype: candle_core::DType,
     dev: &candle_core::Device,
 ) -> Result<Tensor> {
-    let s = past + t;
-    let mut data = Vec::with_capacity(group * t * s);
-    for _ in 0..group {
-        for row in 0..t {
-            data.extend((0..s).map(|col| {
-                if col <= past + row {
-                    0.0
-                } else {
-                    f64::NEG_INFINITY
-                }
-            }));
-        }
-    }
-    Ok(Tensor::from_vec(data, (group * t, s), dev)?.to_dtype(dtype)?)
+    let bias = masks::attention_bias(t, past, past).repeat(group);
+    Ok(Tensor::from_vec(bias, (group * t, past + t), dev)?.to_dtype(dtype)?)
 }

@@ -14,7 +14,11 @@
 //! [`chunked`] processes blocks of tokens with a triangular inverse computed by one of three [`Inverse`] methods.
 
 use crate::error::{Error, Result};
+use crate::masks;
 use candle_core::{D, DType, Device, Tensor};
+
+/// Tokens per chunk of the chunked form unless asked otherwise: transformers' `chunk_size`.
+pub const DEFAULT_CHUNK: usize = 64;
 
 /// The inputs of the delta rule for one sequence (see the module's shape block).
 #[derive(Debug, Clone)]
@@ -53,11 +57,6 @@ impl Inverse {
             Inverse::Doubling => "doubling",
             Inverse::Series => "series",
         }
-    }
-
-    /// Parses a command-line name.
-    pub fn parse(s: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|i| i.name() == s)
     }
 }
 
@@ -283,8 +282,8 @@ pub fn chunk(
 
     let big_g = cumsum(&x.g)?; // [H, T]
     let diff = big_g.unsqueeze(2)?.broadcast_sub(&big_g.unsqueeze(1)?)?; // [H, T(t), T(j)] = G_t − G_j
-    let strict = causal_mask(t, false, dtype, dev)?;
-    let inclusive = causal_mask(t, true, dtype, dev)?;
+    let strict = mask_tensor(masks::causal(t, false), t, dtype, dev)?;
+    let inclusive = mask_tensor(masks::causal(t, true), t, dtype, dev)?;
     let decay_strict = masked_exp(&diff, &strict)?;
     let decay_incl = masked_exp(&diff, &inclusive)?;
 
@@ -322,19 +321,9 @@ fn cumsum(g: &Tensor) -> Result<Tensor> {
     Ok(Tensor::cat(&cols, 1)?)
 }
 
-/// `[T, T]` mask of ones where `j < t` (or `j <= t` when `inclusive`).
-fn causal_mask(t: usize, inclusive: bool, dtype: DType, dev: &Device) -> Result<Tensor> {
-    let data: Vec<f64> = (0..t * t)
-        .map(|idx| {
-            let (row, col) = (idx / t, idx % t);
-            if col < row || (inclusive && col == row) {
-                1.0
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    Ok(Tensor::from_vec(data, (t, t), dev)?.to_dtype(dtype)?)
+/// A square `[n, n]` mask (see [`crate::masks`]) as a tensor of `dtype`.
+fn mask_tensor(values: Vec<f64>, n: usize, dtype: DType, dev: &Device) -> Result<Tensor> {
+    Ok(Tensor::from_vec(values, (n, n), dev)?.to_dtype(dtype)?)
 }
 
 /// `exp(x)` where `mask` is 1 and exactly 0 elsewhere; masked entries are zeroed before `exp`, so a positive
@@ -374,7 +363,8 @@ pub fn tri_inverse(n: &Tensor, method: Inverse) -> Result<Tensor> {
             let mut x = eye.contiguous()?;
             let mut s = 1;
             while s < size {
-                let off = block_band(size, s, dtype, dev)?; // lower off-diagonal halves of the 2s blocks
+                // The lower off-diagonal halves of the 2s blocks.
+                let off = mask_tensor(masks::block_band(size, s), size, dtype, dev)?;
                 let c = a.broadcast_mul(&off)?;
                 x = (&x - x.matmul(&c)?.matmul(&x)?)?;
                 s *= 2;
@@ -393,21 +383,4 @@ pub fn tri_inverse(n: &Tensor, method: Inverse) -> Result<Tensor> {
             Ok(p)
         }
     }
-}
-
-/// Mask of the entries inside the diagonal blocks of size `2s` but outside those of size `s`, below the diagonal.
-fn block_band(n: usize, s: usize, dtype: DType, dev: &Device) -> Result<Tensor> {
-    let data: Vec<f64> = (0..n * n)
-        .map(|idx| {
-            let (row, col) = (idx / n, idx % n);
-            let same_2s = row / (2 * s) == col / (2 * s);
-            let same_s = row / s == col / s;
-            if same_2s && !same_s && row > col {
-                1.0
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    Ok(Tensor::from_vec(data, (n, n), dev)?.to_dtype(dtype)?)
 }

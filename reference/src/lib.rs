@@ -1,10 +1,12 @@
 //! A pure-Rust CPU reference of the Qwen3.5 hybrid decoder (Gated DeltaNet + gated full attention), built on
 //! candle, computing in f32 (or f64 on request) and exposing every intermediate a parity harness needs.
 //!
-//! Layout: [`config`] reads `config.json`; [`weights`] opens safetensors checkpoints; [`deltanet`] holds the delta
-//! rule in all its forms as pure functions; [`linear_attn`], [`attention`], [`mlp`] and [`rope`] are the blocks;
-//! [`model`] assembles the decoder with a separate [`model::State`]; [`taps`] records intermediates; [`tokenizer`]
-//! encodes prompts through the checkpoint's chat template.
+//! Layout: [`config`] reads `config.json`; [`schema`] lists every decoder tensor (name, shape, role) once;
+//! [`weights`] opens safetensors checkpoints and [`quant`] compresses their weights as the OpenVINO exports do;
+//! [`deltanet`] holds the delta rule in all its forms as pure functions; [`linear_attn`], [`attention`], [`mlp`] and
+//! [`rope`] are the blocks; [`model`] assembles the decoder with a separate [`model::State`]; [`taps`] records
+//! intermediates under the dump's names; [`masks`] are the causal masks and bands the reference and the OpenVINO
+//! graphs share; [`io`] writes safetensors files; [`tokenizer`] encodes prompts through the checkpoint's chat template.
 #![deny(missing_docs)]
 
 pub mod attention;
@@ -12,12 +14,15 @@ pub mod compare;
 pub mod config;
 pub mod deltanet;
 pub mod error;
+pub mod io;
 pub mod linear_attn;
+pub mod masks;
 pub mod mlp;
 pub mod model;
 pub mod ops;
 pub mod quant;
 pub mod rope;
+pub mod schema;
 pub mod synthetic;
 pub mod taps;
 pub mod tokenizer;

@@ -6,7 +6,8 @@ use crate::error::{Error, Result};
 use crate::ops::{
     gated_rms_norm, l2_normalize, linear, repeat_interleave, sigmoid, silu, softplus,
 };
-use crate::taps::Taps;
+use crate::schema::{Param, Schema};
+use crate::taps::{Taps, names};
 use crate::weights::WeightStore;
 use candle_core::{DType, Tensor};
 
@@ -54,27 +55,24 @@ pub struct DeltaNetOptions {
 }
 
 impl GatedDeltaNet {
-    /// Loads `{prefix}.*` (prefix like `layers.0.linear_attn`).
-    pub fn load(w: &WeightStore, prefix: &str, c: &Config) -> Result<Self> {
-        let h = c.hidden_size;
+    /// Loads layer `layer`'s `linear_attn.*` tensors.
+    pub fn load(w: &WeightStore, layer: usize, c: &Config) -> Result<Self> {
+        let s = Schema::new(c);
+        let load = |p: Param| w.load(&s.layer(layer, p));
         let conv_dim = c.linear_conv_dim();
-        let hv = c.linear_num_value_heads;
         let k = c.linear_conv_kernel_dim;
-        let name = |s: &str| format!("{prefix}.{s}");
         Ok(GatedDeltaNet {
-            in_proj_qkv: w.decoder(&name("in_proj_qkv.weight"), &[conv_dim, h])?,
-            in_proj_z: w.decoder(&name("in_proj_z.weight"), &[c.linear_value_dim(), h])?,
-            in_proj_b: w.decoder(&name("in_proj_b.weight"), &[hv, h])?,
-            in_proj_a: w.decoder(&name("in_proj_a.weight"), &[hv, h])?,
-            conv_weight: w
-                .decoder(&name("conv1d.weight"), &[conv_dim, 1, k])?
-                .reshape((conv_dim, k))?,
-            a_log: w.decoder(&name("A_log"), &[hv])?,
-            dt_bias: w.decoder(&name("dt_bias"), &[hv])?,
-            norm_weight: w.decoder(&name("norm.weight"), &[c.linear_value_head_dim])?,
-            out_proj: w.decoder(&name("out_proj.weight"), &[h, c.linear_value_dim()])?,
+            in_proj_qkv: load(Param::InProjQkv)?,
+            in_proj_z: load(Param::InProjZ)?,
+            in_proj_b: load(Param::InProjB)?,
+            in_proj_a: load(Param::InProjA)?,
+            conv_weight: load(Param::Conv1d)?.reshape((conv_dim, k))?,
+            a_log: load(Param::ALog)?,
+            dt_bias: load(Param::DtBias)?,
+            norm_weight: load(Param::LinearNorm)?,
+            out_proj: load(Param::OutProj)?,
             hk: c.linear_num_key_heads,
-            hv,
+            hv: c.linear_num_value_heads,
             dk: c.linear_key_head_dim,
             dv: c.linear_value_head_dim,
             kernel: k,
@@ -131,11 +129,11 @@ impl GatedDeltaNet {
             .neg()?
             .unsqueeze(0)?
             .broadcast_mul(&softplus(&a.broadcast_add(&self.dt_bias)?)?)?;
-        taps.record(|| format!("{tap}.query"), &q)?;
-        taps.record(|| format!("{tap}.key"), &k)?;
-        taps.record(|| format!("{tap}.value"), &v)?;
-        taps.record(|| format!("{tap}.g"), &g)?;
-        taps.record(|| format!("{tap}.beta"), &beta)?;
+        taps.record(|| format!("{tap}.{}", names::QUERY), &q)?;
+        taps.record(|| format!("{tap}.{}", names::KEY), &k)?;
+        taps.record(|| format!("{tap}.{}", names::VALUE), &v)?;
+        taps.record(|| format!("{tap}.{}", names::G), &g)?;
+        taps.record(|| format!("{tap}.{}", names::BETA), &beta)?;
 
         let scale = opts.output_scale;
         check_output_scale(scale)?;
@@ -152,7 +150,10 @@ impl GatedDeltaNet {
         };
         let (o, recurrent) = deltanet::run(opts.form, &inputs, &state.recurrent)?;
         let core = o.transpose(0, 1)?.contiguous()?; // [T, Hv, Dv]
-        taps.record(|| format!("{tap}.core_output"), &(&core / scale)?)?;
+        taps.record(
+            || format!("{tap}.{}", names::CORE_OUTPUT),
+            &(&core / scale)?,
+        )?;
 
         let z = z.reshape((t, self.hv, self.dv))?;
         let normed = gated_rms_norm(&core, &z, &self.norm_weight, self.eps * scale * scale)?;
@@ -164,6 +165,9 @@ impl GatedDeltaNet {
         Ok(out)
     }
 }
+
+/// The NPU port's DeltaNet output rescaling (q × 1024 inside the recurrence, gated-norm eps × 1024²).
+pub const PORT_OUTPUT_SCALE: f64 = 1024.0;
 
 /// Largest accepted DeltaNet output scale (2^16; the NPU port uses 2^10).
 pub const MAX_OUTPUT_SCALE: f64 = 65536.0;

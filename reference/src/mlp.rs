@@ -1,7 +1,9 @@
 //! The SwiGLU feed-forward block: `down(silu(gate(x)) * up(x))`.
 
+use crate::config::Config;
 use crate::error::Result;
 use crate::ops::{linear, silu};
+use crate::schema::{Param, Schema};
 use crate::weights::WeightStore;
 use candle_core::Tensor;
 
@@ -14,12 +16,13 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    /// Loads `{prefix}.gate_proj/up_proj/down_proj.weight`.
-    pub fn load(w: &WeightStore, prefix: &str, hidden: usize, inner: usize) -> Result<Self> {
+    /// Loads layer `layer`'s `mlp.*` tensors.
+    pub fn load(w: &WeightStore, layer: usize, c: &Config) -> Result<Self> {
+        let s = Schema::new(c);
         Ok(Mlp {
-            gate_proj: w.decoder(&format!("{prefix}.gate_proj.weight"), &[inner, hidden])?,
-            up_proj: w.decoder(&format!("{prefix}.up_proj.weight"), &[inner, hidden])?,
-            down_proj: w.decoder(&format!("{prefix}.down_proj.weight"), &[hidden, inner])?,
+            gate_proj: w.load(&s.layer(layer, Param::GateProj))?,
+            up_proj: w.load(&s.layer(layer, Param::UpProj))?,
+            down_proj: w.load(&s.layer(layer, Param::DownProj))?,
         })
     }
 

@@ -2,13 +2,14 @@
 
 use crate::attention::{Attention, KvCache};
 use crate::config::{Config, LayerKind};
-use crate::deltanet::{Form, Inverse};
+use crate::deltanet::{DEFAULT_CHUNK, Form, Inverse};
 use crate::error::{Error, Result};
 use crate::linear_attn::{DeltaNetOptions, GatedDeltaNet, LinearState};
 use crate::mlp::Mlp;
 use crate::ops::{linear, rms_norm};
 use crate::rope::{Positions, Rope};
-use crate::taps::Taps;
+use crate::schema::{Param, Schema};
+use crate::taps::{Taps, names};
 use crate::weights::WeightStore;
 use candle_core::{DType, Device, Tensor};
 use std::path::Path;
@@ -54,12 +55,12 @@ pub struct State {
 pub fn state_names(layer: usize, kind: LayerKind) -> [String; 2] {
     match kind {
         LayerKind::Linear => [
-            format!("layers.{layer}.conv_state"),
-            format!("layers.{layer}.recurrent_state"),
+            names::layer(layer, names::CONV_STATE),
+            names::layer(layer, names::RECURRENT_STATE),
         ],
         LayerKind::Full => [
-            format!("layers.{layer}.key_cache"),
-            format!("layers.{layer}.value_cache"),
+            names::layer(layer, names::KEY_CACHE),
+            names::layer(layer, names::VALUE_CACHE),
         ],
     }
 }
@@ -108,7 +109,7 @@ impl Default for RunOptions {
     fn default() -> Self {
         RunOptions {
             prefill: Form::Chunked {
-                block: 64,
+                block: DEFAULT_CHUNK,
                 inverse: Inverse::Substitution,
             },
             decode: Form::Matrix,
@@ -140,34 +141,26 @@ impl Model {
 
     /// Builds the model from a parsed config and an open weight store.
     pub fn from_weights(config: Config, w: &WeightStore) -> Result<Self> {
-        let (h, v) = (config.hidden_size, config.vocab_size);
-        let embed_tokens = w.decoder("embed_tokens.weight", &[v, h])?;
+        let s = Schema::new(&config);
+        let embed_tokens = w.load(&s.global(Param::EmbedTokens))?;
         let mut layers = Vec::with_capacity(config.num_layers());
         for (i, kind) in config.layer_types.iter().enumerate() {
-            let p = format!("layers.{i}");
             let mixer = match kind {
-                LayerKind::Linear => Mixer::Linear(GatedDeltaNet::load(
-                    w,
-                    &format!("{p}.linear_attn"),
-                    &config,
-                )?),
-                LayerKind::Full => {
-                    Mixer::Attention(Attention::load(w, &format!("{p}.self_attn"), &config)?)
-                }
+                LayerKind::Linear => Mixer::Linear(GatedDeltaNet::load(w, i, &config)?),
+                LayerKind::Full => Mixer::Attention(Attention::load(w, i, &config)?),
             };
             layers.push(DecoderLayer {
-                input_layernorm: w.decoder(&format!("{p}.input_layernorm.weight"), &[h])?,
-                post_attention_layernorm: w
-                    .decoder(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                input_layernorm: w.load(&s.layer(i, Param::InputLayernorm))?,
+                post_attention_layernorm: w.load(&s.layer(i, Param::PostAttentionLayernorm))?,
                 mixer,
-                mlp: Mlp::load(w, &format!("{p}.mlp"), h, config.intermediate_size)?,
+                mlp: Mlp::load(w, i, &config)?,
             });
         }
-        let norm = w.decoder("norm.weight", &[h])?;
+        let norm = w.load(&s.global(Param::Norm))?;
         let lm_head = if config.tie_word_embeddings {
             embed_tokens.clone()
         } else {
-            w.get("lm_head.weight", &[v, h])?
+            w.load(&s.global(Param::LmHead))?
         };
         Ok(Model {
             rope: Rope::new(&config),
@@ -255,7 +248,7 @@ impl Model {
         let t = ids.len();
         let id_tensor = Tensor::from_vec(ids.to_vec(), t, &dev)?;
         let mut h = self.embed_tokens.index_select(&id_tensor, 0)?;
-        taps.record(|| "embeddings".into(), &h)?;
+        taps.record(|| names::EMBEDDINGS.into(), &h)?;
 
         let rotary = self.rope.tables(positions, self.dtype, &dev)?;
         let deltanet = DeltaNetOptions {
@@ -268,10 +261,10 @@ impl Model {
             let x = rms_norm(&h, &layer.input_layernorm, eps)?;
             let mixed = match (&layer.mixer, layer_state) {
                 (Mixer::Linear(m), LayerState::Linear(s)) => {
-                    m.forward(&x, s, &deltanet, taps, &format!("layers.{i}.linear_attn"))?
+                    m.forward(&x, s, &deltanet, taps, &names::layer(i, names::LINEAR_ATTN))?
                 }
                 (Mixer::Attention(m), LayerState::Attention(c)) => {
-                    m.forward(&x, c, &rotary, taps, &format!("layers.{i}.self_attn"))?
+                    m.forward(&x, c, &rotary, taps, &names::layer(i, names::SELF_ATTN))?
                 }
                 _ => {
                     return Err(Error::Input(format!(
@@ -279,17 +272,17 @@ impl Model {
                     )));
                 }
             };
-            taps.record(|| format!("layers.{i}.mixer_output"), &mixed)?;
+            taps.record(|| names::layer(i, names::MIXER_OUTPUT), &mixed)?;
             h = (h + mixed)?;
             let m = layer
                 .mlp
                 .forward(&rms_norm(&h, &layer.post_attention_layernorm, eps)?)?;
-            taps.record(|| format!("layers.{i}.mlp_output"), &m)?;
+            taps.record(|| names::layer(i, names::MLP_OUTPUT), &m)?;
             h = (h + m)?;
-            taps.record(|| format!("layers.{i}.output"), &h)?;
+            taps.record(|| names::layer(i, names::OUTPUT), &h)?;
         }
         let normed = rms_norm(&h, &self.norm, eps)?;
-        taps.record(|| "final_norm".into(), &normed)?;
+        taps.record(|| names::FINAL_NORM.into(), &normed)?;
         // The next text position follows the largest position used (for text: position + T; after an image, the
         // row maximum + 1, as transformers' rope deltas continue).
         let last = positions
@@ -302,7 +295,7 @@ impl Model {
         state.position = usize::try_from(last + 1).unwrap_or(0).max(state.position);
         if taps.enabled() {
             let logits = linear(&normed, &self.lm_head)?;
-            taps.record(|| "logits".into(), &logits)?;
+            taps.record(|| names::LOGITS.into(), &logits)?;
             Ok(logits.get(t - 1)?)
         } else {
             Ok(linear(&normed.narrow(0, t - 1, 1)?, &self.lm_head)?.squeeze(0)?)

@@ -66,6 +66,7 @@
 //! `2k + 1` in the high nibble, each a two's complement nibble.
 
 use crate::error::{Error, Result};
+use crate::schema::Role;
 use half::f16;
 use std::fmt;
 
@@ -146,18 +147,17 @@ impl WeightFormat {
         }
     }
 
-    /// How the decoder tensor `name` (full or under the decoder prefix) of `shape` is stored in this format.
+    /// How a tensor of this role and shape is stored in this format.
     ///
-    /// Under [`WeightFormat::Int4Sym`]: 2-D projection weights (`*_proj.weight`, `in_proj_*.weight`,
-    /// `out_proj.weight`, the MLP) are INT4 when their input width is a multiple of the group, INT8 otherwise; the
-    /// token embedding (`embed_tokens.weight`) and `lm_head.weight` are INT8; everything else (norm weights, `A_log`,
-    /// `dt_bias`, conv weights) stays float. Under [`WeightFormat::F16`] every tensor is rounded to f16; under
-    /// [`WeightFormat::F32`] nothing changes.
-    pub fn storage(&self, name: &str, shape: &[usize]) -> Storage {
+    /// Under [`WeightFormat::Int4Sym`]: projections (`[out, in]`) are INT4 when their input width is a multiple of
+    /// the group, INT8 otherwise; the token embedding and the LM head are INT8; everything else (norm weights,
+    /// `A_log`, `dt_bias`, conv weights) stays float. Under [`WeightFormat::F16`] every tensor is rounded to f16;
+    /// under [`WeightFormat::F32`] nothing changes.
+    pub fn storage(&self, role: Role, shape: &[usize]) -> Storage {
         match self {
             WeightFormat::F32 => Storage::Float,
             WeightFormat::F16 => Storage::F16,
-            WeightFormat::Int4Sym { group } => match (role(name), shape) {
+            WeightFormat::Int4Sym { group } => match (role, shape) {
                 (Role::Embedding | Role::LmHead, [_, _]) => Storage::Int8Sym,
                 (Role::Projection, [_, cols]) if *group > 0 && cols.is_multiple_of(*group) => {
                     Storage::Int4Sym { group: *group }
@@ -203,28 +203,6 @@ impl Storage {
     /// Whether the tensor is stored as integer codes and scales.
     pub fn is_quantized(&self) -> bool {
         matches!(self, Storage::Int4Sym { .. } | Storage::Int8Sym)
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Role {
-    Embedding,
-    LmHead,
-    Projection,
-    Other,
-}
-
-/// What a tensor name denotes, from its last two components (`{module}.weight`).
-fn role(name: &str) -> Role {
-    let mut parts = name.rsplit('.');
-    let (Some("weight"), Some(module)) = (parts.next(), parts.next()) else {
-        return Role::Other;
-    };
-    match module {
-        "embed_tokens" => Role::Embedding,
-        "lm_head" => Role::LmHead,
-        m if m.ends_with("_proj") || m.starts_with("in_proj") => Role::Projection,
-        _ => Role::Other,
     }
 }
 
@@ -543,29 +521,6 @@ pub fn round_f16(x: f64) -> f16 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn names_follow_the_module() {
-        for (name, expected) in [
-            ("model.embed_tokens.weight", Role::Embedding),
-            ("lm_head.weight", Role::LmHead),
-            ("model.layers.0.mlp.down_proj.weight", Role::Projection),
-            (
-                "model.layers.0.linear_attn.in_proj_qkv.weight",
-                Role::Projection,
-            ),
-            (
-                "model.layers.0.linear_attn.out_proj.weight",
-                Role::Projection,
-            ),
-            ("model.layers.0.linear_attn.conv1d.weight", Role::Other),
-            ("model.layers.0.linear_attn.A_log", Role::Other),
-            ("model.norm.weight", Role::Other),
-            ("weight", Role::Other),
-        ] {
-            assert_eq!(role(name), expected, "{name}");
-        }
-    }
 
     #[test]
     fn signed_scale_maps_the_largest_magnitude_to_the_lowest_code() {

@@ -1,9 +1,10 @@
 //! Random checkpoints and tensors, deterministic from a seed: for property tests, error-path tests and benches.
 //! (The golden models under `testdata/` come from transformers, not from here.)
 
-use crate::config::{Config, LayerKind};
+use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::weights::save_safetensors;
+use crate::io::save_safetensors;
+use crate::schema::{Param, Role, Schema};
 use candle_core::{DType, Device, Tensor};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -81,9 +82,9 @@ pub fn small_config_json() -> serde_json::Value {
     })
 }
 
-/// The name, shape and initial values of every decoder tensor of `config`, under `prefix` (`model.`), plus
-/// `lm_head.weight` unless the embeddings are tied. Weights are random but well-conditioned: per-token decays
-/// spread over `0.01..1`, non-trivial norm weights, projections that move the residual stream.
+/// The name, shape and initial values of every decoder tensor of `config` ([`Schema::tensors`]), under `prefix`
+/// (`model.`), plus `lm_head.weight` unless the embeddings are tied. Weights are random but well-conditioned: per-token
+/// decays spread over `0.01..1`, non-trivial norm weights, projections that move the residual stream.
 pub fn random_weights(
     config: &Config,
     prefix: &str,
@@ -91,124 +92,22 @@ pub fn random_weights(
 ) -> Result<BTreeMap<String, Tensor>> {
     let mut rng = Rng::new(seed);
     let f = DType::F32;
-    let h = config.hidden_size;
-    let proj = 0.6 / (h as f64).sqrt();
+    let proj = 0.6 / (config.hidden_size as f64).sqrt();
     let mut out = BTreeMap::new();
-    let mut put = |name: String, t: Tensor| {
-        out.insert(name, t);
-    };
-    put(
-        format!("{prefix}embed_tokens.weight"),
-        rng.normal_tensor(&[config.vocab_size, h], 1.0, f)?,
-    );
-    for (i, kind) in config.layer_types.iter().enumerate() {
-        let p = format!("{prefix}layers.{i}");
-        match kind {
-            LayerKind::Linear => {
-                let (hv, c) = (config.linear_num_value_heads, config.linear_conv_dim());
-                let a = format!("{p}.linear_attn");
-                put(
-                    format!("{a}.in_proj_qkv.weight"),
-                    rng.normal_tensor(&[c, h], proj, f)?,
-                );
-                put(
-                    format!("{a}.in_proj_z.weight"),
-                    rng.normal_tensor(&[config.linear_value_dim(), h], proj, f)?,
-                );
-                put(
-                    format!("{a}.in_proj_b.weight"),
-                    rng.normal_tensor(&[hv, h], proj, f)?,
-                );
-                put(
-                    format!("{a}.in_proj_a.weight"),
-                    rng.normal_tensor(&[hv, h], proj, f)?,
-                );
-                put(
-                    format!("{a}.conv1d.weight"),
-                    rng.normal_tensor(&[c, 1, config.linear_conv_kernel_dim], 0.5, f)?,
-                );
-                put(
-                    format!("{a}.A_log"),
-                    rng.uniform_tensor(&[hv], -3.0, 1.5, f)?,
-                );
-                put(
-                    format!("{a}.dt_bias"),
-                    rng.uniform_tensor(&[hv], -2.0, 2.0, f)?,
-                );
-                put(
-                    format!("{a}.norm.weight"),
-                    (rng.normal_tensor(&[config.linear_value_head_dim], 0.2, f)? + 1.0)?,
-                );
-                put(
-                    format!("{a}.out_proj.weight"),
-                    rng.normal_tensor(&[h, config.linear_value_dim()], proj, f)?,
-                );
-            }
-            LayerKind::Full => {
-                let (nh, nkv, d) = (
-                    config.num_attention_heads,
-                    config.num_key_value_heads,
-                    config.head_dim,
-                );
-                let a = format!("{p}.self_attn");
-                put(
-                    format!("{a}.q_proj.weight"),
-                    rng.normal_tensor(&[nh * d * 2, h], proj, f)?,
-                );
-                put(
-                    format!("{a}.k_proj.weight"),
-                    rng.normal_tensor(&[nkv * d, h], proj, f)?,
-                );
-                put(
-                    format!("{a}.v_proj.weight"),
-                    rng.normal_tensor(&[nkv * d, h], proj, f)?,
-                );
-                put(
-                    format!("{a}.o_proj.weight"),
-                    rng.normal_tensor(&[h, nh * d], proj, f)?,
-                );
-                put(
-                    format!("{a}.q_norm.weight"),
-                    rng.normal_tensor(&[d], 0.2, f)?,
-                );
-                put(
-                    format!("{a}.k_norm.weight"),
-                    rng.normal_tensor(&[d], 0.2, f)?,
-                );
-            }
-        }
-        let m = format!("{p}.mlp");
-        let inner = config.intermediate_size;
-        put(
-            format!("{m}.gate_proj.weight"),
-            rng.normal_tensor(&[inner, h], proj, f)?,
-        );
-        put(
-            format!("{m}.up_proj.weight"),
-            rng.normal_tensor(&[inner, h], proj, f)?,
-        );
-        put(
-            format!("{m}.down_proj.weight"),
-            rng.normal_tensor(&[h, inner], proj, f)?,
-        );
-        put(
-            format!("{p}.input_layernorm.weight"),
-            rng.normal_tensor(&[h], 0.2, f)?,
-        );
-        put(
-            format!("{p}.post_attention_layernorm.weight"),
-            rng.normal_tensor(&[h], 0.2, f)?,
-        );
-    }
-    put(
-        format!("{prefix}norm.weight"),
-        rng.normal_tensor(&[h], 0.2, f)?,
-    );
-    if !config.tie_word_embeddings {
-        put(
-            "lm_head.weight".into(),
-            rng.normal_tensor(&[config.vocab_size, h], 1.0, f)?,
-        );
+    for spec in Schema::new(config).tensors() {
+        let shape = spec.shape.as_slice();
+        let value = match spec.param {
+            Param::EmbedTokens | Param::LmHead => rng.normal_tensor(shape, 1.0, f)?,
+            Param::Conv1d => rng.normal_tensor(shape, 0.5, f)?,
+            Param::ALog => rng.uniform_tensor(shape, -3.0, 1.5, f)?,
+            Param::DtBias => rng.uniform_tensor(shape, -2.0, 2.0, f)?,
+            Param::LinearNorm => (rng.normal_tensor(shape, 0.2, f)? + 1.0)?,
+            p => match p.role() {
+                Role::Norm => rng.normal_tensor(shape, 0.2, f)?,
+                _ => rng.normal_tensor(shape, proj, f)?,
+            },
+        };
+        out.insert(spec.full_name(prefix), value);
     }
     Ok(out)
 }

@@ -7,6 +7,64 @@ use crate::error::Result;
 use candle_core::Tensor;
 use std::collections::BTreeMap;
 
+/// The names of the taps, shared by every backend that writes them (the reference, the OpenVINO graphs) and by
+/// whoever reads them. A layer's tap is `layers.{i}.{name}` ([`layer`]); a mixer's own taps are
+/// `layers.{i}.{mixer}.{name}`, the mixer being [`LINEAR_ATTN`] or [`SELF_ATTN`].
+pub mod names {
+    /// Token embeddings `[T, H]`.
+    pub const EMBEDDINGS: &str = "embeddings";
+    /// After the final RMSNorm `[T, H]`.
+    pub const FINAL_NORM: &str = "final_norm";
+    /// Logits `[T, V]`.
+    pub const LOGITS: &str = "logits";
+    /// A layer's output, the residual stream after it `[T, H]`.
+    pub const OUTPUT: &str = "output";
+    /// A layer's mixer output before the residual add `[T, H]`.
+    pub const MIXER_OUTPUT: &str = "mixer_output";
+    /// A layer's MLP output before the residual add `[T, H]`.
+    pub const MLP_OUTPUT: &str = "mlp_output";
+    /// The Gated DeltaNet mixer's scope.
+    pub const LINEAR_ATTN: &str = "linear_attn";
+    /// The attention mixer's scope.
+    pub const SELF_ATTN: &str = "self_attn";
+    /// DeltaNet queries after conv and SiLU, before the l2 norm `[T, Hk, Dk]`.
+    pub const QUERY: &str = "query";
+    /// DeltaNet keys `[T, Hk, Dk]`.
+    pub const KEY: &str = "key";
+    /// DeltaNet values `[T, Hv, Dv]`.
+    pub const VALUE: &str = "value";
+    /// DeltaNet log-decays `[T, Hv]`.
+    pub const G: &str = "g";
+    /// DeltaNet write strengths `[T, Hv]`.
+    pub const BETA: &str = "beta";
+    /// The delta rule's output before the gated norm, unscaled `[T, Hv, Dv]`.
+    pub const CORE_OUTPUT: &str = "core_output";
+    /// Attention output times `sigmoid(gate)`, the `o_proj` input `[T, Hq·D]`.
+    pub const GATED_OUTPUT: &str = "gated_output";
+
+    /// A DeltaNet layer's conv state after the prompt: the last `K` conv inputs `[C, K]`.
+    pub const CONV_STATE: &str = "conv_state";
+    /// A DeltaNet layer's recurrent state after the prompt `[Hv, Dk, Dv]`.
+    pub const RECURRENT_STATE: &str = "recurrent_state";
+    /// An attention layer's cached keys after the prompt (after norm and RoPE) `[Hkv, T, D]`.
+    pub const KEY_CACHE: &str = "key_cache";
+    /// An attention layer's cached values after the prompt `[Hkv, T, D]`.
+    pub const VALUE_CACHE: &str = "value_cache";
+
+    /// The DeltaNet mixer's taps, in the order they are computed.
+    pub const LINEAR_ATTN_TAPS: [&str; 6] = [QUERY, KEY, VALUE, G, BETA, CORE_OUTPUT];
+
+    /// `layers.{layer}.{name}`.
+    pub fn layer(layer: usize, name: &str) -> String {
+        format!("layers.{layer}.{name}")
+    }
+
+    /// `{mixer}.{name}` (e.g. `linear_attn.g`), the name of a mixer's tap within its layer.
+    pub fn mixer(mixer: &str, name: &str) -> String {
+        format!("{mixer}.{name}")
+    }
+}
+
 /// A recorder of named intermediates; a disabled recorder costs nothing.
 #[derive(Debug, Default)]
 pub struct Taps {

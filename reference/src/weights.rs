@@ -1,6 +1,7 @@
 //! Checkpoint weights: safetensors files (single or sharded), memory mapped, converted to the run's dtype.
 //!
-//! Names are resolved under the decoder prefix of the checkpoint (`model.` for a text-only export,
+//! Tensors are asked for by their [`TensorSpec`] (see [`crate::schema`]), which gives the name and the shape the
+//! config implies; names are resolved under the decoder prefix of the checkpoint (`model.` for a text-only export,
 //! `model.language_model.` for a full multimodal checkpoint); vision (`model.visual.*`) and multi-token-prediction
 //! (`mtp.*`) tensors are never read.
 //!
@@ -12,9 +13,10 @@ use crate::error::{Error, Result};
 use crate::quant::{
     QuantizedMatrix, Storage, WeightFormat, quantize_int4_sym, quantize_int8_sym, round_f16,
 };
+use crate::schema::TensorSpec;
 use candle_core::{DType, Device, Tensor};
 use memmap2::Mmap;
-use safetensors::tensor::{Dtype as StDtype, Metadata, TensorInfo, TensorView};
+use safetensors::tensor::{Dtype as StDtype, Metadata, TensorInfo};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -205,9 +207,9 @@ impl WeightStore {
         self.format
     }
 
-    /// How the tensor with this full name and shape is stored under the store's format.
-    pub fn storage(&self, full_name: &str, shape: &[usize]) -> Storage {
-        self.format.storage(full_name, shape)
+    /// How a tensor is stored under the store's format.
+    pub fn storage(&self, spec: &TensorSpec) -> Storage {
+        self.format.storage(spec.role(), &spec.shape)
     }
 
     /// The dtype tensors are converted to.
@@ -220,49 +222,37 @@ impl WeightStore {
         self.prefix
     }
 
-    /// Whether a tensor with this full name exists.
-    pub fn contains(&self, full_name: &str) -> bool {
-        self.index.contains_key(full_name)
+    /// The tensor's full name in this checkpoint.
+    pub fn full_name(&self, spec: &TensorSpec) -> String {
+        spec.full_name(self.prefix)
     }
 
-    /// A decoder tensor by its name under the prefix (e.g. `layers.0.mlp.up_proj.weight`), checked against `shape`.
-    pub fn decoder(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        self.get(&format!("{}{name}", self.prefix), shape)
-    }
-
-    /// A tensor by its full name, checked against `shape` and converted to the store's dtype; quantised then
-    /// dequantised, or rounded to f16, when the store's format selects it.
-    pub fn get(&self, full_name: &str, shape: &[usize]) -> Result<Tensor> {
-        let raw = self.raw(full_name, shape)?;
-        match self.storage(full_name, shape) {
-            Storage::Float => self.exact(&raw, shape),
+    /// A decoder tensor, checked against the shape its spec gives and converted to the store's dtype; quantised
+    /// then dequantised, or rounded to f16, when the store's format selects it.
+    pub fn load(&self, spec: &TensorSpec) -> Result<Tensor> {
+        let full_name = self.full_name(spec);
+        let raw = self.raw(&full_name, &spec.shape)?;
+        match self.storage(spec) {
+            Storage::Float => self.exact(&raw, &spec.shape),
             Storage::F16 => {
                 let values: Vec<f64> = raw.values_f64()?;
                 let rounded = values.into_iter().map(|x| round_f16(x).to_f32()).collect();
-                self.tensor_of(rounded, shape)
+                self.tensor_of(rounded, &spec.shape)
             }
             Storage::Int4Sym { .. } | Storage::Int8Sym => {
-                let q = self.quantize(&raw, shape)?;
-                self.tensor_of(q.dequantize(), shape)
+                let q = self.quantize(&raw, spec)?;
+                self.tensor_of(q.dequantize(), &spec.shape)
             }
         }
     }
 
-    /// A decoder tensor's quantised form, by its name under the prefix: see [`WeightStore::quantized`].
-    pub fn decoder_quantized(
-        &self,
-        name: &str,
-        shape: &[usize],
-    ) -> Result<Option<QuantizedMatrix>> {
-        self.quantized(&format!("{}{name}", self.prefix), shape)
-    }
-
     /// The codes and scales of a tensor the store's format quantises (`None` when it stays float or f16): the
-    /// constants an OpenVINO graph stores so that `f32(code) · f32(scale)` equals what [`WeightStore::get`] returns.
-    pub fn quantized(&self, full_name: &str, shape: &[usize]) -> Result<Option<QuantizedMatrix>> {
-        let raw = self.raw(full_name, shape)?;
-        if self.storage(full_name, shape).is_quantized() {
-            self.quantize(&raw, shape).map(Some)
+    /// constants an OpenVINO graph stores so that `f32(code) · f32(scale)` equals what [`WeightStore::load`] returns.
+    pub fn quantized(&self, spec: &TensorSpec) -> Result<Option<QuantizedMatrix>> {
+        let full_name = self.full_name(spec);
+        let raw = self.raw(&full_name, &spec.shape)?;
+        if self.storage(spec).is_quantized() {
+            self.quantize(&raw, spec).map(Some)
         } else {
             Ok(None)
         }
@@ -352,14 +342,15 @@ impl WeightStore {
     }
 
     /// Quantises a 2-D tensor as the store's format prescribes for it.
-    fn quantize(&self, raw: &Raw, shape: &[usize]) -> Result<QuantizedMatrix> {
+    fn quantize(&self, raw: &Raw, spec: &TensorSpec) -> Result<QuantizedMatrix> {
+        let shape = spec.shape.as_slice();
         let &[rows, cols] = shape else {
             return Err(raw.err(format!(
                 "only 2-D matrices are quantised, this one has shape {shape:?}"
             )));
         };
         let w = raw.values_f32()?;
-        let q = match self.storage(raw.name, shape) {
+        let q = match self.storage(spec) {
             Storage::Int4Sym { group } => quantize_int4_sym(&w, rows, cols, group),
             Storage::Int8Sym => quantize_int8_sym(&w, rows, cols),
             other => {
@@ -449,73 +440,4 @@ impl Raw<'_> {
             other => return Err(self.unsupported(other)),
         })
     }
-}
-
-/// Writes tensors (each in its own dtype: f32, f64, f16, bf16, i64 or u32) and string metadata to a safetensors
-/// file.
-pub fn save_safetensors(
-    path: &Path,
-    tensors: &BTreeMap<String, Tensor>,
-    metadata: &BTreeMap<String, String>,
-) -> Result<()> {
-    let err = |message: String| Error::Weights {
-        file: path.display().to_string(),
-        key: "(write)".into(),
-        message,
-    };
-    let mut encoded: Vec<(String, StDtype, Vec<usize>, Vec<u8>)> =
-        Vec::with_capacity(tensors.len());
-    for (name, t) in tensors {
-        let flat = t.flatten_all()?;
-        let (dtype, bytes): (StDtype, Vec<u8>) = match t.dtype() {
-            DType::F32 => (
-                StDtype::F32,
-                le_bytes(flat.to_vec1::<f32>()?, f32::to_le_bytes),
-            ),
-            DType::F64 => (
-                StDtype::F64,
-                le_bytes(flat.to_vec1::<f64>()?, f64::to_le_bytes),
-            ),
-            DType::F16 => (
-                StDtype::F16,
-                le_bytes(flat.to_vec1::<half::f16>()?, half::f16::to_le_bytes),
-            ),
-            DType::BF16 => (
-                StDtype::BF16,
-                le_bytes(flat.to_vec1::<half::bf16>()?, half::bf16::to_le_bytes),
-            ),
-            DType::I64 => (
-                StDtype::I64,
-                le_bytes(flat.to_vec1::<i64>()?, i64::to_le_bytes),
-            ),
-            DType::U32 => (
-                StDtype::U32,
-                le_bytes(flat.to_vec1::<u32>()?, u32::to_le_bytes),
-            ),
-            other => {
-                return Err(err(format!(
-                    "tensor `{name}`: cannot write dtype {other:?}"
-                )));
-            }
-        };
-        encoded.push((name.clone(), dtype, t.dims().to_vec(), bytes));
-    }
-    let views = encoded
-        .iter()
-        .map(|(name, dtype, shape, bytes)| {
-            TensorView::new(*dtype, shape.clone(), bytes)
-                .map(|v| (name.clone(), v))
-                .map_err(|e| err(format!("tensor `{name}`: {e}")))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let meta: HashMap<String, String> = metadata
-        .iter()
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
-    let meta = if meta.is_empty() { None } else { Some(meta) };
-    safetensors::serialize_to_file(views, meta, path).map_err(|e| err(e.to_string()))
-}
-
-fn le_bytes<T, const N: usize>(values: Vec<T>, f: impl Fn(T) -> [u8; N]) -> Vec<u8> {
-    values.into_iter().flat_map(f).collect()
 }

@@ -13,6 +13,7 @@ use reference::quant::{
     QuantKind, QuantizedMatrix, Storage, WeightFormat, pack_i4, quantize_int4_sym,
     quantize_int8_sym, unpack_i4,
 };
+use reference::schema::{Param, Role, Schema, TensorSpec};
 use reference::synthetic::{Rng, random_weights, small_config_json, write_safetensors};
 use reference::taps::Taps;
 use reference::weights::WeightStore;
@@ -288,63 +289,82 @@ fn format_names_parse_back() {
     }
 }
 
-/// The rule on the names and shapes of the real checkpoint layout (tiny-full: hidden 64, MLP and value widths 128).
+/// The schema names exactly the decoder tensors each testdata checkpoint holds, with the same shapes: every loader,
+/// the graph builder and the compression rule read through it.
 #[test]
-fn selection_rule_on_tiny_full_names() {
+fn schema_lists_exactly_the_checkpoint_tensors() {
+    for (name, prefix) in [
+        ("tiny", "model."),
+        ("tiny-tied", "model."),
+        ("tiny-full", "model.language_model."),
+    ] {
+        let dir = testdata().join("models").join(name);
+        let config = Config::from_file(&dir.join("config.json")).unwrap();
+        let mut expected: Vec<(String, Vec<usize>)> = Schema::new(&config)
+            .tensors()
+            .into_iter()
+            .map(|t| (t.full_name(prefix), t.shape))
+            .collect();
+        expected.sort();
+        assert_eq!(decoder_tensors(&dir, prefix), expected, "{name}");
+    }
+}
+
+/// The rule on the roles and shapes of the real checkpoint layout (tiny-full: hidden 64, MLP and value widths 128).
+#[test]
+fn selection_rule_on_tiny_full() {
     let dir = testdata().join("models/tiny-full");
-    let tensors = decoder_tensors(&dir, "model.language_model.");
+    let config = Config::from_file(&dir.join("config.json")).unwrap();
+    let tensors = Schema::new(&config).tensors();
     assert_eq!(tensors.len(), 3 + 6 * 14 + 2 * 11);
     let int4 = WeightFormat::parse("int4").unwrap();
     let int4_32 = WeightFormat::parse("int4:32").unwrap();
     let mut counts = std::collections::BTreeMap::<String, usize>::new();
-    for (name, shape) in &tensors {
-        let module = name.rsplit('.').nth(1).unwrap_or("");
-        let is_weight = name.ends_with(".weight");
-        let projection = is_weight && (module.ends_with("_proj") || module.starts_with("in_proj"));
-        let (at128, at32) = if name.ends_with("embed_tokens.weight") || name == "lm_head.weight" {
-            (Storage::Int8Sym, Storage::Int8Sym)
-        } else if projection {
-            // Only the projections reading 128 inputs (the MLP down projection, the DeltaNet output projection
-            // and the attention output projection) have a width divisible by 128; at group 32 all of them do.
-            let wide = ["down_proj", "out_proj", "o_proj"].contains(&module);
-            assert_eq!(shape[1], if wide { 128 } else { 64 }, "{name}");
-            let at128 = if wide {
-                Storage::Int4Sym { group: 128 }
-            } else {
-                Storage::Int8Sym
-            };
-            (at128, Storage::Int4Sym { group: 32 })
-        } else {
-            (Storage::Float, Storage::Float)
+    for t in &tensors {
+        let (name, shape) = (&t.name, &t.shape);
+        let (at128, at32) = match t.param {
+            Param::EmbedTokens | Param::LmHead => (Storage::Int8Sym, Storage::Int8Sym),
+            p if p.role() == Role::Projection => {
+                // Only the projections reading 128 inputs (the MLP down projection, the DeltaNet output projection
+                // and the attention output projection) have a width divisible by 128; at group 32 all of them do.
+                let wide = matches!(p, Param::DownProj | Param::OutProj | Param::OProj);
+                assert_eq!(shape[1], if wide { 128 } else { 64 }, "{name}");
+                let at128 = if wide {
+                    Storage::Int4Sym { group: 128 }
+                } else {
+                    Storage::Int8Sym
+                };
+                (at128, Storage::Int4Sym { group: 32 })
+            }
+            _ => (Storage::Float, Storage::Float),
         };
-        assert_eq!(int4.storage(name, shape), at128, "{name} {shape:?} int4");
         assert_eq!(
-            int4_32.storage(name, shape),
+            int4.storage(t.role(), shape),
+            at128,
+            "{name} {shape:?} int4"
+        );
+        assert_eq!(
+            int4_32.storage(t.role(), shape),
             at32,
             "{name} {shape:?} int4:32"
         );
         assert_eq!(
-            WeightFormat::F16.storage(name, shape),
+            WeightFormat::F16.storage(t.role(), shape),
             Storage::F16,
             "{name}"
         );
         assert_eq!(
-            WeightFormat::F32.storage(name, shape),
+            WeightFormat::F32.storage(t.role(), shape),
             Storage::Float,
             "{name}"
         );
         *counts.entry(format!("{at128:?}")).or_default() += 1;
     }
     println!("tiny-full under int4 (group 128): {counts:?}");
-    // The unprefixed decoder name selects the same way.
-    assert_eq!(
-        int4.storage("layers.0.mlp.up_proj.weight", &[128, 64]),
-        Storage::Int8Sym
-    );
-    assert_eq!(
-        int4.storage("layers.0.linear_attn.conv1d.weight", &[64, 1, 4]),
-        Storage::Float
-    );
+    // Conv kernels, norms and decay parameters stay float whatever their shape.
+    for role in [Role::Conv, Role::Norm, Role::GatedNorm, Role::Decay] {
+        assert_eq!(int4.storage(role, &[128, 128]), Storage::Float, "{role:?}");
+    }
 }
 
 /// The bf16 sharded checkpoint runs under int4 (group 128, mixed int4/int8) and its quantised forms agree with what
@@ -353,23 +373,24 @@ fn selection_rule_on_tiny_full_names() {
 fn tiny_full_runs_under_int4() {
     let dir = testdata().join("models/tiny-full");
     let config = Config::from_file(&dir.join("config.json")).unwrap();
+    let s = Schema::new(&config);
     let store =
         WeightStore::open_with_format(&dir, DType::F32, WeightFormat::parse("int4").unwrap())
             .unwrap();
     let down = store
-        .decoder_quantized("layers.0.mlp.down_proj.weight", &[64, 128])
+        .quantized(&s.layer(0, Param::DownProj))
         .unwrap()
         .unwrap();
     assert_eq!(down.kind(), QuantKind::Int4Sym { group: 128 });
     assert_eq!(down.scale_shape(), [64, 1]);
     let up = store
-        .decoder_quantized("layers.0.mlp.up_proj.weight", &[128, 64])
+        .quantized(&s.layer(0, Param::UpProj))
         .unwrap()
         .unwrap();
     assert_eq!(up.kind(), QuantKind::Int8Sym);
     assert!(
         store
-            .decoder_quantized("layers.0.input_layernorm.weight", &[64])
+            .quantized(&s.layer(0, Param::InputLayernorm))
             .unwrap()
             .is_none()
     );
@@ -390,16 +411,18 @@ fn tiny_full_runs_under_int4() {
 #[test]
 fn store_serves_exactly_the_compressed_values() {
     let dir = testdata().join("models/tiny");
+    let config = Config::from_file(&dir.join("config.json")).unwrap();
     let plain = WeightStore::open(&dir, DType::F32).unwrap();
     let format = WeightFormat::Int4Sym { group: 32 };
     let q32 = WeightStore::open_with_format(&dir, DType::F32, format).unwrap();
     let q64 = WeightStore::open_with_format(&dir, DType::F64, format).unwrap();
     let f16s = WeightStore::open_with_format(&dir, DType::F32, WeightFormat::F16).unwrap();
     let (mut quantised, mut float) = (0, 0);
-    for (name, shape) in decoder_tensors(&dir, "model.") {
-        let original = values(&plain.get(&name, &shape).unwrap());
-        let served = values(&q32.get(&name, &shape).unwrap());
-        match q32.quantized(&name, &shape).unwrap() {
+    for spec in Schema::new(&config).tensors() {
+        let name = &spec.name;
+        let original = values(&plain.load(&spec).unwrap());
+        let served = values(&q32.load(&spec).unwrap());
+        match q32.quantized(&spec).unwrap() {
             Some(q) => {
                 quantised += 1;
                 let expected = q.dequantize();
@@ -411,10 +434,9 @@ fn store_serves_exactly_the_compressed_values() {
                     "{name}"
                 );
                 assert_ne!(served, original, "{name}: quantisation changed nothing");
-                let kind = q.kind();
-                let projection = !name.contains("embed_tokens") && name != "lm_head.weight";
+                let projection = spec.role() == Role::Projection;
                 assert_eq!(
-                    kind,
+                    q.kind(),
                     if projection {
                         QuantKind::Int4Sym { group: 32 }
                     } else {
@@ -429,7 +451,7 @@ fn store_serves_exactly_the_compressed_values() {
             }
         }
         let wide: Vec<f64> = q64
-            .get(&name, &shape)
+            .load(&spec)
             .unwrap()
             .flatten_all()
             .unwrap()
@@ -439,11 +461,11 @@ fn store_serves_exactly_the_compressed_values() {
             wide.iter().zip(&served).all(|(a, b)| *a == f64::from(*b)),
             "{name}: f64 run"
         );
-        let halves = values(&f16s.get(&name, &shape).unwrap());
+        let halves = values(&f16s.load(&spec).unwrap());
         for (h, o) in halves.iter().zip(&original) {
             assert_eq!(*h, f16::from_f32(*o).to_f32(), "{name}");
         }
-        assert!(f16s.quantized(&name, &shape).unwrap().is_none());
+        assert!(f16s.quantized(&spec).unwrap().is_none());
     }
     println!("tiny under int4:32: {quantised} tensors quantised, {float} kept float");
     assert_eq!(quantised, 2 + 3 * 8 + 4 + 3);
@@ -455,7 +477,13 @@ fn store_errors_name_the_file_and_tensor() {
     let e = WeightStore::open_with_format(&dir, DType::F32, WeightFormat::Int4Sym { group: 0 });
     assert!(matches!(e, Err(Error::Input(_))));
     let store = WeightStore::open_with_format(&dir, DType::F32, WeightFormat::F16).unwrap();
-    let e = store.quantized("model.nope.weight", &[2, 2]).unwrap_err();
+    let nope = TensorSpec {
+        param: Param::Norm,
+        layer: None,
+        name: "nope.weight".into(),
+        shape: vec![2, 2],
+    };
+    let e = store.quantized(&nope).unwrap_err();
     assert!(e.to_string().contains("model.nope.weight"), "{e}");
 
     // A NaN in a projection: f32 and f16 serve it, int4 refuses it naming the file and the tensor.
@@ -463,31 +491,29 @@ fn store_errors_name_the_file_and_tensor() {
     let text = small_config_json().to_string();
     std::fs::write(tmp.path().join("config.json"), &text).unwrap();
     let config = Config::from_json_str(&text, "config.json").unwrap();
+    let up = Schema::new(&config).layer(0, Param::UpProj);
     let mut weights = random_weights(&config, "model.", 3).unwrap();
-    let name = "model.layers.0.mlp.up_proj.weight";
-    let mut w = values(&weights[name]);
+    let name = up.full_name("model.");
+    let mut w = values(&weights[&name]);
     w[5] = f32::NAN;
-    let shape = weights[name].dims().to_vec();
     weights.insert(
-        name.into(),
-        Tensor::from_vec(w, shape.as_slice(), &candle_core::Device::Cpu).unwrap(),
+        name.clone(),
+        Tensor::from_vec(w, up.shape.as_slice(), &candle_core::Device::Cpu).unwrap(),
     );
     write_safetensors(&tmp.path().join("model.safetensors"), &weights, DType::F32).unwrap();
     for format in [WeightFormat::F32, WeightFormat::F16] {
         let store = WeightStore::open_with_format(tmp.path(), DType::F32, format).unwrap();
-        assert!(store.get(name, &shape).is_ok());
+        assert!(store.load(&up).is_ok());
     }
     let store =
         WeightStore::open_with_format(tmp.path(), DType::F32, WeightFormat::Int4Sym { group: 8 })
             .unwrap();
-    let e = store
-        .decoder("layers.0.mlp.up_proj.weight", &shape)
-        .unwrap_err();
+    let e = store.load(&up).unwrap_err();
     let text = e.to_string();
     assert!(
         matches!(e, Error::Weights { .. })
             && text.contains("model.safetensors")
-            && text.contains(name)
+            && text.contains(&name)
             && text.contains("non-finite"),
         "{text}"
     );

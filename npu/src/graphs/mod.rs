@@ -1,0 +1,198 @@
+//! The static NPU-style graphs of the decoder, built from the same weights the reference loads.
+//!
+//! The files mirror the reference's, block for block and with the same function and variable names, so the two can
+//! be read side by side: [`ops`] (`reference::ops`: linear, the norms, the head repeat), [`deltanet`]
+//! (`reference::deltanet`: the delta rule's forms), [`linear_attn`], [`attention`], [`rope`], [`mlp`] and [`model`]
+//! (the block, the per-layer graph and the decoder graph). Masks and bands come from `reference::masks`, weights
+//! through `reference::schema`, port names from [`ports`].
+//!
+//! Every graph has static shapes and keeps its state explicit: the caller passes each layer's incoming conv state,
+//! recurrent state or KV cache and receives the new ones, so every state can be compared with the reference.
+//! Attention reads a static KV context of `context` slots plus the block's own keys, selected by an additive mask.
+//!
+//! # Per-layer graph (the probe's unit), `T` tokens
+//! Inputs: `hidden` `[T, H]`; linear layers `conv_state` `[C, K]`, `recurrent_state` `[Hv, Dk, Dv]`,
+//! `token_valid` `[T]` (1 real token, 0 padding); attention layers `past_keys`, `past_values` `[Hkv, CTX, D]`,
+//! `attention_mask` `[T, CTX + T]` (0 or −inf), `positions` `[3, T]` (i64, MRoPE rows).
+//! Outputs: `output` `[T, H]`, `mixer_output`, `mlp_output` `[T, H]`; linear layers `conv_state_out`,
+//! `recurrent_state_out` and `linear_attn.{query, key, value, g, beta, core_output}` (`core_output` `[T, Hv, Dv]`
+//! is the DeltaNet output before the gated norm, unscaled); attention layers `new_keys`, `new_values`
+//! `[Hkv, T, D]` and `self_attn.gated_output`. The names match the dump format's, less the `layers.{i}.` prefix.
+//!
+//! # Decoder graph
+//! Inputs `input_ids` `[T]` (i64), `token_valid`, `positions`, `attention_mask` and every layer's state as
+//! `layers.{i}.{conv_state, recurrent_state, past_keys, past_values}`; outputs `logits` `[T, V]`, `embeddings`,
+//! `final_norm`, every layer's outputs as `layers.{i}.{output, mixer_output, mlp_output, …}` and the new states as
+//! `layers.{i}.{conv_state_out, recurrent_state_out, new_keys, new_values}`.
+
+pub mod attention;
+pub mod deltanet;
+pub mod linear_attn;
+pub mod mlp;
+pub mod model;
+pub mod ops;
+pub mod ports;
+pub mod rope;
+
+use crate::error::{Error, Result};
+use crate::ir::{ElemType, Graph, Value};
+use reference::config::Config;
+use reference::deltanet::Inverse;
+use reference::quant::{QuantKind, Storage};
+use reference::schema::{Param, Schema, TensorSpec};
+use reference::weights::WeightStore;
+
+/// The static KV context of the attention layers unless asked otherwise (the NPU port's).
+pub const DEFAULT_CONTEXT: usize = 1024;
+
+/// How a DeltaNet block is computed inside a graph.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeltaNetGraphForm {
+    /// The single-token matrix form, unrolled over the block's tokens.
+    Matrix,
+    /// The chunkwise-parallel form over the whole block with the given triangular inverse.
+    Chunked(Inverse),
+    /// One `Loop` op stepping the recurrence token by token, as the optimum-intel export has it (runs on CPU;
+    /// NPUs cannot run `Loop`).
+    Loop,
+}
+
+impl DeltaNetGraphForm {
+    /// A short description (`matrix`, `loop`, `chunked(doubling)`).
+    pub fn describe(&self) -> String {
+        match self {
+            DeltaNetGraphForm::Matrix => "matrix".into(),
+            DeltaNetGraphForm::Loop => "loop".into(),
+            DeltaNetGraphForm::Chunked(inverse) => format!("chunked({})", inverse.name()),
+        }
+    }
+}
+
+/// Options of the graphs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GraphOptions {
+    /// DeltaNet form for blocks of more than one token (one token always uses the matrix form).
+    pub form: DeltaNetGraphForm,
+    /// The fp16 rescaling of the DeltaNet output (q × S, gated-norm eps × S²); 1 turns it off.
+    pub output_scale: f32,
+    /// Static KV context of the attention layers.
+    pub context: usize,
+}
+
+impl Default for GraphOptions {
+    /// The NPU port's graphs: chunked with block doubling, the ×1024 rescaling, a context of 1024.
+    fn default() -> Self {
+        GraphOptions {
+            form: DeltaNetGraphForm::Chunked(Inverse::Doubling),
+            output_scale: reference::linear_attn::PORT_OUTPUT_SCALE as f32,
+            context: DEFAULT_CONTEXT,
+        }
+    }
+}
+
+/// Builds graphs for one checkpoint.
+pub struct Builder<'a> {
+    config: &'a Config,
+    weights: &'a WeightStore,
+    opts: GraphOptions,
+}
+
+impl<'a> Builder<'a> {
+    /// A builder over a parsed config and an open weight store (f32).
+    pub fn new(config: &'a Config, weights: &'a WeightStore, opts: GraphOptions) -> Result<Self> {
+        if opts.context == 0 {
+            return Err(Error::Config(
+                "the static context must hold at least one token".into(),
+            ));
+        }
+        reference::linear_attn::check_output_scale(opts.output_scale as f64)?;
+        Ok(Builder {
+            config,
+            weights,
+            opts,
+        })
+    }
+
+    /// The config the graphs are built for.
+    pub fn config(&self) -> &Config {
+        self.config
+    }
+
+    /// The options.
+    pub fn options(&self) -> &GraphOptions {
+        &self.opts
+    }
+
+    /// The tensors of the checkpoint.
+    fn schema(&self) -> Schema<'a> {
+        Schema::new(self.config)
+    }
+
+    /// A tensor's values on the host, as the reference loads them (f32).
+    fn host(&self, spec: &TensorSpec) -> Result<Vec<f32>> {
+        let t = self.weights.load(spec)?;
+        Ok(t.to_dtype(candle_core::DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?)
+    }
+
+    /// A layer's tensor on the host.
+    fn layer_host(&self, layer: usize, param: Param) -> Result<Vec<f32>> {
+        self.host(&self.schema().layer(layer, param))
+    }
+
+    /// A checkpoint matrix as an f32 value in the graph, stored as the weight store's format says: f32, f16
+    /// (converted in the graph), or integer codes with f16 scales dequantized in the graph as
+    /// `f32(code) * f32(scale)` (exact, and bit-identical to what the reference loads from the same store).
+    fn matrix(&self, graph: &mut Graph, spec: &TensorSpec) -> Result<Value> {
+        let shape = spec.shape.as_slice();
+        match self.weights.storage(spec) {
+            Storage::Float => {
+                let data = self.host(spec)?;
+                graph.const_f32(&data, shape)
+            }
+            Storage::F16 => {
+                let h: Vec<half::f16> = self
+                    .host(spec)?
+                    .iter()
+                    .map(|&x| half::f16::from_f32(x))
+                    .collect();
+                let c = graph.const_f16(&h, shape)?;
+                graph.convert(c, ElemType::F32)
+            }
+            Storage::Int4Sym { .. } | Storage::Int8Sym => {
+                let q = self.weights.quantized(spec)?.ok_or_else(|| {
+                    Error::graph(
+                        graph.name(),
+                        format!("{}: the store did not quantize it", spec.name),
+                    )
+                })?;
+                let (rows, cols) = (q.rows(), q.cols());
+                let [_, groups] = q.scale_shape();
+                let group = cols / groups;
+                let ty = match q.kind() {
+                    QuantKind::Int4Sym { .. } => ElemType::I4,
+                    QuantKind::Int8Sym => ElemType::I8,
+                };
+                let codes = graph.constant_bytes(ty, &[rows, groups, group], &q.packed_codes())?;
+                let codes = graph.convert(codes, ElemType::F32)?;
+                let scales = graph.const_f16(q.scales(), &[rows, groups, 1])?;
+                let scales = graph.convert(scales, ElemType::F32)?;
+                let deq = graph.mul(codes, scales)?;
+                graph.reshape(deq, shape)
+            }
+        }
+    }
+
+    /// A zero-centred RMSNorm's `1 + w` as a graph constant, folded on the host in f32 (the reference adds the 1 in
+    /// f32 too).
+    fn norm_weight(&self, graph: &mut Graph, spec: &TensorSpec) -> Result<Value> {
+        let w: Vec<f32> = self.host(spec)?.iter().map(|w| w + 1.0).collect();
+        graph.const_f32(&w, &spec.shape)
+    }
+
+    /// A layer's weight matrix in the graph.
+    fn layer_matrix(&self, graph: &mut Graph, layer: usize, param: Param) -> Result<Value> {
+        self.matrix(graph, &self.schema().layer(layer, param))
+    }
+}

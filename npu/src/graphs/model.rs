@@ -1,0 +1,219 @@
+//! The decoder block and the two graphs built from it (`reference::model`): the per-layer graph, the probe's unit,
+//! and the whole decoder with every cache an explicit input and output (see the module docs of [`super`]).
+
+use super::Builder;
+use super::attention::{Attention, KvCache};
+use super::linear_attn::{DeltaNetOptions, GatedDeltaNet, LinearState};
+use super::mlp::Mlp;
+use super::ops::rms_norm;
+use super::ports::{self, StatePorts};
+use super::rope::{self, RotaryTables};
+use crate::error::{Error, Result};
+use crate::ir::{ElemType, Graph, Value};
+use reference::config::LayerKind;
+use reference::schema::Param;
+use reference::taps::names;
+
+/// A layer's token mixer, its weights in the graph.
+enum Mixer {
+    Linear(GatedDeltaNet),
+    Attention(Attention),
+}
+
+/// One decoder block: `h += mixer(input_norm(h)); h += mlp(post_norm(h))`.
+struct DecoderLayer {
+    input_layernorm: Value,
+    post_attention_layernorm: Value,
+    mixer: Mixer,
+    mlp: Mlp,
+}
+
+/// What a block reads besides the residual stream: the token mask, and for attention the mask and the rotation.
+struct BlockInputs {
+    token_valid: Option<Value>,
+    attention_mask: Option<Value>,
+    rotary: Option<RotaryTables>,
+}
+
+impl<'a> Builder<'a> {
+    /// Puts layer `layer`'s weights into `graph`.
+    fn decoder_layer(&self, graph: &mut Graph, layer: usize) -> Result<DecoderLayer> {
+        let s = self.schema();
+        let mixer = match self.config.layer_types[layer] {
+            LayerKind::Linear => Mixer::Linear(GatedDeltaNet::load(self, graph, layer)?),
+            LayerKind::Full => Mixer::Attention(Attention::load(self, graph, layer)?),
+        };
+        Ok(DecoderLayer {
+            input_layernorm: self.norm_weight(graph, &s.layer(layer, Param::InputLayernorm))?,
+            post_attention_layernorm: self
+                .norm_weight(graph, &s.layer(layer, Param::PostAttentionLayernorm))?,
+            mixer,
+            mlp: Mlp::load(self, graph, layer)?,
+        })
+    }
+
+    /// One decoder block on `h`, its ports and outputs named under `prefix` (empty in a per-layer graph,
+    /// `layers.{i}.` in the decoder graph): the state enters through the layer kind's [`StatePorts`] inputs and leaves
+    /// through its outputs; `mixer_output` and `mlp_output` are outputs, as are the mixer's own taps.
+    fn block(
+        &self,
+        graph: &mut Graph,
+        h: Value,
+        layer: usize,
+        inputs: &BlockInputs,
+        prefix: &str,
+    ) -> Result<Value> {
+        let c = self.config;
+        let eps = c.rms_norm_eps as f32;
+        let weights = self.decoder_layer(graph, layer)?;
+        let kind = c.layer_types[layer];
+        let StatePorts {
+            inputs: state_in,
+            outputs: state_out,
+        } = ports::state_ports(kind);
+        let port = |name: &str| format!("{prefix}{name}");
+        let graph_name = graph.name().to_string();
+        let missing = |what: &str| Error::graph(&graph_name, format!("layer {layer} needs {what}"));
+
+        let x = rms_norm(graph, h, weights.input_layernorm, eps)?;
+        let mixed = match &weights.mixer {
+            Mixer::Linear(m) => {
+                let token_valid = inputs
+                    .token_valid
+                    .ok_or_else(|| missing(ports::TOKEN_VALID))?;
+                let state = LinearState {
+                    conv: graph.parameter(
+                        &port(state_in[0]),
+                        ElemType::F32,
+                        &[c.linear_conv_dim(), c.linear_conv_kernel_dim],
+                    ),
+                    recurrent: graph.parameter(
+                        &port(state_in[1]),
+                        ElemType::F32,
+                        &[
+                            c.linear_num_value_heads,
+                            c.linear_key_head_dim,
+                            c.linear_value_head_dim,
+                        ],
+                    ),
+                };
+                let opts = DeltaNetOptions {
+                    form: self.opts.form,
+                    output_scale: self.opts.output_scale,
+                };
+                let tap = port(names::LINEAR_ATTN);
+                let (out, state) = m.forward(graph, x, state, token_valid, &opts, &tap)?;
+                graph.result(state.conv, &port(state_out[0]))?;
+                graph.result(state.recurrent, &port(state_out[1]))?;
+                out
+            }
+            Mixer::Attention(m) => {
+                let mask = inputs
+                    .attention_mask
+                    .ok_or_else(|| missing(ports::ATTENTION_MASK))?;
+                let rotary = inputs.rotary.ok_or_else(|| missing(ports::POSITIONS))?;
+                let shape = [c.num_key_value_heads, self.opts.context, c.head_dim];
+                let cache = KvCache {
+                    keys: graph.parameter(&port(state_in[0]), ElemType::F32, &shape),
+                    values: graph.parameter(&port(state_in[1]), ElemType::F32, &shape),
+                };
+                let tap = port(names::SELF_ATTN);
+                let (out, new) = m.forward(graph, x, cache, mask, &rotary, &tap)?;
+                graph.result(new.keys, &port(state_out[0]))?;
+                graph.result(new.values, &port(state_out[1]))?;
+                out
+            }
+        };
+        graph.result(mixed, &port(names::MIXER_OUTPUT))?;
+        let h = graph.add(h, mixed)?;
+        let x = rms_norm(graph, h, weights.post_attention_layernorm, eps)?;
+        let m = weights.mlp.forward(graph, x)?;
+        graph.result(m, &port(names::MLP_OUTPUT))?;
+        graph.add(h, m)
+    }
+
+    /// The inputs every block of a `tokens`-slot graph may read, created as graph parameters.
+    fn block_inputs(
+        &self,
+        graph: &mut Graph,
+        tokens: usize,
+        kinds: &[LayerKind],
+    ) -> Result<BlockInputs> {
+        let token_valid = kinds
+            .contains(&LayerKind::Linear)
+            .then(|| graph.parameter(ports::TOKEN_VALID, ElemType::F32, &[tokens]));
+        let (attention_mask, rotary) = if kinds.contains(&LayerKind::Full) {
+            let mask = graph.parameter(
+                ports::ATTENTION_MASK,
+                ElemType::F32,
+                &[tokens, self.opts.context + tokens],
+            );
+            let positions = graph.parameter(ports::POSITIONS, ElemType::I64, &[3, tokens]);
+            (
+                Some(mask),
+                Some(rope::tables(graph, self.config, positions)?),
+            )
+        } else {
+            (None, None)
+        };
+        Ok(BlockInputs {
+            token_valid,
+            attention_mask,
+            rotary,
+        })
+    }
+
+    /// The per-layer graph of `layer` for blocks of `tokens` tokens (see the module docs of [`super`]).
+    pub fn layer_graph(&self, layer: usize, tokens: usize) -> Result<Graph> {
+        self.check_tokens(tokens)?;
+        let c = self.config;
+        let kind = *c.layer_types.get(layer).ok_or_else(|| {
+            Error::Input(format!(
+                "layer {layer} does not exist ({} layers)",
+                c.num_layers()
+            ))
+        })?;
+        let mut graph = Graph::new(&format!("layer{layer}_{}_t{tokens}", kind.name()));
+        let h = graph.parameter(ports::HIDDEN, ElemType::F32, &[tokens, c.hidden_size]);
+        let inputs = self.block_inputs(&mut graph, tokens, &[kind])?;
+        let out = self.block(&mut graph, h, layer, &inputs, "")?;
+        graph.result(out, names::OUTPUT)?;
+        Ok(graph)
+    }
+
+    /// The whole decoder for blocks of `tokens` tokens, every cache an explicit input and output.
+    pub fn decoder_graph(&self, tokens: usize) -> Result<Graph> {
+        self.check_tokens(tokens)?;
+        let c = self.config;
+        let s = self.schema();
+        let mut graph = Graph::new(&format!("decoder_t{tokens}"));
+        let ids = graph.parameter(ports::INPUT_IDS, ElemType::I64, &[tokens]);
+        let inputs = self.block_inputs(&mut graph, tokens, &c.layer_types)?;
+        let embed_tokens = self.matrix(&mut graph, &s.global(Param::EmbedTokens))?;
+        let mut h = graph.gather(embed_tokens, ids, 0)?;
+        graph.result(h, names::EMBEDDINGS)?;
+        for layer in 0..c.num_layers() {
+            let prefix = ports::layer_prefix(layer);
+            h = self.block(&mut graph, h, layer, &inputs, &prefix)?;
+            graph.result(h, &names::layer(layer, names::OUTPUT))?;
+        }
+        let norm = self.norm_weight(&mut graph, &s.global(Param::Norm))?;
+        let normed = rms_norm(&mut graph, h, norm, c.rms_norm_eps as f32)?;
+        graph.result(normed, names::FINAL_NORM)?;
+        let lm_head = if c.tie_word_embeddings {
+            embed_tokens
+        } else {
+            self.matrix(&mut graph, &s.global(Param::LmHead))?
+        };
+        let logits = graph.matmul(normed, lm_head, false, true)?;
+        graph.result(logits, names::LOGITS)?;
+        Ok(graph)
+    }
+
+    fn check_tokens(&self, tokens: usize) -> Result<()> {
+        if tokens == 0 {
+            return Err(Error::Input("a graph needs at least one token".into()));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,51 @@
+//! The names of the graphs' inputs and outputs, shared by the builder that creates them and the engine that feeds and
+//! reads them. Tap outputs carry the dump's names ([`reference::taps::names`]); this module names the rest.
+//!
+//! A per-layer graph's ports have these names as they are; in the decoder graph every per-layer port is prefixed by
+//! `layers.{i}.` ([`in_layer`]).
+
+use reference::config::LayerKind;
+
+/// Token ids `[T]` (i64), decoder graphs.
+pub const INPUT_IDS: &str = "input_ids";
+/// The residual stream entering the layer `[T, H]`, per-layer graphs.
+pub const HIDDEN: &str = "hidden";
+/// 1 for a real token, 0 for a padded slot `[T]`.
+pub const TOKEN_VALID: &str = "token_valid";
+/// The additive attention bias `[T, CTX + T]` (0 or −inf).
+pub const ATTENTION_MASK: &str = "attention_mask";
+/// MRoPE positions `[3, T]` (i64): temporal, height and width rows.
+pub const POSITIONS: &str = "positions";
+
+/// The ports through which a layer's state enters and leaves a graph.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StatePorts {
+    /// The incoming state: `conv_state`, `recurrent_state` or `past_keys`, `past_values`.
+    pub inputs: [&'static str; 2],
+    /// What the graph gives back: the new conv and recurrent states, or the block's own keys and values (which the
+    /// host appends to its static cache).
+    pub outputs: [&'static str; 2],
+}
+
+/// The state ports of a layer of this kind.
+///
+/// Linear attention: `conv_state` `[C, K]` and `recurrent_state` `[Hv, Dk, Dv]` in, `conv_state_out` and
+/// `recurrent_state_out` out. Full attention: `past_keys` and `past_values` `[Hkv, CTX, D]` in, `new_keys` and
+/// `new_values` `[Hkv, T, D]` out.
+pub fn state_ports(kind: LayerKind) -> StatePorts {
+    match kind {
+        LayerKind::Linear => StatePorts {
+            inputs: ["conv_state", "recurrent_state"],
+            outputs: ["conv_state_out", "recurrent_state_out"],
+        },
+        LayerKind::Full => StatePorts {
+            inputs: ["past_keys", "past_values"],
+            outputs: ["new_keys", "new_values"],
+        },
+    }
+}
+
+/// The prefix of layer `layer`'s ports in the decoder graph: `layers.{layer}.`.
+pub fn layer_prefix(layer: usize) -> String {
+    format!("layers.{layer}.")
+}
