@@ -5,5 +5,6 @@ mod conventions;
 mod deltanet;
 mod goldens;
 mod model;
+mod nncf;
 mod precision;
 mod quant;
