@@ -4,6 +4,7 @@ mod common;
 mod conventions;
 mod deltanet;
 mod goldens;
+mod manifest;
 mod model;
 mod nncf;
 mod precision;
