@@ -11,6 +11,10 @@ with transformers in f32 eager and fla hidden exactly as make_testdata.py does:
 
 Tensors per case: `positions` i64 [3, T], `token_ids` i64 [T], `logits` [T, V], `layers.{i}.output` [T, H],
 `final_norm` [T, H].
+
+The file's own metadata records only the model, the producer, the cases and T; the versions it ran with go to
+testdata/manifest.json with the file's size and sha256 (its entry in `files` and a `position_goldens` section).
+make_testdata.py rewrites the manifest without them (it deletes testdata/goldens/ too), so run this script after it.
 """
 
 from __future__ import annotations
@@ -21,7 +25,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_testdata as mt  # noqa: E402  (hides fla before transformers is imported)
 
+import json  # noqa: E402
+import platform  # noqa: E402
+
+import numpy as np  # noqa: E402
+import tokenizers  # noqa: E402
 import torch  # noqa: E402
+import transformers  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 T = 40
@@ -59,6 +69,23 @@ def run(model, config, ids: torch.Tensor, pos: torch.Tensor) -> dict:
     return keep
 
 
+def update_manifest(path: Path, section: dict) -> None:
+    """Add (or replace) the file's entry in testdata/manifest.json's `files` and the `position_goldens` section. The
+    sections of the scripts that run after make_testdata.py (`*_goldens`) follow its keys, in sorted order, so the
+    manifest does not depend on the order those scripts ran in."""
+    manifest_path = mt.TESTDATA / "manifest.json"
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    rel = mt.rel(path)
+    files = [f for f in manifest["files"] if f["path"] != rel]
+    files.append({"path": rel, "bytes": path.stat().st_size, "sha256": mt.sha256(path)})
+    manifest["files"] = sorted(files, key=lambda f: f["path"].split("/"))  # as sorted(Path.rglob)
+    manifest["total_bytes"] = sum(f["bytes"] for f in manifest["files"])
+    manifest["position_goldens"] = section
+    later = sorted(k for k in manifest if k.endswith("_goldens"))
+    manifest = {**{k: v for k, v in manifest.items() if k not in later}, **{k: manifest[k] for k in later}}
+    mt.write_json(manifest_path, manifest)
+
+
 def main() -> None:
     mt.set_determinism()
     root = Path(__file__).resolve().parent.parent
@@ -75,7 +102,26 @@ def main() -> None:
     mt.save_file(tensors, out, metadata={"model": "tiny", "producer": "scripts/make_position_goldens.py",
                                          "cases": "offset, image", "tokens": str(T)})
     mt.canonicalize_safetensors_header(out)
-    print(f"wrote {out.relative_to(root)} ({out.stat().st_size} bytes)")
+    update_manifest(out, {
+        "generator": "scripts/make_position_goldens.py",
+        "requirements": "scripts/requirements.txt",
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__,
+            "safetensors": mt.dist_version("safetensors"),
+            "numpy": np.__version__,
+        },
+        "model": "testdata/models/tiny",
+        "token_ids": f"the first {T} of goldens/tiny.safetensors `token_ids`",
+        "settings": {"torch_threads": 1, "attn_implementation": "eager", "dtype": "float32", "use_cache": False},
+        "cases": {
+            "offset": "text positions 250000.. (three equal rows)",
+            "image": "10 text tokens, a 4x4 grid at t=10, h=10+r, w=10+c, then text from the largest position + 1",
+        },
+    })
+    print(f"wrote {out.relative_to(root)} ({out.stat().st_size} bytes, sha256 {mt.sha256(out)})")
 
 
 if __name__ == "__main__":

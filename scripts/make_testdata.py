@@ -1292,6 +1292,10 @@ def main() -> None:
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,
+            # PyPI's torch 2.15.0 for Linux x86_64 is a CUDA build ("+cu132"); the goldens are computed on the CPU.
+            "torch_cuda": torch.version.cuda,
+            "torch_device": "cpu",
+            "platform": f"{platform.system()} {platform.machine()}",
             "transformers": transformers.__version__,
             "tokenizers": tokenizers.__version__,
             "safetensors": dist_version("safetensors"),

@@ -3,7 +3,7 @@
 //! as the exporter does it, so that a run of the reference on the same compressed weights separates device error from
 //! quantisation error.
 //!
-//! # What NNCF does (read in `openvinotoolkit/nncf`, 2025–2026 sources)
+//! # What NNCF does (read in `openvinotoolkit/nncf`, 2025–2026 sources, and in the nncf 3.4.0 wheel)
 //!
 //! Files: `src/nncf/quantization/algorithms/weight_compression/weight_lowering.py` (reference implementation),
 //! `src/nncf/openvino/optimized_functions/models.py` (the OpenVINO-graph implementation NNCF uses for tensors of
@@ -35,16 +35,30 @@
 //!   INT8 symmetric, per output channel). With `ratio 1.0` all the others are int4. So the claim holds: the token
 //!   embedding and `lm_head` are int8_sym. With tied embeddings the LM head reuses the embedding constant, which NNCF
 //!   compresses once (int8); the reference's tied LM head is the int8 embedding too.
-//! * **Widths not divisible by the group.** NNCF's behaviour depends on `group_size_fallback_mode`: the default in
-//!   `advanced_parameters.py` as read is `ERROR` (compression fails), NNCF's release notes describe `IGNORE` as the
-//!   later default (the weight stays in its float precision), and `ADJUST` picks the largest power of two dividing the
-//!   width (at least `min_adjusted_group_size`, 32) and otherwise uses the backup mode. This module uses the backup
+//! * **Widths not divisible by the group.** NNCF's behaviour depends on `group_size_fallback_mode`. Its default is
+//!   `ERROR`: nncf 3.4.0 raises `InvalidGroupSizeError` for a 64-wide MatMul under group 128 unless that MatMul is
+//!   the last one (tried with `scripts/make_nncf_goldens.py`'s environment), and optimum-intel leaves it at the
+//!   default unless `--group-size-fallback` is given. `IGNORE` keeps the weight in its float precision, and `ADJUST`
+//!   picks the largest power of two dividing the width (at least `min_adjusted_group_size`, 32) and otherwise uses the
+//!   backup mode. This module uses the backup
 //!   precision (int8_sym) for such weights, as the project's rule. It arises on the tiny test models; for a real
 //!   checkpoint [`WeightFormat::storage`] shows which projections, if any, fall back.
 //! * **Other layers.** NNCF also compresses Convolution / GroupConvolution weights (to the backup precision) when
 //!   the graph it compresses contains such an op. Here conv weights, norm weights, `A_log` and `dt_bias` stay f32
 //!   under int4, as the project's rule; a graph that expressed the DeltaNet short convolution as a GroupConvolution
 //!   and ran NNCF over it would get int8_sym conv weights instead.
+//!
+//! # Checked against NNCF itself
+//!
+//! `tests/all/nncf.rs` compares [`quantize_int4_sym`] and [`quantize_int8_sym`] with the codes and f16 scales that
+//! nncf 3.4.0 (OpenVINO 2026.4.1) stored in a compressed model (`testdata/goldens/nncf.safetensors`, written by
+//! `scripts/make_nncf_goldens.py`): real bf16 projections of `tiny-full` and synthetic rows built to tell the
+//! conventions above apart (exact rounding ties, a positive extreme, `|min| == max`, scales below the floor, f16
+//! subnormal scales, f32 scales exactly halfway between two f16 values), from both of NNCF's implementations (numpy
+//! below 10 000 elements, the OpenVINO graph above). Every code and every scale bit is the same. Each rule above is
+//! needed: rounding half away from zero, an unsigned scale, codes divided by the f16-rounded scale, no floor, or a
+//! scale rounded to f16 with ties away from zero each make that test fail. Exact ties are not rare: the bf16
+//! weights of `tiny-full` alone have some in every projection tried.
 //!
 //! # The f16 export (optimum-intel `--weight-format fp16`)
 //!

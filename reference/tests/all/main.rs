@@ -4,6 +4,8 @@ mod common;
 mod conventions;
 mod deltanet;
 mod goldens;
+mod manifest;
 mod model;
+mod nncf;
 mod precision;
 mod quant;
