@@ -335,3 +335,104 @@ pub fn prompt_positions(
     }
     (reference::rope::Positions(rows), is_image)
 }
+
+/// One random rotary embedding and the positions it rotates.
+#[derive(Debug, Clone)]
+pub struct RopeCase {
+    /// Seed of the input values.
+    pub seed: u64,
+    /// Attention heads of the input.
+    pub heads: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+    /// `partial_rotary_factor`, in eighths (exact in binary, so `head_dim * factor` is exact).
+    pub eighths: usize,
+    /// The base.
+    pub theta: f64,
+    /// The MRoPE section, or none.
+    pub section: Option<[usize; 3]>,
+    /// Temporal, height and width rows (equal for text).
+    pub rows: [Vec<i64>; 3],
+}
+
+impl RopeCase {
+    /// Rotated dimensions per head.
+    pub fn rotary_dim(&self) -> usize {
+        self.head_dim * self.eighths / 8
+    }
+
+    /// The `config.json` of a model with this rotary embedding.
+    pub fn config_json(&self) -> serde_json::Value {
+        let mut c = reference::synthetic::small_config_json();
+        c["head_dim"] = self.head_dim.into();
+        let rope = c["rope_parameters"].as_object_mut().unwrap();
+        rope.insert("rope_theta".into(), self.theta.into());
+        rope.insert(
+            "partial_rotary_factor".into(),
+            (self.eighths as f64 / 8.0).into(),
+        );
+        match self.section {
+            Some(s) => rope.insert("mrope_section".into(), s.to_vec().into()),
+            None => rope.remove("mrope_section"),
+        };
+        c
+    }
+}
+
+/// Positions of `tokens` tokens: text from near 0, text far out (up to 300000), or (with a section) three rows of
+/// independent positions, near or far.
+pub fn rope_rows(tokens: usize, multimodal: bool) -> impl Strategy<Value = [Vec<i64>; 3]> {
+    let text = |lo: i64, hi: i64| {
+        (lo..hi).prop_map(move |start| {
+            let row: Vec<i64> = (start..start + tokens as i64).collect();
+            [row.clone(), row.clone(), row]
+        })
+    };
+    let rows = |hi: i64| {
+        (
+            prop::collection::vec(0..=hi, tokens),
+            prop::collection::vec(0..=hi, tokens),
+            prop::collection::vec(0..=hi, tokens),
+        )
+            .prop_map(|(t, h, w)| [t, h, w])
+    };
+    if multimodal {
+        prop_oneof![
+            text(0, 5000),
+            text(250_000, 300_000),
+            rows(64),
+            rows(300_000)
+        ]
+        .boxed()
+    } else {
+        prop_oneof![text(0, 5000), text(250_000, 300_000)].boxed()
+    }
+}
+
+/// Random rotary embeddings: head dims 16 to 256, partial factors 1/8 to 1 (rotary halves 1 to 128, odd ones
+/// included), theta from 2 to 3e7, any MRoPE section or none; 1-4 heads, 1-12 tokens.
+pub fn rope_case() -> impl Strategy<Value = RopeCase> {
+    (
+        any::<u64>(),
+        1usize..=4,
+        1usize..=16,
+        1usize..=8,
+        0.3f64..7.5,
+        1usize..=12,
+    )
+        .prop_flat_map(|(seed, heads, sixteens, eighths, log_theta, tokens)| {
+            let head_dim = 16 * sixteens;
+            let half = head_dim * eighths / 16;
+            mrope_section(half).prop_flat_map(move |section| {
+                rope_rows(tokens, section.is_some()).prop_map(move |rows| RopeCase {
+                    seed,
+                    heads,
+                    head_dim,
+                    eighths,
+                    theta: 10f64.powf(log_theta),
+                    section,
+                    rows,
+                })
+            })
+        })
+}

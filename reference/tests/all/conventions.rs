@@ -223,26 +223,6 @@ fn partial_rotary_pairs_and_passthrough() {
     }
 }
 
-proptest::proptest! {
-    /// RoPE is a rotation: norms are preserved for any positions, text or multimodal rows.
-    #[test]
-    fn rope_preserves_norms(seed in proptest::prelude::any::<u64>(), t in 1usize..20, start in 0usize..5000, mm in proptest::prelude::any::<bool>()) {
-        let cfg = Config::from_json_str(&small_config_json().to_string(), "config.json").unwrap();
-        let rope = Rope::new(&cfg);
-        let mut positions = Positions::text(start, t);
-        if mm {
-            positions.0[1] = positions.0[1].iter().map(|p| p / 2).collect();
-            positions.0[2] = positions.0[2].iter().map(|p| p % 7).collect();
-        }
-        let tables = rope.tables(&positions, DType::F64, &Device::Cpu).unwrap();
-        let mut rng = reference::synthetic::Rng::new(seed);
-        let x = rng.normal_tensor(&[t, 3, cfg.head_dim], 1.0, DType::F64).unwrap();
-        let y = tables.apply(&x).unwrap();
-        let norm = |x: &Tensor| x.sqr().unwrap().sum_keepdim(2).unwrap();
-        prop_close("norms", &norm(&y), &norm(&x), 1e-12)?;
-    }
-}
-
 /// Norm weight offset: the RMSNorms scale by `1 + w` (zero-centred weights), the gated norm by the plain `w`.
 /// Recomputed for the final norm and for layer 0's gated norm (through its mixer output).
 #[test]

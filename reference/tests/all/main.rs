@@ -7,3 +7,4 @@ mod goldens;
 mod model;
 mod precision;
 mod quant;
+mod rope;
