@@ -142,7 +142,7 @@ fn run_prefill(model: &Model, ids: &[u32], opts: &RunOptions) -> (Tensor, State)
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
 
     /// One forward call over the whole prompt (chunked, chunk boundaries inside the call) equals: the prompt in
     /// prefill blocks that are not multiples of the chunk; and a split run (blocks up to `cut1`, then one call from

@@ -80,7 +80,7 @@ fn rope_by_model(case: &RopeCase, x: &Tensor) -> Tensor {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
 
     /// In f64 the rotation is the scalar oracle's to rounding, for any head size, partial factor, base and section,
     /// text positions near and far (where an exact f64 `inv_freq` would be off by 1e-2 radians) and multimodal rows.
