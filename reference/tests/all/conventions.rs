@@ -8,7 +8,7 @@ use reference::config::Config;
 use reference::deltanet::{Inputs, sequential};
 use reference::linear_attn::causal_conv;
 use reference::model::{Model, RunOptions};
-use reference::ops::{gated_rms_norm, l2_normalize, linear, repeat_interleave, rms_norm, sigmoid};
+use reference::ops::{l2_normalize, linear, repeat_interleave, rms_norm, sigmoid};
 use reference::rope::{Positions, Rope};
 use reference::synthetic::{random_weights, small_config_json, write_safetensors};
 use reference::taps::Taps;
@@ -18,6 +18,7 @@ struct Checkpoint {
     _dir: tempfile::TempDir,
     weights: BTreeMap<String, Tensor>,
     model: Model,
+    ids: Vec<u32>,
     taps: Taps,
 }
 
@@ -50,6 +51,7 @@ fn run_random(config: serde_json::Value, seed: u64, tokens: usize) -> Checkpoint
         _dir: dir,
         weights,
         model,
+        ids,
         taps,
     }
 }
@@ -223,93 +225,158 @@ fn partial_rotary_pairs_and_passthrough() {
     }
 }
 
-proptest::proptest! {
-    /// RoPE is a rotation: norms are preserved for any positions, text or multimodal rows.
-    #[test]
-    fn rope_preserves_norms(seed in proptest::prelude::any::<u64>(), t in 1usize..20, start in 0usize..5000, mm in proptest::prelude::any::<bool>()) {
-        let cfg = Config::from_json_str(&small_config_json().to_string(), "config.json").unwrap();
-        let rope = Rope::new(&cfg);
-        let mut positions = Positions::text(start, t);
-        if mm {
-            positions.0[1] = positions.0[1].iter().map(|p| p / 2).collect();
-            positions.0[2] = positions.0[2].iter().map(|p| p % 7).collect();
-        }
-        let tables = rope.tables(&positions, DType::F64, &Device::Cpu).unwrap();
-        let mut rng = reference::synthetic::Rng::new(seed);
-        let x = rng.normal_tensor(&[t, 3, cfg.head_dim], 1.0, DType::F64).unwrap();
-        let y = tables.apply(&x).unwrap();
-        let norm = |x: &Tensor| x.sqr().unwrap().sum_keepdim(2).unwrap();
-        prop_close("norms", &norm(&y), &norm(&x), 1e-12)?;
-    }
-}
-
 /// Norm weight offset: the RMSNorms scale by `1 + w` (zero-centred weights), the gated norm by the plain `w`.
-/// Recomputed for the final norm and for layer 0's gated norm (through its mixer output).
+/// Recomputed by hand for layer 0's input norm and gated norm (through its mixer output), its post-attention norm
+/// (through its MLP output) and the final norm.
 #[test]
 fn norm_weight_conventions() {
     let mut config = small_config_json();
     config["layer_types"] = serde_json::json!(["linear_attention"]);
     config["num_hidden_layers"] = 1.into();
+    let eps = 1e-6;
+    config["rms_norm_eps"] = eps.into();
     let c = run_random(config, 9, 12);
-    let eps = c.model.config().rms_norm_eps;
-    let h = c.taps.get("layers.0.output").unwrap();
-    let w = &c.weights["model.norm.weight"];
-    let rms = h
-        .sqr()
-        .unwrap()
-        .mean_keepdim(1)
-        .unwrap()
-        .affine(1.0, eps)
-        .unwrap()
-        .sqrt()
-        .unwrap();
-    let expected = h
-        .broadcast_div(&rms)
-        .unwrap()
-        .broadcast_mul(&(w + 1.0).unwrap())
-        .unwrap();
-    assert_close(
+    let w = |name: &str| values(&c.weights[&format!("model.{name}")]);
+    let tap = |name: &str| values(c.taps.get(name).unwrap());
+    let h = c.model.config().hidden_size;
+
+    let expected = rms_norm_by_hand(&tap("layers.0.output"), &w("norm.weight"), eps);
+    assert_close_by_hand(
         "final norm",
         c.taps.get("final_norm").unwrap(),
+        &expected,
+        1e-12,
+    );
+
+    // The MLP's input is the post-attention norm of the residual stream after the mixer.
+    let residual: Vec<f64> = tap("embeddings")
+        .iter()
+        .zip(tap("layers.0.mixer_output"))
+        .map(|(e, m)| e + m)
+        .collect();
+    let x = rms_norm_by_hand(
+        &residual,
+        &w("layers.0.post_attention_layernorm.weight"),
+        eps,
+    );
+    let gate = linear_by_hand(&x, &w("layers.0.mlp.gate_proj.weight"), h);
+    let up = linear_by_hand(&x, &w("layers.0.mlp.up_proj.weight"), h);
+    let inner: Vec<f64> = gate.iter().zip(&up).map(|(g, u)| silu(*g) * u).collect();
+    let expected = linear_by_hand(
+        &inner,
+        &w("layers.0.mlp.down_proj.weight"),
+        c.model.config().intermediate_size,
+    );
+    assert_close_by_hand(
+        "mlp output",
+        c.taps.get("layers.0.mlp_output").unwrap(),
         &expected,
         1e-12,
     );
     check_gated_norm(&c, eps);
 }
 
-/// Recomputes layer 0's mixer output from its `core_output` tap: `out_proj(w · norm(o) · silu(z))` with the
-/// config's eps.
-fn check_gated_norm(c: &Checkpoint, eps: f64) {
+/// A tensor's values as f64, flat in row-major order.
+fn values(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// Compares a tensor with values computed by hand (same element order).
+fn assert_close_by_hand(what: &str, actual: &Tensor, expected: &[f64], rtol: f64) {
+    let expected = Tensor::from_vec(expected.to_vec(), actual.dims(), &Device::Cpu).unwrap();
+    assert_close(what, actual, &expected, rtol);
+}
+
+/// `x Wᵀ` with loops: `x` `[T, n_in]`, `w` `[n_out, n_in]` → `[T, n_out]`.
+fn linear_by_hand(x: &[f64], w: &[f64], n_in: usize) -> Vec<f64> {
+    let n_out = w.len() / n_in;
+    let mut out = Vec::with_capacity(x.len() / n_in * n_out);
+    for row in x.chunks(n_in) {
+        for o in 0..n_out {
+            out.push((0..n_in).map(|j| row[j] * w[o * n_in + j]).sum());
+        }
+    }
+    out
+}
+
+/// The zero-centred RMSNorm with loops, per row of `x` (rows as long as `w`):
+/// `x[d] / sqrt(mean(x²) + eps) · (1 + w[d])`.
+fn rms_norm_by_hand(x: &[f64], w: &[f64], eps: f64) -> Vec<f64> {
+    let n = w.len();
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks(n) {
+        let mean_sq = row.iter().map(|v| v * v).sum::<f64>() / n as f64;
+        let rms = (mean_sq + eps).sqrt();
+        out.extend((0..n).map(|d| row[d] / rms * (1.0 + w[d])));
+    }
+    out
+}
+
+/// `x · sigmoid(x)`.
+fn silu(x: f64) -> f64 {
+    x / (1.0 + (-x).exp())
+}
+
+/// Layer 0's mixer output recomputed with loops from the weights, the token ids and the recurrence's output `core`
+/// `[T, Hv, Dv]`: the embeddings, the input norm with `1 + w`, `z = in_proj_z(x)`, then per token and value head
+/// `w[d] · (S·o[d]) / sqrt(mean_d((S·o)²) + eps·S²) · silu(z[d])` with the plain weight `w` shared by the heads (the
+/// output scale `S` cancels), then out_proj.
+fn linear_mixer_by_hand(c: &Checkpoint, core: &[f64], eps: f64, scale: f64) -> Vec<f64> {
     let cfg = c.model.config();
-    let (hv, dv) = (cfg.linear_num_value_heads, cfg.linear_value_head_dim);
-    let x = layer0_input(c);
-    let t = x.dim(0).unwrap();
-    let z = linear(
-        &x,
-        &c.weights["model.layers.0.linear_attn.in_proj_z.weight"],
-    )
-    .unwrap()
-    .reshape((t, hv, dv))
-    .unwrap();
-    let core = c.taps.get("layers.0.linear_attn.core_output").unwrap();
-    let normed = gated_rms_norm(
-        core,
-        &z,
-        &c.weights["model.layers.0.linear_attn.norm.weight"],
-        eps,
-    )
-    .unwrap();
-    let out = linear(
-        &normed.reshape((t, hv * dv)).unwrap(),
-        &c.weights["model.layers.0.linear_attn.out_proj.weight"],
-    )
-    .unwrap();
-    assert_close(
-        "mixer output",
-        c.taps.get("layers.0.mixer_output").unwrap(),
-        &out,
-        1e-10,
+    let (h, hv, dv) = (
+        cfg.hidden_size,
+        cfg.linear_num_value_heads,
+        cfg.linear_value_head_dim,
     );
+    let w = |name: &str| values(&c.weights[&format!("model.{name}")]);
+    let embed = w("embed_tokens.weight");
+    let embeddings: Vec<f64> = c
+        .ids
+        .iter()
+        .flat_map(|&id| embed[id as usize * h..(id as usize + 1) * h].to_vec())
+        .collect();
+    let x = rms_norm_by_hand(&embeddings, &w("layers.0.input_layernorm.weight"), eps);
+    let z = linear_by_hand(&x, &w("layers.0.linear_attn.in_proj_z.weight"), h);
+    let norm_weight = w("layers.0.linear_attn.norm.weight");
+    let mut normed = vec![0.0; core.len()];
+    for (head, (o, z)) in core.chunks(dv).zip(z.chunks(dv)).enumerate() {
+        let o: Vec<f64> = o.iter().map(|v| scale * v).collect();
+        let mean_sq = o.iter().map(|v| v * v).sum::<f64>() / dv as f64;
+        let rms = (mean_sq + eps * scale * scale).sqrt();
+        for d in 0..dv {
+            normed[head * dv + d] = norm_weight[d] * (o[d] / rms) * silu(z[d]);
+        }
+    }
+    linear_by_hand(&normed, &w("layers.0.linear_attn.out_proj.weight"), hv * dv)
+}
+
+/// Holds layer 0's mixer output to [`linear_mixer_by_hand`] with the config's `eps`, in the checkpoint's run and in
+/// a run with the fp16 output scale `S = 1024` (the gated norm's eps then `eps · S²`).
+fn check_gated_norm(c: &Checkpoint, eps: f64) {
+    let core = values(c.taps.get("layers.0.linear_attn.core_output").unwrap());
+    let expected = linear_mixer_by_hand(c, &core, eps, 1.0);
+    let actual = c.taps.get("layers.0.mixer_output").unwrap();
+    assert_close_by_hand("mixer output", actual, &expected, 1e-12);
+
+    let scale = 1024.0;
+    let opts = RunOptions {
+        output_scale: scale,
+        ..RunOptions::default()
+    };
+    let mut taps = Taps::on();
+    c.model
+        .prefill(&c.ids, &mut c.model.new_state().unwrap(), &opts, &mut taps)
+        .unwrap();
+    // The tap is reported without the scale; in f64 scaling by a power of two is exact.
+    let core = values(taps.get("layers.0.linear_attn.core_output").unwrap());
+    let expected = linear_mixer_by_hand(c, &core, eps, scale);
+    let actual = taps.get("layers.0.mixer_output").unwrap();
+    assert_close_by_hand("mixer output, output scale 1024", actual, &expected, 1e-12);
 }
 
 /// Head repeat order and eps source: value head `j` uses key head `j / (Hv/Hk)` (repeat-interleave, not tile); the
@@ -364,5 +431,5 @@ fn head_repeat_order_and_eps_sources() {
         d.relative() > 1e-3,
         "tiled heads give the same output: the test cannot tell the orders apart"
     );
-    check_gated_norm(&c, cfg.rms_norm_eps);
+    check_gated_norm(&c, 0.05);
 }

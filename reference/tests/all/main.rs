@@ -9,3 +9,4 @@ mod model;
 mod nncf;
 mod precision;
 mod quant;
+mod rope;

@@ -5,8 +5,10 @@ use candle_core::{DType, Tensor};
 use proptest::prelude::*;
 use reference::deltanet::{Form, Inverse};
 use reference::model::{LayerState, Model, RunOptions, State};
+use reference::rope::Positions;
 use reference::synthetic::{Rng, small_config_json, write_checkpoint};
 use reference::taps::Taps;
+use std::ops::Range;
 
 /// A random checkpoint written to a temporary directory and loaded in `dtype`.
 pub fn random_model(
@@ -27,131 +29,175 @@ fn random_ids(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
-/// Every state tensor of two runs agrees.
-fn assert_states_close(a: &State, b: &State, rtol: f64) {
-    assert_eq!(a.position, b.position);
+/// Every state tensor of two runs agrees, and so do their positions.
+fn prop_states_close(what: &str, a: &State, b: &State, rtol: f64) -> Result<(), TestCaseError> {
+    prop_assert_eq!(a.position, b.position, "{}: state positions", what);
     for (i, (x, y)) in a.layers.iter().zip(&b.layers).enumerate() {
         match (x, y) {
             (LayerState::Linear(x), LayerState::Linear(y)) => {
-                assert_close(&format!("layer {i} conv state"), &x.conv, &y.conv, rtol);
-                assert_close(
-                    &format!("layer {i} recurrent state"),
+                prop_close(
+                    &format!("{what}: layer {i} conv state"),
+                    &x.conv,
+                    &y.conv,
+                    rtol,
+                )?;
+                prop_close(
+                    &format!("{what}: layer {i} recurrent state"),
                     &x.recurrent,
                     &y.recurrent,
                     rtol,
-                );
+                )?;
             }
             (LayerState::Attention(x), LayerState::Attention(y)) => {
-                assert_close(
-                    &format!("layer {i} keys"),
-                    x.keys.as_ref().unwrap(),
-                    y.keys.as_ref().unwrap(),
-                    rtol,
-                );
-                assert_close(
-                    &format!("layer {i} values"),
-                    x.values.as_ref().unwrap(),
-                    y.values.as_ref().unwrap(),
-                    rtol,
-                );
+                let (Some(xk), Some(xv), Some(yk), Some(yv)) =
+                    (&x.keys, &x.values, &y.keys, &y.values)
+                else {
+                    return Err(TestCaseError::fail(format!(
+                        "{what}: layer {i}: an empty KV cache"
+                    )));
+                };
+                prop_close(&format!("{what}: layer {i} keys"), xk, yk, rtol)?;
+                prop_close(&format!("{what}: layer {i} values"), xv, yv, rtol)?;
             }
-            _ => panic!("layer {i}: state kinds differ"),
+            _ => {
+                return Err(TestCaseError::fail(format!(
+                    "{what}: layer {i}: state kinds differ"
+                )));
+            }
         }
+    }
+    Ok(())
+}
+
+/// A prompt with its (possibly multimodal) positions.
+struct Prompt {
+    ids: Vec<u32>,
+    positions: Positions,
+    is_image: Vec<bool>,
+}
+
+impl Prompt {
+    fn new(case: &PromptCase, vocab: usize) -> Self {
+        let (positions, is_image) = prompt_positions(case.tokens, case.image);
+        Prompt {
+            ids: random_ids(case.seed, case.tokens, vocab),
+            positions,
+            is_image,
+        }
+    }
+
+    /// Feeds tokens `range` in one forward call: a piece holding image tokens with its explicit positions
+    /// ([`Model::forward_at`]), a text piece with the positions the state continues from ([`Model::forward`]).
+    fn feed(
+        &self,
+        model: &Model,
+        range: Range<usize>,
+        state: &mut State,
+        opts: &RunOptions,
+        taps: &mut Taps,
+    ) {
+        let ids = &self.ids[range.clone()];
+        if self.is_image[range.clone()].iter().any(|&x| x) {
+            let rows = self
+                .positions
+                .0
+                .clone()
+                .map(|row| row[range.clone()].to_vec());
+            model
+                .forward_at(ids, &Positions(rows), state, opts, taps)
+                .unwrap();
+        } else {
+            model.forward(ids, state, opts, taps).unwrap();
+        }
+    }
+
+    /// Logits `[T, V]` and state after feeding the prompt in forward calls of the given lengths, in order.
+    fn run(&self, model: &Model, pieces: &[usize], opts: &RunOptions) -> (Tensor, State) {
+        assert_eq!(pieces.iter().sum::<usize>(), self.ids.len());
+        let mut state = model.new_state().unwrap();
+        let mut taps = Taps::on();
+        let mut start = 0;
+        for &len in pieces {
+            self.feed(model, start..start + len, &mut state, opts, &mut taps);
+            start += len;
+        }
+        (taps.get("logits").unwrap().clone(), state)
     }
 }
 
-/// Logits `[T, V]` and state of one run of `ids` fed in pieces of `block` tokens.
-fn run_blocks(model: &Model, ids: &[u32], opts: &RunOptions) -> (Tensor, State) {
+/// Lengths of forward calls of at most `block` tokens covering `tokens`.
+fn blocks(tokens: usize, block: usize) -> Vec<usize> {
+    (0..tokens)
+        .step_by(block)
+        .map(|start| block.min(tokens - start))
+        .collect()
+}
+
+/// Logits `[T, V]` and state of one text prompt fed by [`Model::prefill`].
+fn run_prefill(model: &Model, ids: &[u32], opts: &RunOptions) -> (Tensor, State) {
     let mut state = model.new_state().unwrap();
     let mut taps = Taps::on();
     model.prefill(ids, &mut state, opts, &mut taps).unwrap();
     (taps.get("logits").unwrap().clone(), state)
 }
 
-/// A random small config: Hv/Hk and H/Hkv in {1, 2, 4}, Dk ≠ Dv, conv widths 1 to 6, any layer pattern.
-fn config_strategy() -> impl Strategy<Value = serde_json::Value> {
-    (
-        (
-            prop::sample::select(vec![1usize, 2, 4]),
-            prop::sample::select(vec![1usize, 2]),
-            prop::sample::select(vec![1usize, 2, 4]),
-        ),
-        4usize..=12,
-        4usize..=12,
-        prop::collection::vec(any::<bool>(), 2..=4),
-        prop::sample::select(vec![0.25f64, 0.5, 1.0]),
-        1usize..=6,
-    )
-        .prop_map(|((ratio, hk, group), dk, dv, kinds, partial, conv)| {
-            let mut c = small_config_json();
-            c["linear_conv_kernel_dim"] = conv.into();
-            c["linear_num_key_heads"] = hk.into();
-            c["linear_num_value_heads"] = (hk * ratio).into();
-            c["linear_key_head_dim"] = dk.into();
-            c["linear_value_head_dim"] = dv.into();
-            c["num_key_value_heads"] = 1.into();
-            c["num_attention_heads"] = group.into();
-            c["num_hidden_layers"] = kinds.len().into();
-            c["layer_types"] = kinds
-                .iter()
-                .map(|&full| {
-                    if full {
-                        "full_attention"
-                    } else {
-                        "linear_attention"
-                    }
-                })
-                .collect::<Vec<_>>()
-                .into();
-            c["rope_parameters"]["partial_rotary_factor"] = partial.into();
-            c["rope_parameters"]
-                .as_object_mut()
-                .unwrap()
-                .remove("mrope_section");
-            c
-        })
-}
-
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
 
-    /// Prefill of the first part then single-token decode of the rest equals one prefill of everything, logits
-    /// and states; and any prefill block size gives the same as the whole prompt at once.
+    /// One forward call over the whole prompt (chunked, chunk boundaries inside the call) equals: the prompt in
+    /// prefill blocks that are not multiples of the chunk; and a split run (blocks up to `cut1`, then one call from
+    /// the carried non-zero state, then token-by-token decode). Logits of every token and every state tensor, and
+    /// with an image in the prompt, the text after it continuing from the state's position.
     #[test]
-    fn prefill_then_decode_equals_one_prefill(config in config_strategy(), seed in any::<u64>(), t in 2usize..40, split in 1usize..40, block in 1usize..17) {
-        let (_dir, model) = random_model(&config, seed, DType::F64);
-        let ids = random_ids(seed, t, model.config().vocab_size);
-        let split = split.min(t - 1);
-        let opts = RunOptions::default();
-        let (whole, whole_state) = run_blocks(&model, &ids, &opts);
-
-        let mut state = model.new_state().unwrap();
-        let mut taps = Taps::on();
-        model.prefill(&ids[..split], &mut state, &opts, &mut taps).unwrap();
-        for &id in &ids[split..] {
-            model.forward(&[id], &mut state, &opts, &mut taps).unwrap();
+    fn prefill_then_decode_equals_one_prefill((m, p) in model_and_prompt(), seed in any::<u64>()) {
+        let (_dir, model) = random_model(&m.config_json(), seed, DType::F64);
+        let prompt = Prompt::new(&p, model.config().vocab_size);
+        let t = p.tokens;
+        let opts = RunOptions {
+            prefill: Form::Chunked { block: p.chunk, inverse: Inverse::Substitution },
+            ..RunOptions::default()
+        };
+        let (whole, whole_state) = prompt.run(&model, &[t], &opts);
+        if p.image.is_some() {
+            let last = prompt.positions.0.iter().flatten().max().unwrap();
+            prop_assert_eq!(whole_state.position as i64, last + 1, "the position after the prompt");
         }
-        prop_close("logits, prefill + decode", taps.get("logits").unwrap(), &whole, 1e-9)?;
-        assert_states_close(&state, &whole_state, 1e-9);
 
-        let blocked = RunOptions { prefill_block: Some(block), ..opts };
-        let (logits, state) = run_blocks(&model, &ids, &blocked);
-        prop_close("logits, prefill in blocks", &logits, &whole, 1e-9)?;
-        assert_states_close(&state, &whole_state, 1e-9);
+        let (blocked, blocked_state) = if p.image.is_none() {
+            run_prefill(&model, &prompt.ids, &RunOptions { prefill_block: Some(p.prefill_block), ..opts })
+        } else {
+            prompt.run(&model, &blocks(t, p.prefill_block), &opts)
+        };
+        prop_close("logits, prefill in blocks", &blocked, &whole, 1e-9)?;
+        prop_states_close("prefill in blocks", &blocked_state, &whole_state, 1e-9)?;
+
+        let mut pieces = blocks(p.cut1, p.prefill_block);
+        pieces.push(p.cut2 - p.cut1);
+        pieces.extend(std::iter::repeat_n(1, t - p.cut2));
+        let (split, split_state) = prompt.run(&model, &pieces, &opts);
+        prop_close("logits, split run", &split, &whole, 1e-9)?;
+        prop_states_close("split run", &split_state, &whole_state, 1e-9)?;
     }
 
-    /// Every delta-rule form gives the same logits (f64), whatever the chunk size.
+    /// Every delta-rule form gives the logits and states of the sequential one (f64), over the whole prompt in one
+    /// call and split in two calls (the second from the carried state), chunk boundaries inside the calls.
     #[test]
-    fn all_deltanet_forms_agree(config in config_strategy(), seed in any::<u64>(), t in 2usize..50, chunk in 1usize..20) {
-        let (_dir, model) = random_model(&config, seed, DType::F64);
-        let ids = random_ids(seed ^ 1, t, model.config().vocab_size);
+    fn all_deltanet_forms_agree((m, p) in model_and_prompt(), seed in any::<u64>()) {
+        let (_dir, model) = random_model(&m.config_json(), seed, DType::F64);
+        let prompt = Prompt::new(&p, model.config().vocab_size);
+        let t = p.tokens;
         let sequential = RunOptions { prefill: Form::Sequential, decode: Form::Sequential, ..RunOptions::default() };
-        let (expected, _) = run_blocks(&model, &ids, &sequential);
+        let (expected, expected_state) = prompt.run(&model, &[t], &sequential);
         let mut forms = vec![Form::Matrix];
-        forms.extend(Inverse::ALL.map(|inverse| Form::Chunked { block: chunk, inverse }));
+        forms.extend(Inverse::ALL.map(|inverse| Form::Chunked { block: p.chunk, inverse }));
         for form in forms {
-            let (logits, _) = run_blocks(&model, &ids, &RunOptions { prefill: form, ..sequential });
+            let opts = RunOptions { prefill: form, decode: form, ..sequential };
+            let (logits, state) = prompt.run(&model, &[t], &opts);
             prop_close(&form.describe(), &logits, &expected, 1e-9)?;
+            prop_states_close(&form.describe(), &state, &expected_state, 1e-9)?;
+            let (logits, state) = prompt.run(&model, &[p.cut1, t - p.cut1], &opts);
+            prop_close(&format!("{}, split", form.describe()), &logits, &expected, 1e-9)?;
+            prop_states_close(&format!("{}, split", form.describe()), &state, &expected_state, 1e-9)?;
         }
     }
 }
@@ -214,8 +260,8 @@ fn f32_tracks_f64() {
     let (dir, model64) = random_model(&small_config_json(), 11, DType::F64);
     let model32 = Model::load(dir.path(), DType::F32).unwrap();
     let ids = random_ids(5, 64, model64.config().vocab_size);
-    let (l64, _) = run_blocks(&model64, &ids, &RunOptions::default());
-    let (l32, _) = run_blocks(&model32, &ids, &RunOptions::default());
+    let (l64, _) = run_prefill(&model64, &ids, &RunOptions::default());
+    let (l32, _) = run_prefill(&model32, &ids, &RunOptions::default());
     assert_eq!(l32.dtype(), DType::F32);
     assert_close("f32 logits vs f64", &l32, &l64, 1e-5);
 }
