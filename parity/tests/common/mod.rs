@@ -169,7 +169,7 @@ pub fn check_dump(
                 };
                 assert!(
                     s.within(tol.rtol),
-                    "{label} {name}: {s} (tolerance {:.0e} of each {}'s max)",
+                    "{label} {name}: {s} (tolerance {:.2e} of each {}'s max)",
                     tol.rtol,
                     s.what
                 );
