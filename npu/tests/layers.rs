@@ -4,7 +4,6 @@ use candle_core::{DType, Tensor};
 use npu::devices::CompileOptions;
 use npu::engine::{HostLayerState, LayerRunner};
 use npu::graphs::{Builder, DeltaNetGraphForm, GraphOptions};
-use reference::compare::diff;
 use reference::config::{Config, LayerKind};
 use reference::deltanet::Inverse;
 use reference::model::{LayerState, Model, RunOptions};
@@ -12,6 +11,9 @@ use reference::taps::Taps;
 use reference::weights::WeightStore;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+
+mod common;
+use common::Worst;
 
 fn model_dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -46,12 +48,6 @@ fn reference_run(
     (taps.take(), state.layers)
 }
 
-fn check(what: &str, actual: &Tensor, expected: &Tensor, worst: &mut f64) {
-    let d = diff(actual, expected).unwrap();
-    *worst = worst.max(d.relative());
-    assert!(d.within(0.0, 1e-4), "{what}: {d}");
-}
-
 #[test]
 fn layer_graphs_match_the_reference() {
     for name in ["tiny", "tiny-tied", "tiny-full"] {
@@ -80,7 +76,7 @@ fn layer_graphs_match_the_reference() {
                 context: 160,
             };
             let builder = Builder::new(&config, &weights, opts).unwrap();
-            let mut worst = 0f64;
+            let mut worst = Worst::default();
             for layer in 0..config.num_layers() {
                 let mut runner =
                     LayerRunner::new(&builder, layer, tokens, "CPU", &CompileOptions::default())
@@ -103,26 +99,18 @@ fn layer_graphs_match_the_reference() {
                     } else {
                         panic!("{label}: unexpected output {tap}");
                     };
-                    check(
-                        &format!("{label} {tap}"),
-                        t,
-                        &taps[&reference_name],
-                        &mut worst,
-                    );
+                    worst.check(&label, &reference_name, t, &taps[&reference_name], &config);
                 }
+                let [first, second] =
+                    reference::model::state_names(layer, config.layer_types[layer]);
                 match (&state, &states[layer], config.layer_types[layer]) {
                     (
                         HostLayerState::Linear { conv, recurrent },
                         LayerState::Linear(s),
                         LayerKind::Linear,
                     ) => {
-                        check(&format!("{label} conv state"), conv, &s.conv, &mut worst);
-                        check(
-                            &format!("{label} recurrent state"),
-                            recurrent,
-                            &s.recurrent,
-                            &mut worst,
-                        );
+                        worst.check(&label, &first, conv, &s.conv, &config);
+                        worst.check(&label, &second, recurrent, &s.recurrent, &config);
                     }
                     (
                         HostLayerState::Attention { keys, values, len },
@@ -130,24 +118,25 @@ fn layer_graphs_match_the_reference() {
                         LayerKind::Full,
                     ) => {
                         assert_eq!(*len, ids.len());
-                        check(
-                            &format!("{label} keys"),
-                            &keys.narrow(1, 0, *len).unwrap(),
-                            c.keys.as_ref().unwrap(),
-                            &mut worst,
-                        );
-                        check(
-                            &format!("{label} values"),
-                            &values.narrow(1, 0, *len).unwrap(),
+                        let keys = keys.narrow(1, 0, *len).unwrap();
+                        let values = values.narrow(1, 0, *len).unwrap();
+                        worst.check(&label, &first, &keys, c.keys.as_ref().unwrap(), &config);
+                        worst.check(
+                            &label,
+                            &second,
+                            &values,
                             c.values.as_ref().unwrap(),
-                            &mut worst,
+                            &config,
                         );
                     }
                     _ => panic!("{label}: state kinds differ"),
                 }
             }
             println!(
-                "{name}: layer graphs T={tokens} {form:?} scale {scale}: worst error {worst:.2e} of max"
+                "{name}: layer graphs T={tokens} {form:?} scale {scale}: worst error {:.2e} of its head's (or \
+                 tensor's) max\n{}",
+                worst.overall(),
+                worst.report()
             );
         }
     }

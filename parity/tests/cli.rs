@@ -2,13 +2,12 @@
 
 use candle_core::{DType, Tensor};
 use parity::dump::Dump;
-use reference::compare::diff;
 use reference::synthetic::{random_weights, small_config_json, write_safetensors};
 use std::collections::BTreeMap;
 use std::path::Path;
 
 mod common;
-use common::{expect_error, ids_arg, qwen35, stderr, testdata};
+use common::{F32, Tolerance, check_dump, config, expect_error, ids_arg, qwen35, stderr, testdata};
 
 fn golden(name: &str) -> Dump {
     Dump::read(&testdata().join(format!("goldens/{name}.safetensors"))).unwrap()
@@ -56,17 +55,12 @@ fn dump_matches_transformers_goldens() {
         let o = qwen35(&args);
         assert!(o.status.success(), "{name}: {}", stderr(&o));
         let d = Dump::read(&out).unwrap();
-        for (tensor, expected) in &g.tensors {
-            let actual = d.get(tensor).unwrap();
-            assert_eq!(actual.dims(), expected.dims(), "{name} {tensor}: shape");
-            let diff = diff(actual, expected).unwrap();
-            let ok = match tensor.as_str() {
-                "token_ids" | "generated" => diff.max_abs == 0.0,
-                "logits" => diff.within(1e-3, 0.0),
-                _ => diff.within(0.0, 1e-4),
-            };
-            assert!(ok, "{name} {tensor}: {diff}");
-        }
+        let worst = check_dump(name, &d, &g, &config(name), F32);
+        println!(
+            "{name}: dump vs transformers, worst {:.2e} of its head's (or tensor's) max\n{}",
+            worst.overall(),
+            worst.report()
+        );
         assert_eq!(d.metadata["backend"], "reference");
         assert_eq!(d.metadata["dtype"], "f32");
     }
@@ -117,19 +111,90 @@ fn dump_prompt_with_the_chat_template_and_f64() {
         &[4, 16, 24]
     );
     assert_eq!(d.get("layers.0.conv_state").unwrap().dims(), &[160, 4]);
+    // And it is the float64 run transformers made (our f64 logits are within 2.3e-13 of transformers').
+    let mut g64 = golden("tiny.f64");
+    let expected: Vec<i64> = g64.tensors["generated"].to_vec1::<i64>().unwrap()[..3].to_vec();
+    assert_eq!(
+        d.get("generated").unwrap().to_vec1::<i64>().unwrap(),
+        expected
+    );
+    g64.tensors.remove("generated");
+    let f64_tolerance = Tolerance {
+        logits_atol: 1e-12,
+        rtol: 1e-12,
+        epsilon: None,
+    };
+    let worst = check_dump("tiny f64", &d, &g64, &config("tiny"), f64_tolerance);
+    println!(
+        "tiny f64 dump vs transformers' float64 run: worst {:.2e} of max\n{}",
+        worst.overall(),
+        worst.report()
+    );
 }
 
+/// `qwen35 run` prints the greedy continuation of the chat prompt (thinking off) as the library computes it, and
+/// reports the prompt and generated token counts.
 #[test]
 fn run_generates_on_the_bundled_model() {
+    use reference::model::{Model, RunOptions, greedy_continue};
+    use reference::taps::Taps;
+    use reference::tokenizer::{ChatTokenizer, Message};
+    let prompt = "Why does the river rise?";
+    let max_tokens = 8;
     let o = qwen35(&[
         "run",
         "--prompt",
-        "Why does the river rise?",
+        prompt,
         "--max-tokens",
-        "8",
+        &max_tokens.to_string(),
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    assert!(stderr(&o).contains("generated"), "{}", stderr(&o));
+
+    let dir = testdata().join("models/tiny");
+    let model = Model::load(&dir, DType::F32).unwrap();
+    let tok = ChatTokenizer::load(&dir).unwrap();
+    let ids = tok
+        .encode_chat(&[Message::new("user", prompt)], false)
+        .unwrap();
+    let mut stop = tok.stop_ids();
+    stop.extend(model.config().eos_token_ids.iter().copied());
+    let opts = RunOptions::default();
+    let mut state = model.new_state().unwrap();
+    let logits = model
+        .prefill(&ids, &mut state, &opts, &mut Taps::off())
+        .unwrap();
+    let tokens = greedy_continue(&model, &mut state, logits, max_tokens, &stop, &opts, |_| {
+        Ok(())
+    })
+    .unwrap();
+    assert!(!tokens.is_empty());
+    let text = tok.decode(&tokens, true).unwrap();
+    assert!(
+        !text.trim().is_empty(),
+        "the expected continuation {tokens:?} prints nothing: the test would not see a missing token"
+    );
+    let stdout = String::from_utf8(o.stdout.clone()).unwrap();
+    assert_eq!(
+        stdout,
+        format!("{text}\n"),
+        "greedy tokens {tokens:?} (prompt {} tokens)",
+        ids.len()
+    );
+    let err = stderr(&o);
+    let summary = format!("prompt {} tokens in", ids.len());
+    assert!(err.contains(&summary), "expected `{summary}` in:\n{err}");
+    let summary = format!("generated {} tokens in", tokens.len());
+    assert!(err.contains(&summary), "expected `{summary}` in:\n{err}");
+    println!(
+        "run: {} prompt tokens, {} generated ({tokens:?}{}): {text:?}",
+        ids.len(),
+        tokens.len(),
+        if tokens.last().is_some_and(|t| stop.contains(t)) {
+            ", ending on a stop token"
+        } else {
+            ""
+        }
+    );
 }
 
 /// A change to the tensors of a checkpoint.

@@ -388,6 +388,22 @@ fn tiny_full_runs_under_int4() {
         .unwrap()
         .unwrap();
     assert_eq!(up.kind(), QuantKind::Int8Sym);
+    // What the store serves (and the model runs on) is the quantised form dequantised, bit for bit.
+    for (name, shape, q) in [
+        ("layers.0.mlp.down_proj.weight", [64, 128], &down),
+        ("layers.0.mlp.up_proj.weight", [128, 64], &up),
+    ] {
+        let served = values(&store.decoder(name, &shape).unwrap());
+        let expected = q.dequantize();
+        assert_eq!(served.len(), expected.len(), "{name}");
+        assert!(
+            served
+                .iter()
+                .zip(&expected)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{name}: served values differ from the dequantised form"
+        );
+    }
     assert!(
         store
             .quantized(&s.layer(0, Param::InputLayernorm))
