@@ -41,24 +41,26 @@ pub fn list() -> Result<(String, Vec<DeviceInfo>)> {
     let rt = runtime::load()?;
     let core = runtime::core()?;
     let names = available(&core)?;
-    let infos = names
-        .iter()
-        .map(|name| DeviceInfo {
-            name: name.clone(),
-            full_name: property(&core, name, "FULL_DEVICE_NAME").unwrap_or_else(|| name.clone()),
-            architecture: property(&core, name, "DEVICE_ARCHITECTURE"),
-            driver_version: if name.starts_with("NPU") {
-                property(&core, name, "NPU_DRIVER_VERSION")
-            } else {
-                None
-            },
-            capabilities: property(&core, name, "OPTIMIZATION_CAPABILITIES")
-                .map(|s| s.split_whitespace().map(str::to_string).collect())
-                .unwrap_or_default(),
-            default_precision: property(&core, name, "INFERENCE_PRECISION_HINT"),
-        })
-        .collect();
+    let infos = names.iter().map(|name| describe(&core, name)).collect();
     Ok((rt.version.clone(), infos))
+}
+
+/// What `device` reports about itself.
+pub fn describe(core: &Core, name: &str) -> DeviceInfo {
+    DeviceInfo {
+        name: name.to_string(),
+        full_name: property(core, name, "FULL_DEVICE_NAME").unwrap_or_else(|| name.to_string()),
+        architecture: property(core, name, "DEVICE_ARCHITECTURE"),
+        driver_version: if name.starts_with("NPU") {
+            property(core, name, "NPU_DRIVER_VERSION")
+        } else {
+            None
+        },
+        capabilities: property(core, name, "OPTIMIZATION_CAPABILITIES")
+            .map(|s| s.split_whitespace().map(str::to_string).collect())
+            .unwrap_or_default(),
+        default_precision: property(core, name, "INFERENCE_PRECISION_HINT"),
+    }
 }
 
 /// Names of the available devices.

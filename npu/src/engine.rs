@@ -8,6 +8,7 @@ use crate::graphs::Builder;
 use crate::graphs::ports;
 use crate::infer::Session;
 use candle_core::{DType, Device, Tensor};
+use reference::backend::{Backend, Forward, RunRecord, Snapshot};
 use reference::config::{Config, LayerKind};
 use reference::masks;
 use reference::model::state_names;
@@ -16,14 +17,6 @@ use std::collections::BTreeMap;
 
 /// Tokens per prompt block of the decoder graphs unless asked otherwise (the NPU port's smaller block).
 pub const DEFAULT_BLOCK: usize = 16;
-
-/// A graph output that must be there.
-fn output(outputs: &BTreeMap<String, Tensor>, name: &str) -> Result<Tensor> {
-    outputs
-        .get(name)
-        .cloned()
-        .ok_or_else(|| Error::Interface(format!("the graph has no output `{name}`")))
-}
 
 /// The state of one layer, kept on the host between graph calls and handed to the graphs through the layer kind's
 /// [`ports::StatePorts`].
@@ -86,6 +79,7 @@ impl HostLayerState {
                 let [c, r] = state_names(layer, LayerKind::Linear);
                 vec![(c, conv.clone()), (r, recurrent.clone())]
             }
+            HostLayerState::Attention { len: 0, .. } => vec![],
             HostLayerState::Attention { keys, values, len } => {
                 let [k, v] = state_names(layer, LayerKind::Full);
                 vec![
@@ -94,6 +88,64 @@ impl HostLayerState {
                 ]
             }
         })
+    }
+
+    /// Layer `layer`'s state from a snapshot in the dump's names (the inverse of [`HostLayerState::dump_tensors`]):
+    /// a KV cache of `P` positions fills the first `P` of `context` slots. Shapes are checked against the config.
+    pub fn from_snapshot(
+        config: &Config,
+        layer: usize,
+        context: usize,
+        snapshot: &Snapshot,
+    ) -> Result<Self> {
+        let mut state = HostLayerState::zeros(config, layer, context)?;
+        let [a, b] = state_names(layer, state.kind());
+        let get = |name: &str| snapshot.tensors.get(name).map(|t| t.to_dtype(DType::F32));
+        let shape_err = |name: &str, got: &[usize], want: &[usize]| {
+            Error::Input(format!(
+                "state `{name}` has shape {got:?}, the graphs take {want:?}"
+            ))
+        };
+        match &mut state {
+            HostLayerState::Linear { conv, recurrent } => {
+                for (name, slot) in [(&a, conv), (&b, recurrent)] {
+                    let t = get(name)
+                        .ok_or_else(|| Error::Input(format!("the state has no `{name}`")))??;
+                    if t.dims() != slot.dims() {
+                        return Err(shape_err(name, t.dims(), slot.dims()));
+                    }
+                    *slot = t;
+                }
+            }
+            HostLayerState::Attention { keys, values, len } => {
+                let (Some(k), Some(v)) = (get(&a), get(&b)) else {
+                    return Ok(state); // no token seen yet
+                };
+                let (k, v) = (k?, v?);
+                let p = k.dim(1)?;
+                let want = [config.num_key_value_heads, p, config.head_dim];
+                for (name, t) in [(&a, &k), (&b, &v)] {
+                    if t.dims() != want {
+                        return Err(shape_err(name, t.dims(), &want));
+                    }
+                }
+                if p > context {
+                    return Err(Error::Input(format!(
+                        "the state holds {p} positions but the static context holds {context} (--context)"
+                    )));
+                }
+                if p != snapshot.position {
+                    return Err(Error::Input(format!(
+                        "layer {layer}: {p} cached positions at text position {}: the graphs take text positions only",
+                        snapshot.position
+                    )));
+                }
+                *keys = append_cache(keys, &k, 0, p)?;
+                *values = append_cache(values, &v, 0, p)?;
+                *len = p;
+            }
+        }
+        Ok(state)
     }
 
     /// The layer kind this state belongs to.
@@ -341,19 +393,9 @@ pub struct DecoderEngine {
     block: usize,
     context: usize,
     config: Config,
-    /// Per-layer states after the last call.
-    pub states: Vec<HostLayerState>,
+    states: Vec<HostLayerState>,
     position: usize,
-}
-
-/// What a device run produced, under the dump's names.
-pub struct DeviceRun {
-    /// Token-major taps over the prompt (`embeddings`, `layers.{i}.…`, `final_norm`, `logits`).
-    pub taps: BTreeMap<String, Tensor>,
-    /// States after the prompt (`layers.{i}.conv_state`, …, `key_cache`, `value_cache`).
-    pub states: BTreeMap<String, Tensor>,
-    /// Greedy continuation.
-    pub generated: Vec<u32>,
+    record: RunRecord,
 }
 
 impl DecoderEngine {
@@ -369,6 +411,7 @@ impl DecoderEngine {
                 "a prompt block must hold at least 1 token".into(),
             ));
         }
+        let start = std::time::Instant::now();
         let mut core = crate::runtime::core()?;
         let mut session = |tokens: usize| -> Result<Session> {
             let graph = builder.decoder_graph(tokens)?;
@@ -382,10 +425,34 @@ impl DecoderEngine {
             None
         };
         let config = builder.config().clone();
-        let context = builder.options().context;
+        let graph = *builder.options();
+        let context = graph.context;
         let states = (0..config.num_layers())
             .map(|l| HostLayerState::zeros(&config, l, context))
             .collect::<Result<_>>()?;
+        let compiled = &decode.compiled;
+        let info = crate::devices::describe(&crate::runtime::core()?, device);
+        let record = RunRecord {
+            backend: "openvino".into(),
+            device: Some(device.to_string()),
+            runtime: Some(crate::runtime::load()?.version.clone()),
+            device_name: Some(info.full_name),
+            driver: info.driver_version,
+            dtype: "f32".into(),
+            precision_requested: Some(opts.precision.hint().into()),
+            precision: Some(compiled.precision.clone()),
+            execution_devices: compiled.execution_devices.clone(),
+            properties: compiled.properties.clone(),
+            weights: builder.weight_format().name(),
+            deltanet_prefill: graph.form.describe_block(block),
+            deltanet_decode: "matrix".into(),
+            output_scale: graph.output_scale as f64,
+            prefill_block: None,
+            block: Some(block),
+            context: Some(context),
+            taps: graph.taps,
+            compile_seconds: Some(start.elapsed().as_secs_f64()),
+        };
         Ok(DecoderEngine {
             prefill,
             decode,
@@ -394,6 +461,7 @@ impl DecoderEngine {
             config,
             states,
             position: 0,
+            record,
         })
     }
 
@@ -405,18 +473,19 @@ impl DecoderEngine {
             .collect()
     }
 
-    /// Forgets every state.
-    pub fn reset(&mut self) -> Result<()> {
-        self.states = (0..self.config.num_layers())
-            .map(|l| HostLayerState::zeros(&self.config, l, self.context))
-            .collect::<Result<_>>()?;
-        self.position = 0;
-        Ok(())
+    /// The static KV context.
+    pub fn context(&self) -> usize {
+        self.context
+    }
+
+    /// The per-layer states after the last call.
+    pub fn states(&self) -> &[HostLayerState] {
+        &self.states
     }
 
     /// Runs `ids` through the graph of `tokens` slots (`ids.len() <= tokens`), updating the states; returns the
     /// outputs of the valid rows.
-    fn step(&mut self, ids: &[u32], tokens: usize) -> Result<BTreeMap<String, Tensor>> {
+    fn run_block(&mut self, ids: &[u32], tokens: usize) -> Result<BTreeMap<String, Tensor>> {
         let valid = ids.len();
         let b = BlockInputs::new(tokens, valid, self.position, self.position, self.context)?;
         let mut padded: Vec<i64> = ids.iter().map(|&x| x as i64).collect();
@@ -446,48 +515,84 @@ impl DecoderEngine {
             .collect()
     }
 
-    /// Runs a prompt in padded blocks, then `generate` greedy tokens with single-token decode.
-    pub fn run(&mut self, ids: &[u32], generate: usize) -> Result<DeviceRun> {
+    /// [`Backend::forward`]: the graph calls over `ids` and their outputs, token-major.
+    fn forward_blocks(&mut self, ids: &[u32], all_logits: bool) -> Result<Forward> {
         if ids.is_empty() {
-            return Err(Error::Input("the prompt is empty".into()));
+            return Err(Error::Input("no tokens to run".into()));
         }
         self.config.check_token_ids(ids)?;
-        if ids.len() + generate.saturating_sub(1) > self.context {
-            return Err(Error::Input(format!(
-                "{} prompt tokens and {generate} generated need {} cache slots, but the static context holds {} \
-                 (--context)",
-                ids.len(),
-                ids.len() + generate.saturating_sub(1),
-                self.context
-            )));
-        }
-        self.reset()?;
-        let mut taps = Collector::default();
-        let mut last = None;
-        for piece in ids.chunks(self.block) {
-            let r = self.step(piece, self.block)?;
+        let tokens = if ids.len() == 1 { 1 } else { self.block };
+        let mut collected = Collector::default();
+        for piece in ids.chunks(tokens) {
+            let r = self.run_block(piece, tokens)?;
             for (name, t) in &r {
-                taps.push(name, t, piece.len())?;
+                collected.push(name, t, piece.len())?;
             }
-            last = Some(output(&r, names::LOGITS)?.get(piece.len() - 1)?);
         }
-        let mut states = BTreeMap::new();
+        let mut taps = collected.finish()?;
+        let logits = taps.remove(names::LOGITS).ok_or_else(|| {
+            Error::Interface(format!("the graph has no output `{}`", names::LOGITS))
+        })?;
+        let logits = if all_logits {
+            logits
+        } else {
+            logits.narrow(0, logits.dim(0)? - 1, 1)?
+        };
+        Ok(Forward { logits, taps })
+    }
+}
+
+impl Backend for DecoderEngine {
+    fn config(&self) -> &Config {
+        &self.config
+    }
+
+    fn record(&self) -> &RunRecord {
+        &self.record
+    }
+
+    fn reset(&mut self) -> reference::Result<()> {
+        self.states = (0..self.config.num_layers())
+            .map(|l| HostLayerState::zeros(&self.config, l, self.context))
+            .collect::<Result<_>>()
+            .map_err(into_reference)?;
+        self.position = 0;
+        Ok(())
+    }
+
+    /// One token runs through the single-token graph; more run in padded blocks of the prompt graph (or token by
+    /// token when the prompt block is 1).
+    fn forward(&mut self, ids: &[u32], all_logits: bool) -> reference::Result<Forward> {
+        self.forward_blocks(ids, all_logits).map_err(into_reference)
+    }
+
+    fn snapshot(&self) -> reference::Result<Snapshot> {
+        let mut tensors = BTreeMap::new();
         for (i, s) in self.states.iter().enumerate() {
-            states.extend(s.dump_tensors(i)?);
+            tensors.extend(s.dump_tensors(i).map_err(into_reference)?);
         }
-        let mut generated = Vec::with_capacity(generate);
-        let mut logits = last.ok_or_else(|| Error::Input("the prompt is empty".into()))?;
-        for n in 0..generate {
-            let next = reference::model::argmax(&logits)?;
-            generated.push(next);
-            if n + 1 < generate {
-                logits = output(&self.step(&[next], 1)?, names::LOGITS)?.get(0)?;
-            }
-        }
-        Ok(DeviceRun {
-            taps: taps.finish()?,
-            states,
-            generated,
+        Ok(Snapshot {
+            position: self.position,
+            tensors,
         })
+    }
+
+    fn restore(&mut self, snapshot: &Snapshot) -> reference::Result<()> {
+        let states = (0..self.config.num_layers())
+            .map(|i| HostLayerState::from_snapshot(&self.config, i, self.context, snapshot))
+            .collect::<Result<Vec<_>>>()
+            .map_err(into_reference)?;
+        self.states = states;
+        self.position = snapshot.position;
+        Ok(())
+    }
+}
+
+/// An error of this crate as the backend interface's error (which is the reference's).
+fn into_reference(e: Error) -> reference::Error {
+    match e {
+        Error::Reference(e) => e,
+        Error::Input(m) => reference::Error::Input(m),
+        other => reference::Error::Backend(other.to_string()),
     }
 }

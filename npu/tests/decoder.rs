@@ -4,17 +4,18 @@ use candle_core::{DType, Tensor};
 use npu::devices::CompileOptions;
 use npu::engine::DecoderEngine;
 use npu::graphs::{Builder, DeltaNetGraphForm, GraphOptions};
+use reference::backend::ReferenceBackend;
 use reference::compare::{diff, diff_sliced};
 use reference::config::Config;
 use reference::deltanet::Inverse;
-use reference::model::{Model, RunOptions, greedy_continue};
+use reference::model::{Model, RunOptions};
 use reference::taps::Taps;
 use reference::weights::WeightStore;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 mod common;
-use common::Worst;
+use common::{Worst, run};
 
 fn testdata() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../testdata")
@@ -37,15 +38,11 @@ fn reference_dump(
     generate: usize,
 ) -> (BTreeMap<String, Tensor>, Vec<u32>) {
     let model = Model::load(dir, DType::F32).unwrap();
-    let mut state = model.new_state().unwrap();
-    let mut taps = Taps::on();
-    let opts = RunOptions::default();
-    let logits = model.prefill(ids, &mut state, &opts, &mut taps).unwrap();
-    let mut out = taps.take();
-    out.extend(state.named_tensors());
-    let generated =
-        greedy_continue(&model, &mut state, logits, generate, &[], &opts, |_| Ok(())).unwrap();
-    (out, generated)
+    let mut backend = ReferenceBackend::new(model, RunOptions::default(), true, "f32").unwrap();
+    let r = run(&mut backend, ids, generate).unwrap();
+    let mut out = r.taps;
+    out.extend(r.states);
+    (out, r.generated)
 }
 
 #[test]
@@ -86,7 +83,7 @@ fn decoder_graphs_match_the_reference() {
                 DecoderEngine::new(&builder, block, "CPU", &CompileOptions::default()).unwrap();
             let compile_s = start.elapsed().as_secs_f64();
             let start = std::time::Instant::now();
-            let run = engine.run(&ids, 16).unwrap();
+            let run = run(&mut engine, &ids, 16).unwrap();
             let run_s = start.elapsed().as_secs_f64();
             let label = format!("{name} block {block} {form:?}");
             assert_eq!(run.generated, expected_tokens, "{label}: greedy tokens");
@@ -136,9 +133,9 @@ fn padded_and_unpadded_prompts_agree() {
     .unwrap();
     let ids: Vec<u32> = (0..32).map(|i| (i * 37 % 500) as u32).collect();
     let mut exact = DecoderEngine::new(&builder, 16, "CPU", &CompileOptions::default()).unwrap();
-    let full = exact.run(&ids, 4).unwrap(); // two full blocks
+    let full = run(&mut exact, &ids, 4).unwrap(); // two full blocks
     let mut padded = DecoderEngine::new(&builder, 24, "CPU", &CompileOptions::default()).unwrap();
-    let part = padded.run(&ids, 4).unwrap(); // one full block and one with 16 padded slots
+    let part = run(&mut padded, &ids, 4).unwrap(); // one full block and one with 16 padded slots
     assert_eq!(full.generated, part.generated);
     let mut worst = 0f64;
     for (name, t) in full.taps.iter().chain(&full.states) {
@@ -170,12 +167,12 @@ fn prompt_longer_than_the_static_context_is_refused() {
     )
     .unwrap();
     let mut engine = DecoderEngine::new(&builder, 4, "CPU", &CompileOptions::default()).unwrap();
-    let err = engine.run(&[1; 9], 0).err().unwrap().to_string();
+    let err = run(&mut engine, &[1; 9], 0).err().unwrap().to_string();
     assert!(
         err.contains("static context") && err.contains("--context"),
         "{err}"
     );
-    let err = engine.run(&[600], 0).err().unwrap().to_string();
+    let err = run(&mut engine, &[600], 0).err().unwrap().to_string();
     assert!(err.contains("600") && err.contains("vocabulary"), "{err}");
 }
 
@@ -201,14 +198,11 @@ fn quantized_graphs_equal_the_reference_on_the_same_weights() {
             .into_iter()
             .map(|x| x as u32)
             .collect();
-        let mut state = model.new_state().unwrap();
-        let mut taps = Taps::on();
         let opts = RunOptions::default();
-        let logits = model.prefill(&ids, &mut state, &opts, &mut taps).unwrap();
-        let reference_states: BTreeMap<String, Tensor> =
-            state.named_tensors().into_iter().collect();
-        let tokens =
-            greedy_continue(&model, &mut state, logits, 8, &[], &opts, |_| Ok(())).unwrap();
+        let mut backend = ReferenceBackend::new(model, opts, true, &format.name()).unwrap();
+        let reference = run(&mut backend, &ids, 8).unwrap();
+        let (taps, reference_states, tokens) =
+            (reference.taps, reference.states, reference.generated);
         let builder = Builder::new(
             &config,
             &weights,
@@ -220,12 +214,12 @@ fn quantized_graphs_equal_the_reference_on_the_same_weights() {
         .unwrap();
         let mut engine =
             DecoderEngine::new(&builder, 16, "CPU", &CompileOptions::default()).unwrap();
-        let run = engine.run(&ids, 8).unwrap();
+        let run = run(&mut engine, &ids, 8).unwrap();
         let label = format!("{name} {}", format.name());
         assert_eq!(run.generated, tokens, "{label}: greedy tokens");
         let mut worst = Worst::default();
         for (tensor, t) in &run.taps {
-            worst.check(&label, tensor, t, taps.get(tensor).unwrap(), &config);
+            worst.check(&label, tensor, t, &taps[tensor], &config);
         }
         for (tensor, t) in &run.states {
             worst.check(&label, tensor, t, &reference_states[tensor], &config);

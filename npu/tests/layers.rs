@@ -74,6 +74,7 @@ fn layer_graphs_match_the_reference() {
                 form,
                 output_scale: scale,
                 context: 160,
+                taps: true,
             };
             let builder = Builder::new(&config, &weights, opts).unwrap();
             let mut worst = Worst::default();

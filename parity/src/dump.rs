@@ -1,10 +1,10 @@
 //! The dump: one safetensors file per run holding the prompt, every intermediate, the states after the prompt and
 //! the greedy continuation, under names every backend shares.
 
-use anyhow::{Context, Result, bail};
-use candle_core::{DType, Device, Tensor};
-use reference::model::{Model, RunOptions, greedy_continue};
-use reference::taps::Taps;
+use anyhow::{Context, Result};
+use candle_core::{Device, Tensor};
+use reference::backend::{Backend, greedy};
+use reference::taps::names;
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -22,21 +22,35 @@ DUMP FORMAT (safetensors; T prompt tokens, H hidden, V vocabulary, N generated)
   logits                          [T, V]         every prompt position
   generated                       i64 [N]        greedy continuation (exactly N tokens, no early stop)
  linear-attention layers (Gated DeltaNet; Hk/Hv key/value heads, Dk/Dv head dims, C = 2 Hk Dk + Hv Dv, K conv width):
+  layers.{i}.linear_attn.qkv      [T, C]         in_proj_qkv output, before the conv
+  layers.{i}.linear_attn.z        [T, Hv, Dv]    in_proj_z output (the gated norm's gate)
+  layers.{i}.linear_attn.b        [T, Hv]        in_proj_b output, before the sigmoid
+  layers.{i}.linear_attn.a        [T, Hv]        in_proj_a output, before the softplus
+  layers.{i}.linear_attn.conv_output [T, C]      the causal conv's output, before the SiLU
   layers.{i}.linear_attn.query    [T, Hk, Dk]    after conv + SiLU, before the l2 norm
   layers.{i}.linear_attn.key      [T, Hk, Dk]
   layers.{i}.linear_attn.value    [T, Hv, Dv]
   layers.{i}.linear_attn.g        [T, Hv]        log-decay
   layers.{i}.linear_attn.beta     [T, Hv]
+  layers.{i}.linear_attn.query_normed [T, Hk, Dk] after the l2 norm (before the Dk^-0.5 and output scaling)
+  layers.{i}.linear_attn.key_normed [T, Hk, Dk]  after the l2 norm
   layers.{i}.linear_attn.core_output [T, Hv, Dv] delta-rule output before the gated norm (unscaled)
+  layers.{i}.linear_attn.gated_norm_output [T, Hv, Dv] the gated norm's output (out_proj input)
   layers.{i}.conv_state           [C, K]         last K conv inputs after the prompt
   layers.{i}.recurrent_state      [Hv, Dk, Dv]   delta-rule state after the prompt
  full-attention layers (Hq/Hkv heads, D head dim):
+  layers.{i}.self_attn.query      [T, Hq, D]     after q_norm and RoPE
+  layers.{i}.self_attn.key        [T, Hkv, D]    after k_norm and RoPE
+  layers.{i}.self_attn.value      [T, Hkv, D]
+  layers.{i}.self_attn.gate       [T, Hq*D]      output gate before the sigmoid
   layers.{i}.self_attn.gated_output [T, Hq*D]    o_proj input (attention times sigmoid(gate))
   layers.{i}.key_cache            [Hkv, T, D]    keys after q/k norm and RoPE
   layers.{i}.value_cache          [Hkv, T, D]
-Metadata (strings): backend, dtype, weights, deltanet_prefill, deltanet_decode, output_scale, model, prompt; the
-reference adds prefill_block; OpenVINO adds openvino (version), device, precision_requested, precision (read back),
-execution_devices, property.* (every property set, read back), block, context, compile_seconds, run_seconds.";
+Metadata (strings): backend, dtype, weights, deltanet_prefill, deltanet_decode, output_scale, model, prompt,
+prompt_seconds, decode_seconds; the reference adds prefill_block; OpenVINO adds openvino (version), device,
+precision_requested, precision (read back), execution_devices, property.* (every property set, read back), block,
+context, compile_seconds. A dump written by another program needs only the tensors it has; comparisons use the
+names both sides hold.";
 
 /// A dump in memory.
 #[derive(Debug, Default)]
@@ -80,49 +94,28 @@ impl Dump {
     }
 }
 
-/// Runs the reference on `ids`, then `generate` greedy tokens, and collects the dump.
-pub fn reference_dump(
-    model: &Model,
-    ids: &[u32],
-    generate: usize,
-    opts: &RunOptions,
-) -> Result<Dump> {
-    if ids.is_empty() {
-        bail!("the prompt is empty");
-    }
-    let mut state = model.new_state()?;
-    let mut taps = Taps::on();
-    let logits = model.prefill(ids, &mut state, opts, &mut taps)?;
-    let mut tensors = taps.take();
-    let ids_i64: Vec<i64> = ids.iter().map(|&x| x as i64).collect();
-    tensors.insert("token_ids".into(), Tensor::new(ids_i64, &Device::Cpu)?);
-    tensors.extend(state.named_tensors());
-    let generated = if generate > 0 {
-        greedy_continue(model, &mut state, logits, generate, &[], opts, |_| Ok(()))?
-    } else {
-        vec![]
-    };
-    let generated: Vec<i64> = generated.into_iter().map(|x| x as i64).collect();
-    tensors.insert(
-        "generated".into(),
-        Tensor::from_vec(generated.clone(), generated.len(), &Device::Cpu)?,
-    );
-    let mut metadata = BTreeMap::new();
-    metadata.insert("backend".into(), "reference".into());
+/// Runs `ids` on a backend (with taps), then exactly `generate` greedy tokens, and collects the dump.
+pub fn run_dump(backend: &mut dyn Backend, ids: &[u32], generate: usize) -> Result<Dump> {
+    let generation = greedy(backend, ids, generate, &[], true, |_| Ok(()))?;
+    let mut tensors = generation.prompt.taps.clone();
+    tensors.insert(names::LOGITS.into(), generation.prompt.logits.clone());
+    tensors.extend(generation.after_prompt.tensors.clone());
+    tensors.insert("token_ids".into(), id_tensor(ids)?);
+    tensors.insert("generated".into(), id_tensor(&generation.tokens)?);
+    let mut metadata = backend.record().to_metadata();
     metadata.insert(
-        "dtype".into(),
-        match model.dtype() {
-            DType::F64 => "f64".into(),
-            _ => "f32".into(),
-        },
+        "prompt_seconds".into(),
+        format!("{:.3}", generation.prompt_seconds),
     );
-    metadata.insert("deltanet_prefill".into(), opts.prefill.describe());
-    metadata.insert("deltanet_decode".into(), opts.decode.describe());
-    metadata.insert("output_scale".into(), opts.output_scale.to_string());
     metadata.insert(
-        "prefill_block".into(),
-        opts.prefill_block
-            .map_or("whole prompt".into(), |b| b.to_string()),
+        "decode_seconds".into(),
+        format!("{:.3}", generation.decode_seconds),
     );
     Ok(Dump { tensors, metadata })
+}
+
+/// Token ids as an i64 tensor (the dump's type for ids).
+pub fn id_tensor(ids: &[u32]) -> Result<Tensor> {
+    let v: Vec<i64> = ids.iter().map(|&x| x as i64).collect();
+    Ok(Tensor::from_vec(v, ids.len(), &Device::Cpu)?)
 }

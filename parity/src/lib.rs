@@ -1,7 +1,15 @@
-//! The parity harness: the dump format every backend writes, and the run options the command line parses.
+//! The parity harness behind the `qwen35` command: the backends a command runs, the dump format every backend
+//! writes, the run options the command line parses, and one module per subcommand.
 #![deny(missing_docs)]
 
+pub mod backends;
 pub mod bundled;
-pub mod device;
+pub mod commands;
+pub mod compare;
 pub mod dump;
+pub mod metrics;
 pub mod options;
+pub mod plot;
+pub mod probe;
+pub mod progress;
+pub mod report;

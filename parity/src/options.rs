@@ -1,6 +1,6 @@
 //! Command-line options shared by the subcommands, turned into validated run settings before any work starts.
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use candle_core::DType;
 use clap::{Args, ValueEnum};
 use npu::devices::InferencePrecision;
@@ -9,8 +9,9 @@ use reference::config::Config;
 use reference::deltanet::{DEFAULT_CHUNK, Form, Inverse};
 use reference::model::{Model, RunOptions};
 use reference::quant::WeightFormat;
+use reference::tokenizer::{ChatTokenizer, Message};
 use reference::weights::WeightStore;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// The dtype a reference run computes in (`--dtype`). (Not a device's inference precision, which is `--precision`.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -227,6 +228,79 @@ impl FormArgs {
     }
 }
 
+/// One chat prompt: the user message, an optional system message, thinking mode.
+#[derive(Debug, Clone, PartialEq, serde::Deserialize, serde::Serialize)]
+pub struct ChatPrompt {
+    /// The user message.
+    pub prompt: String,
+    /// An optional system message.
+    #[serde(default)]
+    pub system: Option<String>,
+    /// Thinking mode (the template's `enable_thinking`).
+    #[serde(default)]
+    pub think: bool,
+}
+
+impl ChatPrompt {
+    /// The messages, system first.
+    pub fn messages(&self) -> Vec<Message> {
+        let mut m = Vec::new();
+        if let Some(s) = &self.system {
+            m.push(Message::new("system", s));
+        }
+        m.push(Message::new("user", &self.prompt));
+        m
+    }
+
+    /// The token ids through the checkpoint's tokenizer and chat template.
+    pub fn encode(&self, dir: &Path) -> Result<Vec<u32>> {
+        let tok = ChatTokenizer::load(dir)?;
+        Ok(tok.encode_chat(&self.messages(), self.think)?)
+    }
+}
+
+/// The prompt of a run: token ids, or a chat message formatted with the checkpoint's template.
+#[derive(Debug, Clone, Args)]
+pub struct PromptArgs {
+    /// The prompt as token ids, comma separated.
+    #[arg(long, value_name = "1,2,3", conflicts_with = "prompt")]
+    pub token_ids: Option<String>,
+    /// The prompt as a user message, formatted with the checkpoint's chat template.
+    #[arg(long)]
+    pub prompt: Option<String>,
+    /// An optional system message before --prompt.
+    #[arg(long, requires = "prompt")]
+    pub system: Option<String>,
+    /// Thinking mode for --prompt.
+    #[arg(long, requires = "prompt")]
+    pub think: bool,
+}
+
+impl PromptArgs {
+    /// Whether a prompt was given.
+    pub fn given(&self) -> bool {
+        self.token_ids.is_some() || self.prompt.is_some()
+    }
+
+    /// The token ids (checked against the vocabulary) and the prompt text if any.
+    pub fn ids(&self, dir: &Path, config: &Config) -> Result<(Vec<u32>, Option<String>)> {
+        let (ids, text) = match (&self.token_ids, &self.prompt) {
+            (Some(t), _) => (parse_token_ids(t)?, None),
+            (None, Some(p)) => {
+                let chat = ChatPrompt {
+                    prompt: p.clone(),
+                    system: self.system.clone(),
+                    think: self.think,
+                };
+                (chat.encode(dir)?, Some(p.clone()))
+            }
+            (None, None) => bail!("give the prompt as --prompt TEXT or --token-ids LIST"),
+        };
+        config.check_token_ids(&ids).context("--token-ids")?;
+        Ok((ids, text))
+    }
+}
+
 /// Parses `--token-ids 1,2,3`.
 pub fn parse_token_ids(text: &str) -> Result<Vec<u32>> {
     let ids = text
@@ -252,15 +326,9 @@ pub enum Backend {
     Openvino,
 }
 
-/// Where and how a dump is computed.
+/// How the OpenVINO graphs are built and compiled (besides the DeltaNet form of [`FormArgs`]).
 #[derive(Debug, Clone, Args)]
-pub struct DeviceArgs {
-    /// Which backend computes the dump.
-    #[arg(long, value_enum, default_value = "reference")]
-    pub backend: Backend,
-    /// OpenVINO device (CPU, NPU, GPU, ...). Default CPU.
-    #[arg(long)]
-    pub device: Option<String>,
+pub struct GraphArgs {
     /// Inference precision asked of the device (f32, or f16 as an NPU computes); what actually ran is read back and
     /// recorded. Default f32.
     #[arg(long, value_parser = parse_precision, value_name = "f32|f16")]
@@ -276,11 +344,10 @@ pub struct DeviceArgs {
     pub device_config: Option<PathBuf>,
 }
 
-impl DeviceArgs {
-    /// Fails if an OpenVINO-only option is given to the reference backend.
-    pub fn check_reference(&self) -> Result<()> {
-        let given: Vec<&str> = [
-            ("--device", self.device.is_some()),
+impl GraphArgs {
+    /// The options given, by flag.
+    fn given(&self) -> Vec<&'static str> {
+        [
             ("--precision", self.precision.is_some()),
             ("--block", self.block.is_some()),
             ("--context", self.context.is_some()),
@@ -288,7 +355,31 @@ impl DeviceArgs {
         ]
         .into_iter()
         .filter_map(|(n, g)| g.then_some(n))
-        .collect();
+        .collect()
+    }
+}
+
+/// Where and how a dump is computed.
+#[derive(Debug, Clone, Args)]
+pub struct DeviceArgs {
+    /// Which backend computes the dump.
+    #[arg(long, value_enum, default_value = "reference")]
+    pub backend: Backend,
+    /// OpenVINO device (CPU, NPU, GPU, ...). Default CPU.
+    #[arg(long)]
+    pub device: Option<String>,
+    /// The graph and compile options.
+    #[command(flatten)]
+    pub graph: GraphArgs,
+}
+
+impl DeviceArgs {
+    /// Fails if an OpenVINO-only option is given to the reference backend.
+    pub fn check_reference(&self) -> Result<()> {
+        let mut given = self.graph.given();
+        if self.device.is_some() {
+            given.insert(0, "--device");
+        }
         match given.as_slice() {
             [] => Ok(()),
             [one] => bail!("{one} only applies to --backend openvino"),

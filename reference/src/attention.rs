@@ -69,7 +69,9 @@ impl Attention {
     /// `x`: `[T, hidden]` (after the input norm) → `[T, hidden]`, appending to `cache`; `rotary` holds the
     /// rotation of the same `T` tokens.
     ///
-    /// Tap under `{tap}.`: `gated_output` `[T, H·D]`, the input of `o_proj`.
+    /// Taps under `{tap}.` ([`names::SELF_ATTN_TAPS`]): `query` `[T, H, D]` and `key` `[T, Hkv, D]` after their norms
+    /// and RoPE, `value` `[T, Hkv, D]`, `gate` `[T, H·D]` (before the sigmoid) and `gated_output` `[T, H·D]`, the input
+    /// of `o_proj`.
     pub fn forward(
         &self,
         x: &Tensor,
@@ -89,6 +91,11 @@ impl Attention {
 
         let q = rotary.apply(&rms_norm(&q, &self.q_norm, self.eps)?)?;
         let k = rotary.apply(&rms_norm(&k, &self.k_norm, self.eps)?)?;
+        let tap_name = |name: &str| format!("{tap}.{name}");
+        taps.record(|| tap_name(names::QUERY), &q)?;
+        taps.record(|| tap_name(names::KEY), &k)?;
+        taps.record(|| tap_name(names::VALUE), &v)?;
+        taps.record(|| tap_name(names::GATE), &gate)?;
 
         let q = q.transpose(0, 1)?.contiguous()?; // [H, T, D]
         let k = k.transpose(0, 1)?.contiguous()?; // [Hkv, T, D]
@@ -115,7 +122,7 @@ impl Attention {
             .transpose(0, 1)?
             .reshape((t, nh * d))?;
         let gated = (out * sigmoid(&gate)?)?;
-        taps.record(|| format!("{tap}.{}", names::GATED_OUTPUT), &gated)?;
+        taps.record(|| tap_name(names::GATED_OUTPUT), &gated)?;
         cache.keys = Some(keys);
         cache.values = Some(values);
         linear(&gated, &self.o_proj)

@@ -8,6 +8,7 @@
 
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::taps::names;
 use candle_core::{DType, Tensor};
 use std::fmt;
 
@@ -386,36 +387,50 @@ impl Slicing {
 
 /// The slicing under which a tap or state of a run is compared, by its name in the dump format (`layers.{i}.` may be
 /// left off), or `None` for a tensor compared whole:
-/// - `linear_attn.{query,key,value,core_output}` `[T, H, D]` and `linear_attn.{g,beta}` `[T, Hv]`: per head (axis 1);
+/// - `linear_attn.{qkv,conv_output}` `[T, C]`: per channel (axis 1); every other DeltaNet tap (`[T, H, D]` or
+///   `[T, Hv]`): per head (axis 1);
+/// - `self_attn.{query,key,value}` `[T, H, D]`: per head (axis 1); `self_attn.{gate,gated_output}` `[T, Hq·D]`:
+///   viewed as `[T, Hq, D]`, per head;
 /// - `recurrent_state` `[Hv, Dk, Dv]`: per value head (axis 0);
 /// - `conv_state` `[C, K]`: per channel row (axis 0);
-/// - `key_cache`, `value_cache` `[Hkv, T, D]`: per kv head (axis 0);
-/// - `self_attn.gated_output` `[T, Hq·D]`: viewed as `[T, Hq, D]`, per head (axis 1).
+/// - `key_cache`, `value_cache` `[Hkv, T, D]`: per kv head (axis 0).
 pub fn slicing(name: &str, config: &Config) -> Option<Slicing> {
     let tail = match name.strip_prefix("layers.") {
         Some(rest) => rest.split_once('.').map_or(rest, |(_, t)| t),
         None => name,
     };
-    let along = |axis, what| Slicing {
-        axis,
-        split_last: None,
-        what,
+    let along = |axis, what| {
+        Some(Slicing {
+            axis,
+            split_last: None,
+            what,
+        })
     };
-    match tail {
-        "linear_attn.query"
-        | "linear_attn.key"
-        | "linear_attn.value"
-        | "linear_attn.core_output"
-        | "linear_attn.g"
-        | "linear_attn.beta" => Some(along(1, "head")),
-        "recurrent_state" => Some(along(0, "value head")),
-        "conv_state" => Some(along(0, "channel")),
-        "key_cache" | "value_cache" => Some(along(0, "kv head")),
-        "self_attn.gated_output" => Some(Slicing {
+    let per_head_of_flat = |heads| {
+        Some(Slicing {
             axis: 1,
-            split_last: Some(config.num_attention_heads),
+            split_last: Some(heads),
             what: "head",
-        }),
+        })
+    };
+    if let Some(tap) = tail.strip_prefix(&format!("{}.", names::LINEAR_ATTN)) {
+        return match tap {
+            names::QKV | names::CONV_OUTPUT => along(1, "channel"),
+            t if names::LINEAR_ATTN_TAPS.contains(&t) => along(1, "head"),
+            _ => None,
+        };
+    }
+    if let Some(tap) = tail.strip_prefix(&format!("{}.", names::SELF_ATTN)) {
+        return match tap {
+            names::QUERY | names::KEY | names::VALUE => along(1, "head"),
+            names::GATE | names::GATED_OUTPUT => per_head_of_flat(config.num_attention_heads),
+            _ => None,
+        };
+    }
+    match tail {
+        names::RECURRENT_STATE => along(0, "value head"),
+        names::CONV_STATE => along(0, "channel"),
+        names::KEY_CACHE | names::VALUE_CACHE => along(0, "kv head"),
         _ => None,
     }
 }

@@ -44,6 +44,9 @@ pub enum Error {
         /// The underlying error.
         source: std::io::Error,
     },
+    /// A backend other than the reference failed (an OpenVINO device, …): its own error, as text.
+    #[error("{0}")]
+    Backend(String),
     /// An error from a tensor operation.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

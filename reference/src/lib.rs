@@ -5,11 +5,13 @@
 //! [`weights`] opens safetensors checkpoints and [`quant`] compresses their weights as the OpenVINO exports do;
 //! [`deltanet`] holds the delta rule in all its forms as pure functions; [`linear_attn`], [`attention`], [`mlp`] and
 //! [`rope`] are the blocks; [`model`] assembles the decoder with a separate [`model::State`]; [`taps`] records
-//! intermediates under the dump's names; [`masks`] are the causal masks and bands the reference and the OpenVINO
-//! graphs share; [`io`] writes safetensors files; [`tokenizer`] encodes prompts through the checkpoint's chat template.
+//! intermediates under the dump's names; [`backend`] is the interface every backend implements, with the one greedy
+//! loop; [`masks`] are the causal masks and bands the reference and the OpenVINO graphs share; [`io`] writes
+//! safetensors files; [`tokenizer`] encodes prompts through the checkpoint's chat template.
 #![deny(missing_docs)]
 
 pub mod attention;
+pub mod backend;
 pub mod compare;
 pub mod config;
 pub mod deltanet;

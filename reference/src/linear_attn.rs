@@ -92,9 +92,11 @@ impl GatedDeltaNet {
 
     /// `x`: `[T, hidden]` (after the input norm) → `[T, hidden]`, updating `state`.
     ///
-    /// Taps under `{tap}.`: `query`, `key` `[T, Hk, Dk]` and `value` `[T, Hv, Dv]` (after conv and SiLU, before the
-    /// l2 norm), `g`, `beta` `[T, Hv]`, and `core_output` `[T, Hv, Dv]` (the recurrence's output before the gated
-    /// norm, reported without the output scale).
+    /// Taps under `{tap}.` ([`names::LINEAR_ATTN_TAPS`]): the projections `qkv` `[T, C]`, `z` `[T, Hv, Dv]`, `b`,
+    /// `a` `[T, Hv]`; `conv_output` `[T, C]` (before the SiLU); `query`, `key` `[T, Hk, Dk]` and `value`
+    /// `[T, Hv, Dv]` (after conv and SiLU, before the l2 norm); `g`, `beta` `[T, Hv]`; `query_normed`, `key_normed`
+    /// (after the l2 norm); `core_output` `[T, Hv, Dv]` (the recurrence's output before the gated norm, reported
+    /// without the output scale) and `gated_norm_output` `[T, Hv, Dv]` (the `out_proj` input).
     pub fn forward(
         &self,
         x: &Tensor,
@@ -108,8 +110,15 @@ impl GatedDeltaNet {
         let z = linear(x, &self.in_proj_z)?;
         let b = linear(x, &self.in_proj_b)?;
         let a = linear(x, &self.in_proj_a)?;
+        let z = z.reshape((t, self.hv, self.dv))?;
+        let tap_name = |name: &str| format!("{tap}.{name}");
+        taps.record(|| tap_name(names::QKV), &qkv)?;
+        taps.record(|| tap_name(names::Z), &z)?;
+        taps.record(|| tap_name(names::B), &b)?;
+        taps.record(|| tap_name(names::A), &a)?;
 
         let (conv_out, conv_state) = causal_conv(&qkv, &state.conv, &self.conv_weight)?;
+        taps.record(|| tap_name(names::CONV_OUTPUT), &conv_out)?;
         let mixed = silu(&conv_out)?;
         let key_dim = self.hk * self.dk;
         let q = mixed
@@ -129,16 +138,19 @@ impl GatedDeltaNet {
             .neg()?
             .unsqueeze(0)?
             .broadcast_mul(&softplus(&a.broadcast_add(&self.dt_bias)?)?)?;
-        taps.record(|| format!("{tap}.{}", names::QUERY), &q)?;
-        taps.record(|| format!("{tap}.{}", names::KEY), &k)?;
-        taps.record(|| format!("{tap}.{}", names::VALUE), &v)?;
-        taps.record(|| format!("{tap}.{}", names::G), &g)?;
-        taps.record(|| format!("{tap}.{}", names::BETA), &beta)?;
+        taps.record(|| tap_name(names::QUERY), &q)?;
+        taps.record(|| tap_name(names::KEY), &k)?;
+        taps.record(|| tap_name(names::VALUE), &v)?;
+        taps.record(|| tap_name(names::G), &g)?;
+        taps.record(|| tap_name(names::BETA), &beta)?;
 
         let scale = opts.output_scale;
         check_output_scale(scale)?;
-        let q = (l2_normalize(&q, L2_NORM_EPS)? * ((self.dk as f64).powf(-0.5) * scale))?;
+        let q = l2_normalize(&q, L2_NORM_EPS)?;
         let k = l2_normalize(&k, L2_NORM_EPS)?;
+        taps.record(|| tap_name(names::QUERY_NORMED), &q)?;
+        taps.record(|| tap_name(names::KEY_NORMED), &k)?;
+        let q = (q * ((self.dk as f64).powf(-0.5) * scale))?;
         let group = self.hv / self.hk;
         let heads_first = |x: Tensor| -> Result<Tensor> { Ok(x.transpose(0, 1)?.contiguous()?) };
         let inputs = Inputs {
@@ -150,13 +162,10 @@ impl GatedDeltaNet {
         };
         let (o, recurrent) = deltanet::run(opts.form, &inputs, &state.recurrent)?;
         let core = o.transpose(0, 1)?.contiguous()?; // [T, Hv, Dv]
-        taps.record(
-            || format!("{tap}.{}", names::CORE_OUTPUT),
-            &(&core / scale)?,
-        )?;
+        taps.record(|| tap_name(names::CORE_OUTPUT), &(&core / scale)?)?;
 
-        let z = z.reshape((t, self.hv, self.dv))?;
         let normed = gated_rms_norm(&core, &z, &self.norm_weight, self.eps * scale * scale)?;
+        taps.record(|| tap_name(names::GATED_NORM_OUTPUT), &normed)?;
         let out = linear(&normed.reshape((t, self.hv * self.dv))?, &self.out_proj)?;
         *state = LinearState {
             conv: conv_state,

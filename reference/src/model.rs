@@ -338,29 +338,3 @@ pub fn argmax(logits: &Tensor) -> Result<u32> {
     }
     Ok(best as u32)
 }
-
-/// Greedy continuation: from a state that has seen the prompt and the logits of its last token, chooses up to
-/// `max_new` tokens, feeding each back with a single-token forward call. Stops after emitting a token in `stop`.
-/// `on_token` sees every new token as it is chosen.
-pub fn greedy_continue(
-    model: &Model,
-    state: &mut State,
-    mut logits: Tensor,
-    max_new: usize,
-    stop: &[u32],
-    opts: &RunOptions,
-    mut on_token: impl FnMut(u32) -> Result<()>,
-) -> Result<Vec<u32>> {
-    let mut out = Vec::with_capacity(max_new);
-    let mut quiet = Taps::off();
-    for n in 0..max_new {
-        let next = argmax(&logits)?;
-        out.push(next);
-        on_token(next)?;
-        if stop.contains(&next) || n + 1 == max_new {
-            break;
-        }
-        logits = model.forward(&[next], state, opts, &mut quiet)?;
-    }
-    Ok(out)
-}

@@ -27,18 +27,37 @@ pub mod names {
     pub const LINEAR_ATTN: &str = "linear_attn";
     /// The attention mixer's scope.
     pub const SELF_ATTN: &str = "self_attn";
-    /// DeltaNet queries after conv and SiLU, before the l2 norm `[T, Hk, Dk]`.
+    /// DeltaNet: `in_proj_qkv`'s output, before the conv `[T, C]`.
+    pub const QKV: &str = "qkv";
+    /// DeltaNet: `in_proj_z`'s output, the gate of the gated norm `[T, Hv, Dv]`.
+    pub const Z: &str = "z";
+    /// DeltaNet: `in_proj_b`'s output, before the sigmoid `[T, Hv]`.
+    pub const B: &str = "b";
+    /// DeltaNet: `in_proj_a`'s output, before the softplus `[T, Hv]`.
+    pub const A: &str = "a";
+    /// DeltaNet: the causal conv's output, before the SiLU `[T, C]`.
+    pub const CONV_OUTPUT: &str = "conv_output";
+    /// DeltaNet: queries after conv and SiLU, before the l2 norm `[T, Hk, Dk]`; attention: queries after q_norm and
+    /// RoPE `[T, Hq, D]`.
     pub const QUERY: &str = "query";
-    /// DeltaNet keys `[T, Hk, Dk]`.
+    /// DeltaNet: keys after conv and SiLU `[T, Hk, Dk]`; attention: keys after k_norm and RoPE `[T, Hkv, D]`.
     pub const KEY: &str = "key";
-    /// DeltaNet values `[T, Hv, Dv]`.
+    /// DeltaNet: values after conv and SiLU `[T, Hv, Dv]`; attention: `v_proj`'s output `[T, Hkv, D]`.
     pub const VALUE: &str = "value";
+    /// DeltaNet: queries after the l2 norm, before the `Dk^-0.5` (and output) scaling `[T, Hk, Dk]`.
+    pub const QUERY_NORMED: &str = "query_normed";
+    /// DeltaNet: keys after the l2 norm `[T, Hk, Dk]`.
+    pub const KEY_NORMED: &str = "key_normed";
     /// DeltaNet log-decays `[T, Hv]`.
     pub const G: &str = "g";
     /// DeltaNet write strengths `[T, Hv]`.
     pub const BETA: &str = "beta";
     /// The delta rule's output before the gated norm, unscaled `[T, Hv, Dv]`.
     pub const CORE_OUTPUT: &str = "core_output";
+    /// DeltaNet: the gated norm's output, the `out_proj` input `[T, Hv, Dv]`.
+    pub const GATED_NORM_OUTPUT: &str = "gated_norm_output";
+    /// Attention: the output gate before the sigmoid `[T, Hq·D]`.
+    pub const GATE: &str = "gate";
     /// Attention output times `sigmoid(gate)`, the `o_proj` input `[T, Hq·D]`.
     pub const GATED_OUTPUT: &str = "gated_output";
 
@@ -52,7 +71,25 @@ pub mod names {
     pub const VALUE_CACHE: &str = "value_cache";
 
     /// The DeltaNet mixer's taps, in the order they are computed.
-    pub const LINEAR_ATTN_TAPS: [&str; 6] = [QUERY, KEY, VALUE, G, BETA, CORE_OUTPUT];
+    pub const LINEAR_ATTN_TAPS: [&str; 14] = [
+        QKV,
+        Z,
+        B,
+        A,
+        CONV_OUTPUT,
+        QUERY,
+        KEY,
+        VALUE,
+        G,
+        BETA,
+        QUERY_NORMED,
+        KEY_NORMED,
+        CORE_OUTPUT,
+        GATED_NORM_OUTPUT,
+    ];
+
+    /// The attention mixer's taps, in the order they are computed.
+    pub const SELF_ATTN_TAPS: [&str; 5] = [QUERY, KEY, VALUE, GATE, GATED_OUTPUT];
 
     /// `layers.{layer}.{name}`.
     pub fn layer(layer: usize, name: &str) -> String {

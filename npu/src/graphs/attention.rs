@@ -1,9 +1,9 @@
 //! The gated full-attention mixer (`self_attn`) as graph ops (`reference::attention`): per-head q/gate split, q/k
 //! RMSNorm, partial RoPE, GQA over a static KV cache selected by an additive mask, sigmoid output gate.
 
-use super::Builder;
 use super::ops::{linear, rms_norm, sigmoid};
 use super::rope::RotaryTables;
+use super::{Builder, GraphTaps};
 use crate::error::Result;
 use crate::ir::{Graph, Value};
 use reference::schema::Param;
@@ -56,7 +56,10 @@ impl Attention {
     /// `cache` holds `CTX` slots, `attention_mask` `[T, CTX + T]` selects the filled ones and the causal new keys;
     /// `rotary` holds the rotation of the same `T` tokens.
     ///
-    /// Output under `{tap}.`: `gated_output` `[T, H·D]`, the input of `o_proj`.
+    /// Taps under `{tap}.`, as the reference's (`reference::taps::names::SELF_ATTN_TAPS`): `query`, `key` after
+    /// their norms and RoPE, `value`, `gate` (before the sigmoid) and `gated_output` `[T, H·D]`, the input of
+    /// `o_proj`.
+    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         graph: &mut Graph,
@@ -64,6 +67,7 @@ impl Attention {
         cache: KvCache,
         attention_mask: Value,
         rotary: &RotaryTables,
+        taps: GraphTaps,
         tap: &str,
     ) -> Result<(Value, KvCache)> {
         let t = graph.shape(x)[0];
@@ -84,6 +88,11 @@ impl Attention {
         let q = rotary.apply(graph, q)?;
         let k = rms_norm(graph, k, self.k_norm, self.eps)?;
         let k = rotary.apply(graph, k)?;
+        let tap_name = |name: &str| format!("{tap}.{name}");
+        taps.record(graph, || tap_name(names::QUERY), q)?;
+        taps.record(graph, || tap_name(names::KEY), k)?;
+        taps.record(graph, || tap_name(names::VALUE), v)?;
+        taps.record(graph, || tap_name(names::GATE), gate)?;
 
         let q = graph.transpose(q, &[1, 0, 2])?; // [H, T, D]
         let k = graph.transpose(k, &[1, 0, 2])?; // [Hkv, T, D]
@@ -107,7 +116,7 @@ impl Attention {
         let out = graph.reshape(out, &[t, nh * d])?;
         let gate = sigmoid(graph, gate)?;
         let gated = graph.mul(out, gate)?;
-        graph.result(gated, &format!("{tap}.{}", names::GATED_OUTPUT))?;
+        taps.record(graph, || tap_name(names::GATED_OUTPUT), gated)?;
         let out = linear(graph, gated, self.o_proj)?;
         Ok((out, KvCache { keys: k, values: v }))
     }

@@ -6,7 +6,7 @@ use super::deltanet::{self, Inputs};
 use super::ops::{
     gated_rms_norm, l2_normalize, linear, repeat_interleave, sigmoid, silu, softplus,
 };
-use super::{Builder, DeltaNetGraphForm};
+use super::{Builder, DeltaNetGraphForm, GraphTaps};
 use crate::error::Result;
 use crate::ir::{ElemType, Graph, Value};
 use reference::linear_attn::L2_NORM_EPS;
@@ -93,9 +93,11 @@ impl GatedDeltaNet {
     /// `x`: `[T, hidden]` (after the input norm) → `([T, hidden], new state)`; `token_valid` `[T]` masks padded
     /// slots out of every state.
     ///
-    /// Outputs under `{tap}.`: `query`, `key` `[T, Hk, Dk]` and `value` `[T, Hv, Dv]` (after conv and SiLU, before
-    /// the l2 norm), `g`, `beta` `[T, Hv]`, and `core_output` `[T, Hv, Dv]` (the recurrence's output before the gated
-    /// norm, without the output scale), as the reference's taps.
+    /// Taps under `{tap}.`, as the reference's (`reference::taps::names::LINEAR_ATTN_TAPS`): the projections `qkv`,
+    /// `z`, `b`, `a`; `conv_output`; `query`, `key`, `value` (after conv and SiLU); `g`, `beta`; `query_normed`,
+    /// `key_normed`; `core_output` (the recurrence's output before the gated norm, without the output scale) and
+    /// `gated_norm_output`.
+    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         graph: &mut Graph,
@@ -103,6 +105,7 @@ impl GatedDeltaNet {
         state: LinearState,
         token_valid: Value,
         opts: &DeltaNetOptions,
+        taps: GraphTaps,
         tap: &str,
     ) -> Result<(Value, LinearState)> {
         let t = graph.shape(x)[0];
@@ -110,9 +113,16 @@ impl GatedDeltaNet {
         let z = linear(graph, x, self.in_proj_z)?;
         let b = linear(graph, x, self.in_proj_b)?;
         let a = linear(graph, x, self.in_proj_a)?;
+        let z = graph.reshape(z, &[t, self.hv, self.dv])?;
+        let tap_name = |name: &str| format!("{tap}.{name}");
+        taps.record(graph, || tap_name(names::QKV), qkv)?;
+        taps.record(graph, || tap_name(names::Z), z)?;
+        taps.record(graph, || tap_name(names::B), b)?;
+        taps.record(graph, || tap_name(names::A), a)?;
 
         let (conv_out, conv_state) =
             causal_conv(graph, qkv, state.conv, &self.conv_weight, token_valid)?;
+        taps.record(graph, || tap_name(names::CONV_OUTPUT), conv_out)?;
         let mixed = silu(graph, conv_out)?;
         let key_dim = self.hk * self.dk;
         let q = graph.slice(mixed, 1, 0, key_dim)?;
@@ -126,18 +136,19 @@ impl GatedDeltaNet {
         let a_dt = graph.add(a, self.dt_bias)?;
         let sp = softplus(graph, a_dt)?;
         let g = graph.mul(sp, self.neg_a)?; // [T, Hv]
-        let name = |n: &str| format!("{tap}.{n}");
-        graph.result(q, &name(names::QUERY))?;
-        graph.result(k, &name(names::KEY))?;
-        graph.result(v, &name(names::VALUE))?;
-        graph.result(g, &name(names::G))?;
-        graph.result(beta, &name(names::BETA))?;
+        taps.record(graph, || tap_name(names::QUERY), q)?;
+        taps.record(graph, || tap_name(names::KEY), k)?;
+        taps.record(graph, || tap_name(names::VALUE), v)?;
+        taps.record(graph, || tap_name(names::G), g)?;
+        taps.record(graph, || tap_name(names::BETA), beta)?;
 
         let scale = opts.output_scale;
         let q = l2_normalize(graph, q, L2_NORM_EPS as f32)?;
+        let k = l2_normalize(graph, k, L2_NORM_EPS as f32)?;
+        taps.record(graph, || tap_name(names::QUERY_NORMED), q)?;
+        taps.record(graph, || tap_name(names::KEY_NORMED), k)?;
         let q_scale = graph.scalar((self.dk as f32).powf(-0.5) * scale)?;
         let q = graph.mul(q, q_scale)?;
-        let k = l2_normalize(graph, k, L2_NORM_EPS as f32)?;
         let group = self.hv / self.hk;
         let heads_first2 = |graph: &mut Graph, x: Value| graph.transpose(x, &[1, 0]);
         let heads_first3 = |graph: &mut Graph, x: Value| graph.transpose(x, &[1, 0, 2]);
@@ -157,12 +168,16 @@ impl GatedDeltaNet {
         .mask_padding(graph, token_valid)?;
         let (o, recurrent) = deltanet::run(graph, opts.form, inputs, state.recurrent)?;
         let core = graph.transpose(o, &[1, 0, 2])?; // [T, Hv, Dv]
-        let unscale = graph.scalar(1.0 / scale)?;
-        let core_unscaled = graph.mul(core, unscale)?;
-        graph.result(core_unscaled, &name(names::CORE_OUTPUT))?;
+        if opts.output_scale == 1.0 {
+            taps.record(graph, || tap_name(names::CORE_OUTPUT), core)?;
+        } else {
+            let unscale = graph.scalar(1.0 / scale)?;
+            let core_unscaled = graph.mul(core, unscale)?;
+            taps.record(graph, || tap_name(names::CORE_OUTPUT), core_unscaled)?;
+        }
 
-        let z = graph.reshape(z, &[t, self.hv, self.dv])?;
         let normed = gated_rms_norm(graph, core, z, self.norm_weight, self.eps * scale * scale)?;
+        taps.record(graph, || tap_name(names::GATED_NORM_OUTPUT), normed)?;
         let normed = graph.reshape(normed, &[t, self.hv * self.dv])?;
         let out = linear(graph, normed, self.out_proj)?;
         Ok((

@@ -66,6 +66,18 @@ impl DeltaNetGraphForm {
             DeltaNetGraphForm::Chunked(inverse) => format!("chunked({})", inverse.name()),
         }
     }
+
+    /// The form of prompt blocks of `block` tokens as the reference names its forms (`chunked(16, doubling)`: a
+    /// graph's chunk is its whole block; a block of one token is the matrix form).
+    pub fn describe_block(&self, block: usize) -> String {
+        match self {
+            DeltaNetGraphForm::Chunked(inverse) if block > 1 => {
+                format!("chunked({block}, {})", inverse.name())
+            }
+            DeltaNetGraphForm::Loop if block > 1 => "loop".into(),
+            _ => "matrix".into(),
+        }
+    }
 }
 
 /// Options of the graphs.
@@ -77,16 +89,43 @@ pub struct GraphOptions {
     pub output_scale: f32,
     /// Static KV context of the attention layers.
     pub context: usize,
+    /// Whether the graphs output every tap (the intermediates of the dump format) besides the logits and the
+    /// states. A deployed graph has none: extra outputs can change what a device compiler fuses, so tokens and
+    /// logits are taken from graphs without taps and the taps from a second set of graphs.
+    pub taps: bool,
 }
 
 impl Default for GraphOptions {
-    /// The NPU port's graphs: chunked with block doubling, the ×1024 rescaling, a context of 1024.
+    /// The NPU port's graphs: chunked with block doubling, the ×1024 rescaling, a context of 1024; with taps.
     fn default() -> Self {
         GraphOptions {
             form: DeltaNetGraphForm::Chunked(Inverse::Doubling),
             output_scale: reference::linear_attn::PORT_OUTPUT_SCALE as f32,
             context: DEFAULT_CONTEXT,
+            taps: true,
         }
+    }
+}
+
+/// The graph's counterpart of `reference::taps::Taps`: records an intermediate as a graph output under its dump
+/// name, or nothing when the graph is built without taps.
+#[derive(Debug, Clone, Copy)]
+pub struct GraphTaps {
+    enabled: bool,
+}
+
+impl GraphTaps {
+    /// Marks `value` as the output `name` when taps are on.
+    pub fn record(
+        &self,
+        graph: &mut Graph,
+        name: impl FnOnce() -> String,
+        value: Value,
+    ) -> Result<()> {
+        if self.enabled {
+            graph.result(value, &name())?;
+        }
+        Ok(())
     }
 }
 
@@ -121,6 +160,18 @@ impl<'a> Builder<'a> {
     /// The options.
     pub fn options(&self) -> &GraphOptions {
         &self.opts
+    }
+
+    /// The format the weights are stored in.
+    pub fn weight_format(&self) -> reference::quant::WeightFormat {
+        self.weights.format()
+    }
+
+    /// The tap recorder of this builder's graphs.
+    fn taps(&self) -> GraphTaps {
+        GraphTaps {
+            enabled: self.opts.taps,
+        }
     }
 
     /// The tensors of the checkpoint.

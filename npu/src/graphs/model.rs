@@ -102,7 +102,8 @@ impl<'a> Builder<'a> {
                     output_scale: self.opts.output_scale,
                 };
                 let tap = port(names::LINEAR_ATTN);
-                let (out, state) = m.forward(graph, x, state, token_valid, &opts, &tap)?;
+                let (out, state) =
+                    m.forward(graph, x, state, token_valid, &opts, self.taps(), &tap)?;
                 graph.result(state.conv, &port(state_out[0]))?;
                 graph.result(state.recurrent, &port(state_out[1]))?;
                 out
@@ -118,17 +119,18 @@ impl<'a> Builder<'a> {
                     values: graph.parameter(&port(state_in[1]), ElemType::F32, &shape),
                 };
                 let tap = port(names::SELF_ATTN);
-                let (out, new) = m.forward(graph, x, cache, mask, &rotary, &tap)?;
+                let (out, new) = m.forward(graph, x, cache, mask, &rotary, self.taps(), &tap)?;
                 graph.result(new.keys, &port(state_out[0]))?;
                 graph.result(new.values, &port(state_out[1]))?;
                 out
             }
         };
-        graph.result(mixed, &port(names::MIXER_OUTPUT))?;
+        let taps = self.taps();
+        taps.record(graph, || port(names::MIXER_OUTPUT), mixed)?;
         let h = graph.add(h, mixed)?;
         let x = rms_norm(graph, h, weights.post_attention_layernorm, eps)?;
         let m = weights.mlp.forward(graph, x)?;
-        graph.result(m, &port(names::MLP_OUTPUT))?;
+        taps.record(graph, || port(names::MLP_OUTPUT), m)?;
         graph.add(h, m)
     }
 
@@ -177,7 +179,7 @@ impl<'a> Builder<'a> {
         let h = graph.parameter(ports::HIDDEN, ElemType::F32, &[tokens, c.hidden_size]);
         let inputs = self.block_inputs(&mut graph, tokens, &[kind])?;
         let out = self.block(&mut graph, h, layer, &inputs, "")?;
-        graph.result(out, names::OUTPUT)?;
+        graph.result(out, names::OUTPUT)?; // a per-layer graph's output is its purpose, taps or not
         Ok(graph)
     }
 
@@ -190,16 +192,17 @@ impl<'a> Builder<'a> {
         let ids = graph.parameter(ports::INPUT_IDS, ElemType::I64, &[tokens]);
         let inputs = self.block_inputs(&mut graph, tokens, &c.layer_types)?;
         let embed_tokens = self.matrix(&mut graph, &s.global(Param::EmbedTokens))?;
+        let taps = self.taps();
         let mut h = graph.gather(embed_tokens, ids, 0)?;
-        graph.result(h, names::EMBEDDINGS)?;
+        taps.record(&mut graph, || names::EMBEDDINGS.into(), h)?;
         for layer in 0..c.num_layers() {
             let prefix = ports::layer_prefix(layer);
             h = self.block(&mut graph, h, layer, &inputs, &prefix)?;
-            graph.result(h, &names::layer(layer, names::OUTPUT))?;
+            taps.record(&mut graph, || names::layer(layer, names::OUTPUT), h)?;
         }
         let norm = self.norm_weight(&mut graph, &s.global(Param::Norm))?;
         let normed = rms_norm(&mut graph, h, norm, c.rms_norm_eps as f32)?;
-        graph.result(normed, names::FINAL_NORM)?;
+        taps.record(&mut graph, || names::FINAL_NORM.into(), normed)?;
         let lm_head = if c.tie_word_embeddings {
             embed_tokens
         } else {

@@ -2,9 +2,33 @@
 #![allow(dead_code)]
 
 use candle_core::Tensor;
+use reference::backend::{Backend, greedy};
 use reference::compare::{diff, diff_sliced};
 use reference::config::Config;
+use reference::taps::names;
 use std::collections::BTreeMap;
+
+/// What a run of a prompt produced, under the dump's names.
+pub struct Run {
+    /// Token-major taps over the prompt, the logits of every position included.
+    pub taps: BTreeMap<String, Tensor>,
+    /// The states after the prompt.
+    pub states: BTreeMap<String, Tensor>,
+    /// The greedy continuation (exactly `generate` tokens).
+    pub generated: Vec<u32>,
+}
+
+/// Runs `ids` on a backend from a fresh state with every logit and tap, then `generate` greedy tokens.
+pub fn run(backend: &mut dyn Backend, ids: &[u32], generate: usize) -> reference::Result<Run> {
+    let g = greedy(backend, ids, generate, &[], true, |_| Ok(()))?;
+    let mut taps = g.prompt.taps;
+    taps.insert(names::LOGITS.into(), g.prompt.logits);
+    Ok(Run {
+        taps,
+        states: g.after_prompt.tensors,
+        generated: g.tokens,
+    })
+}
 
 /// Layer outputs, taps and states: within 1e-4 of the tensor's max and, for tensors with heads, of each head's own
 /// max (see `reference::compare::slicing`).

@@ -3,10 +3,11 @@
 
 use crate::common::*;
 use candle_core::{DType, Device, Tensor};
+use reference::backend::{ReferenceBackend, greedy};
 use reference::compare::{Diff, SliceDiff, diff, diff_sliced};
 use reference::config::Config;
 use reference::deltanet::{self, Form, Inverse};
-use reference::model::{Model, RunOptions, greedy_continue};
+use reference::model::{Model, RunOptions};
 use reference::taps::Taps;
 use reference::tokenizer::{ChatTokenizer, Message};
 use std::collections::HashMap;
@@ -68,13 +69,12 @@ fn run_prompt(
     ids: &[u32],
     opts: &RunOptions,
 ) -> (HashMap<String, Tensor>, Vec<u32>) {
-    let mut state = model.new_state().unwrap();
-    let mut taps = Taps::on();
-    let logits = model.prefill(ids, &mut state, opts, &mut taps).unwrap();
-    let mut out: HashMap<String, Tensor> = taps.take().into_iter().collect();
-    out.extend(state.named_tensors());
-    let generated = greedy_continue(model, &mut state, logits, 16, &[], opts, |_| Ok(())).unwrap();
-    (out, generated)
+    let mut backend = ReferenceBackend::new(model.clone(), *opts, true, "f32").unwrap();
+    let g = greedy(&mut backend, ids, 16, &[], true, |_| Ok(())).unwrap();
+    let mut out: HashMap<String, Tensor> = g.prompt.taps.into_iter().collect();
+    out.insert("logits".into(), g.prompt.logits);
+    out.extend(g.after_prompt.tensors);
+    (out, g.tokens)
 }
 
 /// The worst comparison of one tensor family (`layers.{i}.` dropped from the name).

@@ -389,11 +389,10 @@ fn tiny_full_runs_under_int4() {
         .unwrap();
     assert_eq!(up.kind(), QuantKind::Int8Sym);
     // What the store serves (and the model runs on) is the quantised form dequantised, bit for bit.
-    for (name, shape, q) in [
-        ("layers.0.mlp.down_proj.weight", [64, 128], &down),
-        ("layers.0.mlp.up_proj.weight", [128, 64], &up),
-    ] {
-        let served = values(&store.decoder(name, &shape).unwrap());
+    for (param, q) in [(Param::DownProj, &down), (Param::UpProj, &up)] {
+        let spec = s.layer(0, param);
+        let name = &spec.name;
+        let served = values(&store.load(&spec).unwrap());
         let expected = q.dequantize();
         assert_eq!(served.len(), expected.len(), "{name}");
         assert!(

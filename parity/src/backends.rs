@@ -1,0 +1,120 @@
+//! Building the backends a command runs: the reference, and the static graphs on an OpenVINO device, from the
+//! validated command-line options.
+
+use crate::options::{FormArgs, GraphArgs};
+use anyhow::{Result, bail};
+use npu::devices::{CompileOptions, InferencePrecision, device_config};
+use npu::engine::{DEFAULT_BLOCK, DecoderEngine};
+use npu::graphs::{Builder, DEFAULT_CONTEXT, GraphOptions};
+use reference::backend::{Backend, ReferenceBackend};
+use reference::config::Config;
+use reference::linear_attn::PORT_OUTPUT_SCALE;
+use reference::model::{Model, RunOptions};
+use reference::weights::WeightStore;
+
+/// Graph and compile settings resolved from the command line.
+pub struct DeviceSettings {
+    /// Device name.
+    pub device: String,
+    /// Prompt block.
+    pub block: usize,
+    /// Graph options.
+    pub graph: GraphOptions,
+    /// Compile options.
+    pub compile: CompileOptions,
+}
+
+impl DeviceSettings {
+    /// Validates the OpenVINO options of `device` (rejecting reference-only ones).
+    pub fn resolve(device: &str, dev: &GraphArgs, form: &FormArgs) -> Result<Self> {
+        let block = dev.block.unwrap_or(DEFAULT_BLOCK);
+        if block == 0 {
+            bail!("--block must be at least 1");
+        }
+        let context = dev.context.unwrap_or(DEFAULT_CONTEXT);
+        if context == 0 {
+            bail!("--context must be at least 1");
+        }
+        let graph_form = form.graph_form()?;
+        let compile = CompileOptions {
+            precision: dev.precision.unwrap_or(InferencePrecision::F32),
+            device_config: device_config(dev.device_config.as_deref())?,
+        };
+        Ok(DeviceSettings {
+            device: device.to_string(),
+            block,
+            graph: GraphOptions {
+                form: graph_form,
+                output_scale: form.output_scale(PORT_OUTPUT_SCALE)? as f32,
+                context,
+                taps: true,
+            },
+            compile,
+        })
+    }
+}
+
+/// Builds and compiles the decoder graphs on the device: a backend. `taps` builds the graphs with every tap as an
+/// output (for dumps and hidden-state comparisons) or with logits and states only (as deployed).
+pub fn open_device(
+    config: &Config,
+    store: &WeightStore,
+    settings: &DeviceSettings,
+    taps: bool,
+) -> Result<DecoderEngine> {
+    npu::runtime::load()?;
+    let graph = GraphOptions {
+        taps,
+        ..settings.graph
+    };
+    let builder = Builder::new(config, store, graph)?;
+    let engine = DecoderEngine::new(
+        &builder,
+        settings.block,
+        &settings.device,
+        &settings.compile,
+    )?;
+    let record = engine.record();
+    if record.precision.as_deref() != Some(settings.compile.precision.hint()) {
+        eprintln!(
+            "warning: {} computed in {} although {} was requested (the device has no such arithmetic); recorded as \
+             `precision`",
+            settings.device,
+            record
+                .precision
+                .as_deref()
+                .unwrap_or("an unreported precision"),
+            settings.compile.precision.hint()
+        );
+    }
+    Ok(engine)
+}
+
+/// The reference on the store's weights (the very weights a device runs, dequantized exactly).
+pub fn open_reference(
+    config: &Config,
+    store: &WeightStore,
+    opts: RunOptions,
+    taps: bool,
+) -> Result<ReferenceBackend> {
+    let model = Model::from_weights(config.clone(), store)?;
+    Ok(ReferenceBackend::new(
+        model,
+        opts,
+        taps,
+        &store.format().name(),
+    )?)
+}
+
+/// Fails unless `prompt` tokens and `generate` greedy tokens fit a device's static context (the last generated token
+/// is never fed back, so it needs no slot): a long prompt is refused, never cut.
+pub fn check_context(prompt: usize, generate: usize, context: usize) -> Result<()> {
+    let needed = prompt + generate.saturating_sub(1);
+    if needed > context {
+        bail!(
+            "{prompt} prompt tokens and {generate} generated need {needed} cache slots, but the static context holds \
+             {context} (--context)"
+        );
+    }
+    Ok(())
+}

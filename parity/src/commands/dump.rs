@@ -1,0 +1,93 @@
+//! `qwen35 dump`: every intermediate of a prompt, the states after it and a greedy continuation, from the reference
+//! or a device, in the dump format every backend shares.
+
+use crate::backends::{DeviceSettings, check_context, open_device, open_reference};
+use crate::commands::Outcome;
+use crate::dump::{FORMAT, run_dump};
+use crate::options::{Backend, DeviceArgs, Dtype, FormArgs, ModelArgs, PromptArgs};
+use anyhow::{Result, bail};
+use std::path::PathBuf;
+
+/// Arguments of `qwen35 dump`.
+#[derive(clap::Args)]
+#[command(after_long_help = FORMAT)]
+pub struct DumpArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    prompt: PromptArgs,
+    /// Greedy tokens to generate after the prompt (exactly this many).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    generate: usize,
+    /// Output file.
+    #[arg(long, value_name = "FILE.safetensors")]
+    out: PathBuf,
+    #[command(flatten)]
+    form: FormArgs,
+    #[command(flatten)]
+    device: DeviceArgs,
+}
+
+/// What a dump will run, validated before any work.
+enum Plan {
+    Reference(reference::model::RunOptions),
+    OpenVino(DeviceSettings),
+}
+
+/// Runs `qwen35 dump`.
+pub fn exec(args: DumpArgs) -> Result<Outcome> {
+    if !args.prompt.given() {
+        bail!("give the prompt as --prompt TEXT or --token-ids LIST");
+    }
+    // Validate the backend's options before any work; those of the other backend are refused, not ignored.
+    let plan = match args.device.backend {
+        Backend::Reference => {
+            args.device.check_reference()?;
+            Plan::Reference(args.form.run_options()?)
+        }
+        Backend::Openvino => {
+            if args.model.dtype != Dtype::F32 {
+                bail!(
+                    "--dtype f64 applies to the reference; OpenVINO graphs compute in f32 or f16 (--precision)"
+                );
+            }
+            let device = args.device.device.as_deref().unwrap_or("CPU");
+            Plan::OpenVino(DeviceSettings::resolve(
+                device,
+                &args.device.graph,
+                &args.form,
+            )?)
+        }
+    };
+    let (dir, config, store) = args.model.open()?;
+    let (ids, prompt) = args.prompt.ids(&dir, &config)?;
+    let mut d = match &plan {
+        Plan::Reference(opts) => {
+            let mut backend = open_reference(&config, &store, *opts, true)?;
+            run_dump(&mut backend, &ids, args.generate)?
+        }
+        Plan::OpenVino(settings) => {
+            check_context(ids.len(), args.generate, settings.graph.context)?;
+            let mut backend = open_device(&config, &store, settings, true)?;
+            run_dump(&mut backend, &ids, args.generate)?
+        }
+    };
+    d.metadata.insert("model".into(), dir.display().to_string());
+    if let Some(p) = prompt {
+        d.metadata.insert("prompt".into(), p);
+    }
+    d.write(&args.out)?;
+    eprintln!(
+        "wrote {} tensors ({} prompt tokens, {} generated, {} on {}) to {}",
+        d.tensors.len(),
+        ids.len(),
+        args.generate,
+        d.metadata["backend"],
+        d.metadata
+            .get("device")
+            .map(String::as_str)
+            .unwrap_or("the CPU reference"),
+        args.out.display()
+    );
+    Ok(Outcome::Pass)
+}

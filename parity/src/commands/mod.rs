@@ -1,0 +1,18 @@
+//! One module per `qwen35` subcommand: its arguments and what it does. `main.rs` only parses and dispatches.
+
+pub mod compare_devices;
+pub mod devices;
+pub mod diff;
+pub mod dump;
+pub mod export_ir;
+pub mod probe;
+pub mod run;
+
+/// What a command concluded: exit code 0 when every check passed, 1 when one failed (errors are 2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Within every threshold (or nothing to check).
+    Pass,
+    /// A check failed.
+    Fail,
+}

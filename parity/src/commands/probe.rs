@@ -1,0 +1,137 @@
+//! `qwen35 probe`: each layer's own graph on a device against the reference, isolated or chained, with the
+//! drill-down of the first layer over threshold.
+
+use crate::backends::{DeviceSettings, open_reference};
+use crate::commands::Outcome;
+use crate::commands::compare_devices::prompts;
+use crate::options::{FormArgs, GraphArgs, ModelArgs, PromptArgs};
+use crate::probe::{Mode, OpenVinoLayers, ProbeThresholds, ReferenceTrace, drill_down, probe};
+use crate::report::probe::{ProbeInputs, ProbeReport};
+use crate::report::{Machine, ReportArgs};
+use anyhow::{Context, Result, bail};
+use npu::graphs::{Builder, GraphOptions};
+use reference::model::RunOptions;
+
+/// Arguments of `qwen35 probe`.
+#[derive(clap::Args)]
+pub struct ProbeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The device whose per-layer graphs are probed.
+    #[arg(long)]
+    device: String,
+    /// Isolated: every block of every layer gets the reference's input and state. Chained: every layer gets the
+    /// device's own output of the layer before and carries its own state.
+    #[arg(long, value_enum, default_value = "isolated")]
+    mode: Mode,
+    #[command(flatten)]
+    prompt: PromptArgs,
+    /// Layers to probe, comma separated (default: all). Chained mode runs every layer up to the last one listed.
+    #[arg(long, value_delimiter = ',', value_name = "0,1,2")]
+    layers: Vec<usize>,
+    /// Largest NRMSE of a layer's outputs and intermediates (default 1e-4 at f32, 5e-2 at f16/bf16).
+    #[arg(long, value_name = "X")]
+    max_nrmse: Option<f64>,
+    /// Largest NRMSE of a state, after the prompt and after every block (default 1e-4 at f32, 5e-2 at f16/bf16).
+    #[arg(long, value_name = "X")]
+    max_state_nrmse: Option<f64>,
+    #[command(flatten)]
+    report: ReportArgs,
+    #[command(flatten)]
+    form: FormArgs,
+    #[command(flatten)]
+    graph: GraphArgs,
+}
+
+/// Runs `qwen35 probe`.
+pub fn exec(args: ProbeArgs) -> Result<Outcome> {
+    for (flag, v) in [
+        ("--max-nrmse", args.max_nrmse),
+        ("--max-state-nrmse", args.max_state_nrmse),
+    ] {
+        if let Some(v) = v
+            && !(v >= 0.0 && v.is_finite())
+        {
+            bail!("{flag} {v}: must be a finite number ≥ 0");
+        }
+    }
+    let settings = DeviceSettings::resolve(&args.device, &args.graph, &args.form)?;
+    let (dir, config, store) = args.model.open()?;
+    let n = config.num_layers();
+    let mut layers = if args.layers.is_empty() {
+        (0..n).collect()
+    } else {
+        args.layers.clone()
+    };
+    layers.sort_unstable();
+    layers.dedup();
+    if let Some(&bad) = layers.iter().find(|&&l| l >= n) {
+        bail!(
+            "--layers: layer {bad} does not exist (the model has {n} layers, 0..{})",
+            n - 1
+        );
+    }
+    let set = prompts(&args.prompt, None, &dir, &config)?;
+    let prompt = set.into_iter().next().context("no prompt")?;
+    if prompt.ids.len() > settings.graph.context {
+        bail!(
+            "the prompt has {} tokens but the static context holds {} (--context)",
+            prompt.ids.len(),
+            settings.graph.context
+        );
+    }
+    args.report.check()?;
+    let core = npu::runtime::core()?;
+    npu::devices::require(&core, &args.device).context("--device")?;
+
+    let mut reference = open_reference(&config, &store, RunOptions::default(), true)?;
+    let trace = ReferenceTrace::new(&mut reference, &prompt.ids, settings.block)?;
+    let builder = Builder::new(
+        &config,
+        &store,
+        GraphOptions {
+            taps: true,
+            ..settings.graph
+        },
+    )?;
+    let compiled: Vec<usize> = match args.mode {
+        Mode::Isolated => layers.clone(),
+        Mode::Chained => (0..=*layers.last().context("no layer")?).collect(),
+    };
+    let mut device = OpenVinoLayers::new(
+        &builder,
+        &compiled,
+        settings.block,
+        &args.device,
+        &settings.compile,
+    )?;
+    let record = crate::probe::LayerDevice::record(&device);
+    let precision = record.precision.clone().unwrap_or_else(|| "f32".into());
+    let defaults = ProbeThresholds::for_precision(&precision);
+    let thresholds = ProbeThresholds {
+        max_nrmse: args.max_nrmse.unwrap_or(defaults.max_nrmse),
+        max_state_nrmse: args.max_state_nrmse.unwrap_or(defaults.max_state_nrmse),
+    };
+    let probed = probe(&config, &trace, &mut device, &layers, args.mode, thresholds)?;
+    let report = ProbeReport {
+        machine: Machine::detect(),
+        inputs: ProbeInputs {
+            model: dir.display().to_string(),
+            weights: store.format().name(),
+            prompt: prompt.label,
+            prompt_tokens: prompt.ids.len(),
+            mode: args.mode,
+            block: settings.block,
+        },
+        record,
+        thresholds,
+        drill_down: drill_down(&probed, thresholds.max_nrmse),
+        layers: probed,
+    };
+    report.emit(&args.report)?;
+    Ok(if report.passed() {
+        Outcome::Pass
+    } else {
+        Outcome::Fail
+    })
+}

@@ -1,0 +1,79 @@
+//! `qwen35 run`: greedy chat generation on the reference decoder, the text printed as it comes.
+
+use crate::backends::open_reference;
+use crate::commands::Outcome;
+use crate::options::{ChatPrompt, FormArgs, ModelArgs};
+use anyhow::Result;
+use reference::backend::greedy;
+use reference::tokenizer::ChatTokenizer;
+use std::io::Write;
+
+/// Arguments of `qwen35 run`.
+#[derive(clap::Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The user message.
+    #[arg(long)]
+    prompt: String,
+    /// An optional system message.
+    #[arg(long)]
+    system: Option<String>,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 64, value_name = "N")]
+    max_tokens: usize,
+    /// Thinking mode (the template's `enable_thinking`); off by default.
+    #[arg(long)]
+    think: bool,
+    #[command(flatten)]
+    form: FormArgs,
+}
+
+/// Runs `qwen35 run`.
+pub fn exec(args: RunArgs) -> Result<Outcome> {
+    let opts = args.form.run_options()?;
+    let (dir, config, store) = args.model.open()?;
+    let tok = ChatTokenizer::load(&dir)?;
+    let chat = ChatPrompt {
+        prompt: args.prompt.clone(),
+        system: args.system.clone(),
+        think: args.think,
+    };
+    let ids = tok.encode_chat(&chat.messages(), chat.think)?;
+    let mut backend = open_reference(&config, &store, opts, false)?;
+    let mut stop = tok.stop_ids();
+    stop.extend(config.eos_token_ids.iter().copied());
+    let mut generated = Vec::new();
+    let mut printed = 0;
+    let mut out = std::io::stdout().lock();
+    let generation = greedy(&mut backend, &ids, args.max_tokens, &stop, false, |id| {
+        generated.push(id);
+        if stop.contains(&id) {
+            return Ok(());
+        }
+        let text = tok.decode(&generated, true)?;
+        // Print only whole characters: a token may end inside a multi-byte character.
+        if !text.ends_with('\u{FFFD}') && text.len() > printed {
+            let _ = write!(out, "{}", &text[printed..]);
+            let _ = out.flush();
+            printed = text.len();
+        }
+        Ok(())
+    })?;
+    let text = tok.decode(&generated, true)?;
+    if text.len() > printed {
+        write!(out, "{}", &text[printed..])?;
+    }
+    writeln!(out)?;
+    eprintln!(
+        "[{}] prompt {} tokens in {:.2} s ({:.1} tok/s); generated {} tokens in {:.2} s ({:.1} tok/s)",
+        dir.display(),
+        ids.len(),
+        generation.prompt_seconds,
+        ids.len() as f64 / generation.prompt_seconds.max(1e-9),
+        generation.tokens.len(),
+        generation.decode_seconds,
+        generation.tokens.len() as f64 / generation.decode_seconds.max(1e-9),
+    );
+    Ok(Outcome::Pass)
+}

@@ -1,0 +1,357 @@
+//! The error and agreement measures of the reports, defined as the tools porters already read define them
+//! (`../shared/docs/METRICS.md`): NMSE as llama.cpp's `test-backend-ops`, NRMSE as OpenVINO NPUW's accuracy check,
+//! cosine similarity, KL divergence and same-top-token rates as `llama-perplexity --kl-divergence`, and the
+//! free-running first divergent token with the reference's top-two margin there.
+//!
+//! Every measure is computed in f64, the second tensor (`expected`) being the reference.
+
+use anyhow::{Result, bail};
+use candle_core::{DType, Tensor};
+use serde::Serialize;
+
+/// fp16's smallest normal magnitude, 2⁻¹⁴ ≈ 6.10e-5: below it an fp16 value loses precision (or is flushed).
+pub const F16_MIN_NORMAL: f64 = 6.103_515_625e-5;
+
+/// Whether `x` is above `max`, a NaN counting as above every bound (a check never passes on a NaN).
+pub fn exceeds(x: f64, max: f64) -> bool {
+    !matches!(
+        x.partial_cmp(&max),
+        Some(std::cmp::Ordering::Less | std::cmp::Ordering::Equal)
+    )
+}
+
+/// Whether `x` is below `min`, a NaN counting as below every bound.
+pub fn falls_short(x: f64, min: f64) -> bool {
+    !matches!(
+        x.partial_cmp(&min),
+        Some(std::cmp::Ordering::Greater | std::cmp::Ordering::Equal)
+    )
+}
+
+/// How far a tensor is from the reference.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct TensorError {
+    /// Largest `|a − b|` over the finite elements.
+    pub max_abs: f64,
+    /// `Σ(a − b)² / Σb²` (llama.cpp's NMSE; 0 when both are zero, infinite when only the reference is).
+    pub nmse: f64,
+    /// `RMSE / max(0.001, range(b), range(a))` (OpenVINO NPUW's NRMSE, `NPUW_ACC_THRESH` 0.01 by default).
+    pub nrmse: f64,
+    /// `‖a − b‖ / ‖b‖` (= √NMSE).
+    pub rel_l2: f64,
+    /// `a·b / (‖a‖ ‖b‖)` (1 when both are zero).
+    pub cosine: f64,
+    /// Elements of `a` that are NaN.
+    pub nan: usize,
+    /// Elements of `a` that are infinite.
+    pub inf: usize,
+    /// Elements compared.
+    pub count: usize,
+}
+
+impl TensorError {
+    /// Compares `actual` with `expected` (same shape, any float dtype). Non-finite elements of `actual` are counted
+    /// and left out of the other measures, which then describe the finite part.
+    pub fn of(actual: &Tensor, expected: &Tensor) -> Result<Self> {
+        if actual.dims() != expected.dims() {
+            bail!(
+                "shape {:?} against the reference's {:?}",
+                actual.dims(),
+                expected.dims()
+            );
+        }
+        let a = values(actual)?;
+        let b = values(expected)?;
+        Ok(Self::of_slices(&a, &b))
+    }
+
+    /// [`TensorError::of`] on flat values.
+    pub fn of_slices(a: &[f64], b: &[f64]) -> Self {
+        let (mut nan, mut inf) = (0, 0);
+        let (mut max_abs, mut err2, mut ref2, mut act2, mut dot) = (0f64, 0f64, 0f64, 0f64, 0f64);
+        let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
+        let (mut alo, mut ahi) = (f64::INFINITY, f64::NEG_INFINITY);
+        let mut n = 0usize;
+        for (&x, &y) in a.iter().zip(b) {
+            if x.is_nan() {
+                nan += 1;
+                continue;
+            }
+            if x.is_infinite() {
+                inf += 1;
+                continue;
+            }
+            n += 1;
+            let d = x - y;
+            max_abs = max_abs.max(d.abs());
+            err2 += d * d;
+            ref2 += y * y;
+            act2 += x * x;
+            dot += x * y;
+            lo = lo.min(y);
+            hi = hi.max(y);
+            alo = alo.min(x);
+            ahi = ahi.max(x);
+        }
+        let nmse = ratio(err2, ref2);
+        let range = if n == 0 {
+            0.0
+        } else {
+            (hi - lo).max(ahi - alo)
+        };
+        let rmse = if n == 0 {
+            0.0
+        } else {
+            (err2 / n as f64).sqrt()
+        };
+        let cosine = if ref2 == 0.0 && act2 == 0.0 {
+            1.0
+        } else if ref2 == 0.0 || act2 == 0.0 {
+            0.0
+        } else {
+            dot / (ref2.sqrt() * act2.sqrt())
+        };
+        TensorError {
+            max_abs,
+            nmse,
+            nrmse: rmse / range.max(0.001),
+            rel_l2: nmse.sqrt(),
+            cosine,
+            nan,
+            inf,
+            count: a.len(),
+        }
+    }
+
+    /// Whether every element was finite.
+    pub fn finite(&self) -> bool {
+        self.nan == 0 && self.inf == 0
+    }
+
+    /// NMSE in dB (`10·log10`), as model-conversion scripts print it.
+    pub fn nmse_db(&self) -> f64 {
+        10.0 * self.nmse.log10()
+    }
+}
+
+/// `num / den`, 0 for 0/0 and infinity for x/0.
+fn ratio(num: f64, den: f64) -> f64 {
+    match (num == 0.0, den == 0.0) {
+        (true, _) => 0.0,
+        (false, true) => f64::INFINITY,
+        (false, false) => num / den,
+    }
+}
+
+/// A tensor's values, flat, in f64.
+pub fn values(t: &Tensor) -> Result<Vec<f64>> {
+    Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?)
+}
+
+/// The error of every slice along `axis` (per head, per row): entry `i` compares `actual.index(axis, i)` with the
+/// reference's. Small heads get their own scale this way, which a whole-tensor measure hides.
+pub fn per_slice(actual: &Tensor, expected: &Tensor, axis: usize) -> Result<Vec<TensorError>> {
+    if actual.dims() != expected.dims() {
+        bail!(
+            "shape {:?} against the reference's {:?}",
+            actual.dims(),
+            expected.dims()
+        );
+    }
+    let n = actual.dim(axis)?;
+    (0..n)
+        .map(|i| {
+            TensorError::of(
+                &actual.narrow(axis, i, 1)?.contiguous()?,
+                &expected.narrow(axis, i, 1)?.contiguous()?,
+            )
+        })
+        .collect()
+}
+
+/// Magnitude statistics of one slice of a tensor (a head): its RMS and the share of its values that fp16 cannot
+/// hold at full precision.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Magnitude {
+    /// Root mean square.
+    pub rms: f64,
+    /// Largest magnitude.
+    pub max_abs: f64,
+    /// Share of the values with `0 < |x| < 2⁻¹⁴` (fp16 subnormals, flushed to zero by an NPU that flushes).
+    pub below_f16_normal: f64,
+}
+
+impl Magnitude {
+    /// The statistics of `x`.
+    pub fn of(x: &[f64]) -> Self {
+        let n = x.len().max(1) as f64;
+        let rms = (x.iter().map(|v| v * v).sum::<f64>() / n).sqrt();
+        let max_abs = x.iter().fold(0f64, |m, v| m.max(v.abs()));
+        let small = x
+            .iter()
+            .filter(|v| **v != 0.0 && v.abs() < F16_MIN_NORMAL)
+            .count();
+        Magnitude {
+            rms,
+            max_abs,
+            below_f16_normal: small as f64 / n,
+        }
+    }
+}
+
+/// [`Magnitude`] of every slice of `t` along `axis`.
+pub fn magnitudes(t: &Tensor, axis: usize) -> Result<Vec<Magnitude>> {
+    let n = t.dim(axis)?;
+    (0..n)
+        .map(|i| {
+            Ok(Magnitude::of(&values(
+                &t.narrow(axis, i, 1)?.contiguous()?,
+            )?))
+        })
+        .collect()
+}
+
+/// The agreement of two next-token distributions (one position), the reference's first.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct TokenAgreement {
+    /// The reference's top token.
+    pub ref_top: u32,
+    /// The other side's top token.
+    pub top: u32,
+    /// The reference's margin between its two largest logits (a near tie when small).
+    pub ref_margin: f64,
+    /// `KL(P_ref ‖ P)` in nats: how much the other distribution loses on the reference's (llama.cpp's direction).
+    pub kl: f64,
+    /// Share of the reference's top 5 tokens among the other side's top 5.
+    pub top5_overlap: f64,
+    /// `P(ref_top) − P_ref(ref_top)`: llama.cpp's Δp.
+    pub delta_p: f64,
+    /// Probability of the end-of-sequence tokens under the reference, and under the other side.
+    pub eos_p: (f64, f64),
+}
+
+impl TokenAgreement {
+    /// Compares the logits `[V]` of one position; `eos` are the end-of-sequence ids.
+    pub fn of(logits: &[f64], reference: &[f64], eos: &[u32]) -> Self {
+        let p = log_softmax(logits);
+        let q = log_softmax(reference);
+        let kl = q
+            .iter()
+            .zip(&p)
+            .map(|(&lq, &lp)| {
+                let pq = lq.exp();
+                if pq == 0.0 { 0.0 } else { pq * (lq - lp) }
+            })
+            .sum::<f64>()
+            .max(0.0);
+        let top_ref = top_k(reference, 5);
+        let top = top_k(logits, 5);
+        let overlap =
+            top_ref.iter().filter(|i| top.contains(i)).count() as f64 / top_ref.len() as f64;
+        let ref_top = top_ref[0];
+        let second = top_k(reference, 2);
+        let ref_margin = if second.len() > 1 {
+            reference[second[0]] - reference[second[1]]
+        } else {
+            f64::INFINITY
+        };
+        let eos_p = |l: &[f64]| -> f64 {
+            eos.iter()
+                .filter_map(|&e| l.get(e as usize))
+                .map(|x| x.exp())
+                .sum()
+        };
+        TokenAgreement {
+            ref_top: ref_top as u32,
+            top: top[0] as u32,
+            ref_margin,
+            kl,
+            top5_overlap: overlap,
+            delta_p: p[ref_top].exp() - q[ref_top].exp(),
+            eos_p: (eos_p(&q), eos_p(&p)),
+        }
+    }
+
+    /// Whether both sides choose the same token.
+    pub fn same_top(&self) -> bool {
+        self.ref_top == self.top
+    }
+}
+
+/// `log softmax(x)`, stable.
+pub fn log_softmax(x: &[f64]) -> Vec<f64> {
+    let max = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let lse = max + x.iter().map(|v| (v - max).exp()).sum::<f64>().ln();
+    x.iter().map(|v| v - lse).collect()
+}
+
+/// Indices of the `k` largest values, largest first (lower index first on ties, as argmax).
+pub fn top_k(x: &[f64], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..x.len()).collect();
+    idx.sort_by(|&a, &b| {
+        x[b].partial_cmp(&x[a])
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(a.cmp(&b))
+    });
+    idx.truncate(k);
+    idx
+}
+
+/// Percentile `q` (0..=1) of `x` by linear interpolation (NaN for an empty slice).
+pub fn percentile(x: &[f64], q: f64) -> f64 {
+    if x.is_empty() {
+        return f64::NAN;
+    }
+    let mut v = x.to_vec();
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+    let pos = q.clamp(0.0, 1.0) * (v.len() - 1) as f64;
+    let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
+    v[lo] + (v[hi] - v[lo]) * (pos - lo as f64)
+}
+
+/// The mean of `x` (NaN for an empty slice).
+pub fn mean(x: &[f64]) -> f64 {
+    if x.is_empty() {
+        f64::NAN
+    } else {
+        x.iter().sum::<f64>() / x.len() as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn definitions_on_small_cases() {
+        let e = TensorError::of_slices(&[1.0, 2.0, 4.0], &[1.0, 2.0, 3.0]);
+        assert_eq!(e.max_abs, 1.0);
+        assert!((e.nmse - 1.0 / 14.0).abs() < 1e-15);
+        // RMSE 1/√3 over the larger range (actual: 3).
+        assert!((e.nrmse - (1.0f64 / 3.0).sqrt() / 3.0).abs() < 1e-15);
+        assert!((e.rel_l2 - (1.0f64 / 14.0).sqrt()).abs() < 1e-15);
+        let zero = TensorError::of_slices(&[0.0; 3], &[0.0; 3]);
+        assert_eq!((zero.nmse, zero.cosine, zero.nrmse), (0.0, 1.0, 0.0));
+        let nan = TensorError::of_slices(&[f64::NAN, f64::INFINITY, 1.0], &[1.0, 1.0, 1.0]);
+        assert_eq!((nan.nan, nan.inf, nan.max_abs), (1, 1, 0.0));
+        assert!(!nan.finite());
+    }
+
+    #[test]
+    fn kl_and_tops() {
+        let same = TokenAgreement::of(&[1.0, 3.0, 2.0], &[1.0, 3.0, 2.0], &[0]);
+        assert_eq!(same.kl, 0.0);
+        assert!(same.same_top() && same.top5_overlap == 1.0 && same.delta_p == 0.0);
+        assert_eq!(same.ref_margin, 1.0);
+        let swapped = TokenAgreement::of(&[1.0, 2.0, 3.0], &[1.0, 3.0, 2.0], &[0]);
+        assert!(!swapped.same_top() && swapped.kl > 0.0 && swapped.delta_p < 0.0);
+        // KL(P_ref || P) by hand for two tokens.
+        let (p, q) = ([0.0f64, 0.0], [0.0f64, 2f64.ln()]); // P uniform, P_ref = (1/3, 2/3)
+        let kl = TokenAgreement::of(&p, &q, &[]).kl;
+        let expected =
+            (1.0 / 3.0) * ((1.0f64 / 3.0) / 0.5).ln() + (2.0 / 3.0) * ((2.0f64 / 3.0) / 0.5).ln();
+        assert!((kl - expected).abs() < 1e-12);
+        assert_eq!(percentile(&[3.0, 1.0, 2.0], 0.5), 2.0);
+        assert_eq!(top_k(&[1.0, 5.0, 5.0, 0.0], 2), vec![1, 2]);
+    }
+}

@@ -1,0 +1,519 @@
+//! The per-layer probe: each layer's own graph on the device against the reference, block by block, so that an
+//! error is pinned to a layer, an op inside it, a state, and a position.
+//!
+//! - **Isolated**: every block of every layer is fed the reference's own input and the reference's incoming state
+//!   at that block, so error does not accumulate: a layer that fails here is wrong by itself (ONNX Runtime's
+//!   `qdq_err`).
+//! - **Chained**: layer 0 gets the reference's embeddings, every later layer the device's own output of the layer
+//!   before, and every layer carries its own state from block to block (`xmodel_err`): what a deployed run sees.
+//!
+//! Per layer the report gives the output, mixer and MLP errors, every state's error, the state's drift along the
+//! positions (after every block), and the magnitudes the fp16 port diagnosed with (per head: RMS of the DeltaNet core
+//! output before the gated norm, and the share of its values below fp16's smallest normal; for attention the same
+//! for the scores, recomputed from the tapped queries and keys, and for the gate). For the first layer over
+//! threshold, every intermediate both sides expose is compared in the order the layer computes them, which names
+//! the op where the error starts.
+
+use crate::metrics::{Magnitude, TensorError, exceeds, magnitudes, values};
+use anyhow::{Context, Result, bail};
+use candle_core::Tensor;
+use npu::devices::CompileOptions;
+use npu::engine::{HostLayerState, LayerRunner};
+use npu::graphs::Builder;
+use reference::backend::{Backend, RunRecord, Snapshot};
+use reference::config::{Config, LayerKind};
+use reference::model::state_names;
+use reference::taps::names;
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// How the layers are fed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Each block gets the reference's input and incoming state.
+    Isolated,
+    /// Each layer gets the device's own output of the layer before and carries its own state.
+    Chained,
+}
+
+/// Something that runs one layer over one block: a device's per-layer graphs (or, in tests, a corrupted one).
+pub trait LayerDevice {
+    /// Runs layer `layer` on `hidden` `[T, H]` (`T` at most [`LayerDevice::block`], at positions `start..`),
+    /// updating `state`; returns the outputs under the dump's names less the `layers.{i}.` prefix.
+    fn run(
+        &mut self,
+        layer: usize,
+        hidden: &Tensor,
+        start: usize,
+        state: &mut HostLayerState,
+    ) -> Result<BTreeMap<String, Tensor>>;
+
+    /// Tokens per block.
+    fn block(&self) -> usize;
+
+    /// The static KV context.
+    fn context(&self) -> usize;
+
+    /// What runs.
+    fn record(&self) -> RunRecord;
+}
+
+/// The per-layer graphs of a device.
+pub struct OpenVinoLayers {
+    runners: BTreeMap<usize, LayerRunner>,
+    block: usize,
+    context: usize,
+    record: RunRecord,
+}
+
+impl OpenVinoLayers {
+    /// Builds and compiles the graphs of `layers` for blocks of `block` tokens.
+    pub fn new(
+        builder: &Builder,
+        layers: &[usize],
+        block: usize,
+        device: &str,
+        opts: &CompileOptions,
+    ) -> Result<Self> {
+        let start = std::time::Instant::now();
+        let mut runners = BTreeMap::new();
+        for &l in layers {
+            runners.insert(l, LayerRunner::new(builder, l, block, device, opts)?);
+        }
+        let first = runners
+            .values()
+            .next()
+            .context("no layer to probe")?
+            .session();
+        let graph = builder.options();
+        let record = RunRecord {
+            backend: "openvino".into(),
+            device: Some(device.to_string()),
+            runtime: Some(npu::runtime::load()?.version.clone()),
+            dtype: "f32".into(),
+            precision_requested: Some(opts.precision.hint().into()),
+            precision: Some(first.compiled.precision.clone()),
+            execution_devices: first.compiled.execution_devices.clone(),
+            properties: first.compiled.properties.clone(),
+            weights: builder.weight_format().name(),
+            deltanet_prefill: graph.form.describe_block(block),
+            deltanet_decode: "matrix".into(),
+            output_scale: graph.output_scale as f64,
+            block: Some(block),
+            context: Some(graph.context),
+            taps: true,
+            compile_seconds: Some(start.elapsed().as_secs_f64()),
+            ..RunRecord::default()
+        };
+        Ok(OpenVinoLayers {
+            runners,
+            block,
+            context: graph.context,
+            record,
+        })
+    }
+}
+
+impl LayerDevice for OpenVinoLayers {
+    fn run(
+        &mut self,
+        layer: usize,
+        hidden: &Tensor,
+        start: usize,
+        state: &mut HostLayerState,
+    ) -> Result<BTreeMap<String, Tensor>> {
+        let runner = self
+            .runners
+            .get_mut(&layer)
+            .with_context(|| format!("layer {layer} was not compiled"))?;
+        Ok(runner.run(hidden, start, state)?)
+    }
+
+    fn block(&self) -> usize {
+        self.block
+    }
+
+    fn context(&self) -> usize {
+        self.context
+    }
+
+    fn record(&self) -> RunRecord {
+        self.record.clone()
+    }
+}
+
+/// The reference's run of a prompt in the device's blocks: the taps of every position and the state before and
+/// after every block.
+pub struct ReferenceTrace {
+    /// Token-major taps over the prompt.
+    pub taps: BTreeMap<String, Tensor>,
+    /// `states[b]` is the state before block `b`; the last one is the state after the prompt.
+    pub states: Vec<Snapshot>,
+    /// `[start, end)` of every block.
+    pub blocks: Vec<(usize, usize)>,
+}
+
+impl ReferenceTrace {
+    /// Runs `ids` in blocks of `block` tokens on the reference (a backend recording taps).
+    pub fn new(reference: &mut dyn Backend, ids: &[u32], block: usize) -> Result<Self> {
+        reference.reset()?;
+        let mut states = vec![reference.snapshot()?];
+        let mut pieces: BTreeMap<String, Vec<Tensor>> = BTreeMap::new();
+        let mut blocks = Vec::new();
+        let mut start = 0;
+        for piece in ids.chunks(block) {
+            let f = reference.forward(piece, true)?;
+            for (k, v) in f.taps {
+                pieces.entry(k).or_default().push(v);
+            }
+            states.push(reference.snapshot()?);
+            blocks.push((start, start + piece.len()));
+            start += piece.len();
+        }
+        let taps = pieces
+            .into_iter()
+            .map(|(k, v)| Ok((k, Tensor::cat(&v, 0)?)))
+            .collect::<Result<_>>()?;
+        Ok(ReferenceTrace {
+            taps,
+            states,
+            blocks,
+        })
+    }
+
+    fn tap(&self, name: &str) -> Result<&Tensor> {
+        self.taps
+            .get(name)
+            .with_context(|| format!("the reference has no tap `{name}`"))
+    }
+
+    /// Layer `layer`'s input over the prompt: the embeddings, or the previous layer's output.
+    pub fn input(&self, layer: usize) -> Result<&Tensor> {
+        if layer == 0 {
+            self.tap(names::EMBEDDINGS)
+        } else {
+            self.tap(&names::layer(layer - 1, names::OUTPUT))
+        }
+    }
+}
+
+/// One tensor's error.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Named {
+    /// The tensor (within the layer).
+    pub name: String,
+    /// Its error.
+    pub error: TensorError,
+}
+
+/// Per-head magnitudes of one intermediate, both sides.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct HeadMagnitudes {
+    /// The intermediate (`linear_attn.core_output`, `self_attn.scores`, `self_attn.gate`).
+    pub name: String,
+    /// The reference's, per head.
+    pub reference: Vec<Magnitude>,
+    /// The device's, per head.
+    pub device: Vec<Magnitude>,
+}
+
+/// One layer probed.
+#[derive(Debug, Clone, Serialize)]
+pub struct LayerProbe {
+    /// The layer.
+    pub layer: usize,
+    /// `linear_attention` or `full_attention`.
+    pub kind: &'static str,
+    /// The layer's output.
+    pub output: TensorError,
+    /// The mixer's output.
+    pub mixer: TensorError,
+    /// The MLP's output.
+    pub mlp: TensorError,
+    /// The states after the prompt.
+    pub states: Vec<Named>,
+    /// Positions at the end of every block.
+    pub block_ends: Vec<usize>,
+    /// The main state's NRMSE after every block (the recurrent state, or the key cache).
+    pub state_drift: Vec<f64>,
+    /// Every intermediate both sides expose, in the order the layer computes them.
+    pub intermediates: Vec<Named>,
+    /// Per-head magnitudes of the intermediates an fp16 device loses precision on.
+    pub magnitudes: Vec<HeadMagnitudes>,
+    /// Whether an output or a state exceeds its threshold.
+    pub over: bool,
+}
+
+/// The thresholds of the probe.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct ProbeThresholds {
+    /// Largest NRMSE of a layer's outputs and intermediates.
+    pub max_nrmse: f64,
+    /// Largest NRMSE of a state (after the prompt, and after every block).
+    pub max_state_nrmse: f64,
+}
+
+impl ProbeThresholds {
+    /// The defaults for a device that computed in `precision`: tight at f32, the fp16 port's level otherwise.
+    pub fn for_precision(precision: &str) -> Self {
+        if precision.eq_ignore_ascii_case("f32") {
+            ProbeThresholds {
+                max_nrmse: 1e-4,
+                max_state_nrmse: 1e-4,
+            }
+        } else {
+            ProbeThresholds {
+                max_nrmse: 5e-2,
+                max_state_nrmse: 5e-2,
+            }
+        }
+    }
+}
+
+/// Where the error starts inside the first layer over threshold.
+#[derive(Debug, Clone, Serialize)]
+pub struct DrillDown {
+    /// The layer.
+    pub layer: usize,
+    /// The first intermediate over threshold, in the order the layer computes them.
+    pub first_over: Option<String>,
+    /// Every intermediate both sides expose, in that order.
+    pub intermediates: Vec<Named>,
+}
+
+/// Runs the probe of `layers` (sorted; chained mode runs every layer up to the last).
+pub fn probe(
+    config: &Config,
+    trace: &ReferenceTrace,
+    device: &mut dyn LayerDevice,
+    layers: &[usize],
+    mode: Mode,
+    thresholds: ProbeThresholds,
+) -> Result<Vec<LayerProbe>> {
+    let mut out = Vec::new();
+    let last = *layers.iter().max().context("no layer to probe")?;
+    let mut chained_input: Option<Tensor> = None;
+    for layer in 0..=last {
+        let wanted = layers.contains(&layer);
+        if mode == Mode::Isolated && !wanted {
+            continue;
+        }
+        let kind = config.layer_types[layer];
+        let input = match (&chained_input, mode) {
+            (Some(x), Mode::Chained) => x.clone(),
+            _ => trace.input(layer)?.clone(),
+        };
+        let mut state = HostLayerState::zeros(config, layer, device.context())?;
+        let mut pieces: BTreeMap<String, Vec<Tensor>> = BTreeMap::new();
+        let mut drift = Vec::new();
+        for (b, &(start, end)) in trace.blocks.iter().enumerate() {
+            if mode == Mode::Isolated {
+                state = HostLayerState::from_snapshot(
+                    config,
+                    layer,
+                    device.context(),
+                    &trace.states[b],
+                )?;
+            }
+            let x = input.narrow(0, start, end - start)?;
+            let r = device.run(layer, &x, start, &mut state)?;
+            for (k, v) in r {
+                pieces.entry(k).or_default().push(v);
+            }
+            drift.push(state_error(&state, layer, &trace.states[b + 1], kind)?.nrmse);
+        }
+        let device_taps: BTreeMap<String, Tensor> = pieces
+            .into_iter()
+            .map(|(k, v)| Ok((k, Tensor::cat(&v, 0)?)))
+            .collect::<Result<_>>()?;
+        let output = device_taps
+            .get(names::OUTPUT)
+            .context("the layer graph has no output")?
+            .clone();
+        if wanted {
+            out.push(layer_probe(
+                layer,
+                kind,
+                &device_taps,
+                trace,
+                &state,
+                drift,
+                thresholds,
+            )?);
+        }
+        chained_input = Some(output);
+    }
+    Ok(out)
+}
+
+/// The main state's error against the reference's: the recurrent state, or the key cache.
+fn state_error(
+    state: &HostLayerState,
+    layer: usize,
+    reference: &Snapshot,
+    kind: LayerKind,
+) -> Result<TensorError> {
+    let name = &state_names(layer, kind)[match kind {
+        LayerKind::Linear => 1,
+        LayerKind::Full => 0,
+    }];
+    let ours: BTreeMap<String, Tensor> = state.dump_tensors(layer)?.into_iter().collect();
+    match (ours.get(name), reference.tensors.get(name)) {
+        (Some(a), Some(b)) => TensorError::of(a, b),
+        (None, None) => Ok(TensorError::of_slices(&[], &[])),
+        _ => bail!("state `{name}`: one side has it and the other not"),
+    }
+}
+
+/// The intermediates of a layer kind, in the order the layer computes them (names within the layer).
+pub fn intermediates(kind: LayerKind) -> Vec<String> {
+    let (mixer, taps): (&str, &[&str]) = match kind {
+        LayerKind::Linear => (names::LINEAR_ATTN, &names::LINEAR_ATTN_TAPS),
+        LayerKind::Full => (names::SELF_ATTN, &names::SELF_ATTN_TAPS),
+    };
+    let mut v: Vec<String> = taps.iter().map(|t| names::mixer(mixer, t)).collect();
+    v.extend([names::MIXER_OUTPUT, names::MLP_OUTPUT, names::OUTPUT].map(String::from));
+    v
+}
+
+fn layer_probe(
+    layer: usize,
+    kind: LayerKind,
+    device: &BTreeMap<String, Tensor>,
+    trace: &ReferenceTrace,
+    state: &HostLayerState,
+    state_drift: Vec<f64>,
+    t: ProbeThresholds,
+) -> Result<LayerProbe> {
+    let pair = |name: &str| -> Result<(&Tensor, &Tensor)> {
+        Ok((
+            device
+                .get(name)
+                .with_context(|| format!("the device's layer {layer} has no output `{name}`"))?,
+            trace.tap(&names::layer(layer, name))?,
+        ))
+    };
+    let error = |name: &str| -> Result<TensorError> {
+        let (a, b) = pair(name)?;
+        TensorError::of(a, b).with_context(|| format!("layer {layer} `{name}`"))
+    };
+    let mut inter = Vec::new();
+    for name in intermediates(kind) {
+        inter.push(Named {
+            error: error(&name)?,
+            name,
+        });
+    }
+    let ours: BTreeMap<String, Tensor> = state.dump_tensors(layer)?.into_iter().collect();
+    let after = trace.states.last().context("no reference state")?;
+    let mut states = Vec::new();
+    for name in state_names(layer, kind) {
+        if let (Some(a), Some(b)) = (ours.get(&name), after.tensors.get(&name)) {
+            states.push(Named {
+                error: TensorError::of(a, b).with_context(|| format!("state `{name}`"))?,
+                name,
+            });
+        }
+    }
+    let magnitudes = match kind {
+        LayerKind::Linear => {
+            let name = names::mixer(names::LINEAR_ATTN, names::CORE_OUTPUT);
+            let (a, b) = pair(&name)?;
+            vec![HeadMagnitudes {
+                name,
+                reference: magnitudes(b, 1)?,
+                device: magnitudes(a, 1)?,
+            }]
+        }
+        LayerKind::Full => {
+            let q = names::mixer(names::SELF_ATTN, names::QUERY);
+            let k = names::mixer(names::SELF_ATTN, names::KEY);
+            let gate = names::mixer(names::SELF_ATTN, names::GATE);
+            let (qa, qb) = pair(&q)?;
+            let (ka, kb) = pair(&k)?;
+            let (ga, gb) = pair(&gate)?;
+            let heads = qa.dim(1)?;
+            let per_head = |g: &Tensor| -> Result<Tensor> {
+                let (tt, width) = g.dims2()?;
+                Ok(g.reshape((tt, heads, width / heads))?)
+            };
+            vec![
+                HeadMagnitudes {
+                    name: names::mixer(names::SELF_ATTN, "scores"),
+                    reference: score_magnitudes(qb, kb)?,
+                    device: score_magnitudes(qa, ka)?,
+                },
+                HeadMagnitudes {
+                    name: gate,
+                    reference: magnitudes(&per_head(gb)?, 1)?,
+                    device: magnitudes(&per_head(ga)?, 1)?,
+                },
+            ]
+        }
+    };
+    let over_nrmse = |e: &TensorError, max: f64| !e.finite() || exceeds(e.nrmse, max);
+    let (output, mixer, mlp) = (
+        error(names::OUTPUT)?,
+        error(names::MIXER_OUTPUT)?,
+        error(names::MLP_OUTPUT)?,
+    );
+    let over = [output, mixer, mlp]
+        .iter()
+        .any(|e| over_nrmse(e, t.max_nrmse))
+        || states
+            .iter()
+            .any(|s| over_nrmse(&s.error, t.max_state_nrmse))
+        || state_drift.iter().any(|&e| exceeds(e, t.max_state_nrmse));
+    Ok(LayerProbe {
+        layer,
+        kind: kind.name(),
+        output,
+        mixer,
+        mlp,
+        states,
+        block_ends: trace.blocks.iter().map(|b| b.1).collect(),
+        state_drift,
+        intermediates: inter,
+        magnitudes,
+        over,
+    })
+}
+
+/// Per query head, the magnitudes of the causal attention scores `q_t·k_s / √D` (`s ≤ t`), recomputed in f64 from
+/// the queries `[T, Hq, D]` and keys `[T, Hkv, D]` as tapped (after norm and RoPE).
+pub fn score_magnitudes(q: &Tensor, k: &Tensor) -> Result<Vec<Magnitude>> {
+    let (t, hq, d) = q.dims3()?;
+    let hkv = k.dim(1)?;
+    let (qv, kv) = (values(q)?, values(k)?);
+    let group = hq / hkv.max(1);
+    let scale = (d as f64).powf(-0.5);
+    Ok((0..hq)
+        .map(|h| {
+            let kh = h / group.max(1);
+            let mut scores = Vec::with_capacity(t * (t + 1) / 2);
+            for i in 0..t {
+                let qi = &qv[(i * hq + h) * d..(i * hq + h + 1) * d];
+                for j in 0..=i {
+                    let kj = &kv[(j * hkv + kh) * d..(j * hkv + kh + 1) * d];
+                    scores.push(scale * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>());
+                }
+            }
+            Magnitude::of(&scores)
+        })
+        .collect())
+}
+
+/// The drill-down of the first layer over threshold (`None` when every layer holds).
+pub fn drill_down(layers: &[LayerProbe], max_nrmse: f64) -> Option<DrillDown> {
+    let first = layers.iter().find(|l| l.over)?;
+    Some(DrillDown {
+        layer: first.layer,
+        first_over: first
+            .intermediates
+            .iter()
+            .find(|n| !n.error.finite() || exceeds(n.error.nrmse, max_nrmse))
+            .map(|n| n.name.clone()),
+        intermediates: first.intermediates.clone(),
+    })
+}

@@ -1,0 +1,116 @@
+//! The reports of the comparison commands, for people and for CI: a one-screen terminal table (coloured only on a
+//! terminal), `--json` with a schema version, `--report` Markdown to paste into a bug report, `--plot` an SVG chart.
+//! [`compare`] renders `compare-devices`, [`probe`] renders `probe`; the JSON keys are documented there.
+
+pub mod compare;
+pub mod probe;
+
+pub use compare::{CompareReport, Inputs, QuantizationError};
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+
+/// The version of the JSON layout; raised whenever a key changes meaning or disappears.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// Where the reports go.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct ReportArgs {
+    /// Write the report as JSON (stable keys, `schema_version`).
+    #[arg(long, value_name = "FILE.json")]
+    pub json: Option<PathBuf>,
+    /// Write the report as Markdown (machine, versions, what ran, every table), to paste into a bug report.
+    #[arg(long, value_name = "FILE.md")]
+    pub report: Option<PathBuf>,
+    /// Draw the error per layer and per position as an SVG chart.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
+}
+
+impl ReportArgs {
+    /// Fails early (before any run) when an output's directory does not exist.
+    pub fn check(&self) -> Result<()> {
+        for (flag, path) in [
+            ("--json", &self.json),
+            ("--report", &self.report),
+            ("--plot", &self.plot),
+        ] {
+            if let Some(p) = path {
+                let parent = p.parent().filter(|d| !d.as_os_str().is_empty());
+                if let Some(d) = parent
+                    && !d.is_dir()
+                {
+                    anyhow::bail!(
+                        "{flag} {}: the directory {} does not exist",
+                        p.display(),
+                        d.display()
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The machine a report was made on.
+#[derive(Debug, Clone, Serialize)]
+pub struct Machine {
+    /// `linux x86_64`, …
+    pub os: String,
+    /// The CPU's model name.
+    pub cpu: String,
+    /// Logical cores available.
+    pub cores: usize,
+    /// Physical memory, bytes.
+    pub memory_bytes: Option<u64>,
+}
+
+impl Machine {
+    /// What this machine is.
+    pub fn detect() -> Self {
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let cpu = cpuinfo
+            .lines()
+            .find_map(|l| l.strip_prefix("model name"))
+            .and_then(|l| l.split(':').nth(1))
+            .map(|s| s.trim().to_string())
+            .unwrap_or_else(|| "unknown".into());
+        let memory_bytes = std::fs::read_to_string("/proc/meminfo")
+            .ok()
+            .and_then(|m| {
+                m.lines()
+                    .find_map(|l| l.strip_prefix("MemTotal:"))
+                    .and_then(|l| l.split_whitespace().next())
+                    .and_then(|kb| kb.parse::<u64>().ok())
+            })
+            .map(|kb| kb * 1024);
+        Machine {
+            os: format!("{} {}", std::env::consts::OS, std::env::consts::ARCH),
+            cpu,
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            memory_bytes,
+        }
+    }
+}
+
+/// The last component of a model path.
+pub fn short_model(path: &str) -> &str {
+    Path::new(path)
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or(path)
+}
+/// ANSI colour when `on`.
+pub fn paint(text: &str, code: &str, on: bool) -> String {
+    if on {
+        format!("\x1b[{code}m{text}\x1b[0m")
+    } else {
+        text.to_string()
+    }
+}
+
+/// Writes a report file, naming it on failure.
+pub fn write(path: &Path, text: &str) -> Result<()> {
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+}

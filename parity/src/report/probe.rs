@@ -1,0 +1,383 @@
+//! The `probe` report.
+//!
+//! # JSON (`schema_version` 1)
+//! `schema_version`, `tool`, `passed`, `machine`, `inputs` {`model`, `weights`, `prompt` (label), `prompt_tokens`,
+//! `mode` (`isolated` or `chained`), `block`}, `record` (what the device ran, as in compare-devices), `thresholds`
+//! {`max_nrmse`, `max_state_nrmse`}, `layers`: one object per probed layer with `layer`, `kind`, `output`, `mixer`,
+//! `mlp` (tensor errors: `max_abs`, `nmse`, `nrmse`, `rel_l2`, `cosine`, `nan`, `inf`, `count`), `states`
+//! ([{`name`, `error`}] after the prompt), `block_ends` and `state_drift` (the recurrent state's, or the key
+//! cache's, NRMSE after each block), `intermediates` ([{`name`, `error`}] in computation order), `magnitudes`
+//! ([{`name`, `reference`, `device`}], per head {`rms`, `max_abs`, `below_f16_normal`}), `over`; and `drill_down`
+//! (null, or {`layer`, `first_over`, `intermediates`} for the first layer over threshold).
+
+use super::{Machine, ReportArgs, SCHEMA_VERSION, paint, short_model, write};
+use crate::plot::{Panel, Series, draw};
+use crate::probe::{DrillDown, LayerProbe, Mode, ProbeThresholds};
+use anyhow::{Context, Result};
+use reference::backend::RunRecord;
+use serde::Serialize;
+use std::fmt::Write as _;
+use std::io::IsTerminal;
+use std::path::Path;
+
+/// What was probed.
+#[derive(Debug, Clone, Serialize)]
+pub struct ProbeInputs {
+    /// The checkpoint directory.
+    pub model: String,
+    /// The weight format both sides ran.
+    pub weights: String,
+    /// The prompt's label.
+    pub prompt: String,
+    /// Its tokens.
+    pub prompt_tokens: usize,
+    /// Isolated or chained.
+    pub mode: Mode,
+    /// Tokens per block.
+    pub block: usize,
+}
+
+/// A probe report.
+#[derive(Debug, Clone, Serialize)]
+pub struct ProbeReport {
+    /// The machine.
+    pub machine: Machine,
+    /// What was probed.
+    pub inputs: ProbeInputs,
+    /// What the device ran.
+    pub record: RunRecord,
+    /// The thresholds applied.
+    pub thresholds: ProbeThresholds,
+    /// Every probed layer.
+    pub layers: Vec<LayerProbe>,
+    /// Where the error starts in the first layer over threshold.
+    pub drill_down: Option<DrillDown>,
+}
+
+impl ProbeReport {
+    /// Whether every layer held.
+    pub fn passed(&self) -> bool {
+        self.layers.iter().all(|l| !l.over)
+    }
+
+    /// The JSON document (see the module docs).
+    pub fn json(&self) -> Result<serde_json::Value> {
+        let mut v = serde_json::to_value(self)?;
+        let obj = v.as_object_mut().context("a report is an object")?;
+        obj.insert("schema_version".into(), SCHEMA_VERSION.into());
+        obj.insert(
+            "tool".into(),
+            format!("qwen35 {}", env!("CARGO_PKG_VERSION")).into(),
+        );
+        obj.insert("passed".into(), self.passed().into());
+        Ok(v)
+    }
+
+    /// Prints the terminal summary and writes the files asked for.
+    pub fn emit(&self, args: &ReportArgs) -> Result<()> {
+        print!("{}", self.terminal(std::io::stdout().is_terminal()));
+        if let Some(p) = &args.json {
+            write(p, &serde_json::to_string_pretty(&self.json()?)?)?;
+        }
+        if let Some(p) = &args.report {
+            write(p, &self.markdown())?;
+        }
+        if let Some(p) = &args.plot {
+            self.chart(p)?;
+        }
+        Ok(())
+    }
+
+    fn title(&self) -> String {
+        let i = &self.inputs;
+        format!(
+            "qwen35 probe: {} on {} ({} read back), {:?} mode, prompt `{}` ({} tokens) in blocks of {}, {} weights",
+            short_model(&i.model),
+            self.record.device.as_deref().unwrap_or("?"),
+            self.record.precision.as_deref().unwrap_or("?"),
+            i.mode,
+            i.prompt,
+            i.prompt_tokens,
+            i.block,
+            i.weights
+        )
+    }
+
+    /// The one-screen summary.
+    pub fn terminal(&self, color: bool) -> String {
+        let mut s = String::new();
+        let _ = writeln!(s, "{}", self.title());
+        let _ = writeln!(
+            s,
+            "{:>5} {:<6} {:>10} {:>10} {:>10} {:>10} {:>10} {:>12} {:>10}",
+            "layer",
+            "kind",
+            "output",
+            "mixer",
+            "MLP",
+            "state",
+            "max drift",
+            "min head RMS",
+            "<f16 min"
+        );
+        for l in &self.layers {
+            let state = l.states.iter().map(|n| n.error.nrmse).fold(0.0, f64::max);
+            let drift = l.state_drift.iter().copied().fold(0.0, f64::max);
+            let (rms, small) = l.magnitudes.first().map_or((f64::NAN, f64::NAN), |m| {
+                (
+                    m.device.iter().map(|h| h.rms).fold(f64::INFINITY, f64::min),
+                    m.device
+                        .iter()
+                        .map(|h| h.below_f16_normal)
+                        .fold(0.0, f64::max),
+                )
+            });
+            let mark = if l.over {
+                paint("✗", "31", color)
+            } else {
+                paint("✓", "32", color)
+            };
+            let nan = l.output.nan + l.output.inf;
+            let _ = writeln!(
+                s,
+                "{:>5} {:<6} {:>10.2e} {:>10.2e} {:>10.2e} {:>10.2e} {:>10.2e} {:>12.2e} {:>9.1}% {mark}{}",
+                l.layer,
+                if l.kind == "linear_attention" {
+                    "delta"
+                } else {
+                    "attn"
+                },
+                l.output.nrmse,
+                l.mixer.nrmse,
+                l.mlp.nrmse,
+                state,
+                drift,
+                rms,
+                100.0 * small,
+                if nan > 0 {
+                    format!(" {nan} NaN/Inf")
+                } else {
+                    String::new()
+                }
+            );
+        }
+        let _ = writeln!(s, "{}", self.verdict_line());
+        let _ = writeln!(
+            s,
+            "(NRMSE as OpenVINO NPUW; state: after the prompt, max drift: after any block; head RMS and the share \
+             below fp16's smallest normal: the device's DeltaNet core output or attention scores)"
+        );
+        s
+    }
+
+    fn verdict_line(&self) -> String {
+        let t = &self.thresholds;
+        match &self.drill_down {
+            None => format!(
+                "every layer within NRMSE {:.1e} (states {:.1e})",
+                t.max_nrmse, t.max_state_nrmse
+            ),
+            Some(d) => {
+                let over: Vec<String> = self
+                    .layers
+                    .iter()
+                    .filter(|l| l.over)
+                    .map(|l| l.layer.to_string())
+                    .collect();
+                format!(
+                    "layers over threshold: {}; in layer {} the error starts at {}",
+                    over.join(", "),
+                    d.layer,
+                    d.first_over
+                        .as_deref()
+                        .unwrap_or("the states (every intermediate holds)")
+                )
+            }
+        }
+    }
+
+    /// The Markdown report.
+    pub fn markdown(&self) -> String {
+        let mut s = String::new();
+        let r = &self.record;
+        let _ = writeln!(s, "# qwen35 probe report\n");
+        let _ = writeln!(
+            s,
+            "**{}**: {}\n",
+            if self.passed() { "PASS" } else { "FAIL" },
+            self.verdict_line()
+        );
+        let m = &self.machine;
+        let _ = writeln!(s, "| | |\n|---|---|");
+        let _ = writeln!(s, "| setup | {} |", self.title());
+        let _ = writeln!(s, "| machine | {}, {} ({} cores) |", m.os, m.cpu, m.cores);
+        let _ = writeln!(s, "| OpenVINO | {} |", r.runtime.as_deref().unwrap_or("-"));
+        let _ = writeln!(
+            s,
+            "| precision | {} requested, {} read back |",
+            r.precision_requested.as_deref().unwrap_or("-"),
+            r.precision.as_deref().unwrap_or("-")
+        );
+        let _ = writeln!(
+            s,
+            "| graphs | {}; output scale {}; context {} |",
+            r.deltanet_prefill,
+            r.output_scale,
+            r.context.unwrap_or(0)
+        );
+        for (k, v) in &r.properties {
+            let _ = writeln!(s, "| property `{k}` | {v} |");
+        }
+        let _ = writeln!(s, "\n## Layers\n");
+        let _ = writeln!(
+            s,
+            "| layer | kind | output NRMSE | cosine | mixer NRMSE | MLP NRMSE | states (NRMSE) | max drift | NaN/Inf |"
+        );
+        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|");
+        for l in &self.layers {
+            let states: Vec<String> = l
+                .states
+                .iter()
+                .map(|n| {
+                    format!(
+                        "{} {:.2e}",
+                        n.name.rsplit('.').next().unwrap_or(&n.name),
+                        n.error.nrmse
+                    )
+                })
+                .collect();
+            let _ = writeln!(
+                s,
+                "| {}{} | {} | {:.2e} | {:.8} | {:.2e} | {:.2e} | {} | {:.2e} | {} |",
+                l.layer,
+                if l.over { " ✗" } else { "" },
+                l.kind,
+                l.output.nrmse,
+                l.output.cosine,
+                l.mixer.nrmse,
+                l.mlp.nrmse,
+                states.join(", "),
+                l.state_drift.iter().copied().fold(0.0, f64::max),
+                l.output.nan + l.output.inf
+            );
+        }
+        let _ = writeln!(s, "\n## Magnitudes per head (device / reference)\n");
+        let _ = writeln!(
+            s,
+            "The RMS of each head, and the share of its values below fp16's smallest normal (6.1e-5), where an fp16 \
+             device that flushes subnormals loses them.\n"
+        );
+        for l in &self.layers {
+            for mag in &l.magnitudes {
+                let heads: Vec<String> = mag
+                    .device
+                    .iter()
+                    .zip(&mag.reference)
+                    .map(|(d, r)| {
+                        format!(
+                            "{:.1e}/{:.1e} ({:.0}%)",
+                            d.rms,
+                            r.rms,
+                            100.0 * d.below_f16_normal
+                        )
+                    })
+                    .collect();
+                let _ = writeln!(
+                    s,
+                    "- layer {} `{}`: {}",
+                    l.layer,
+                    mag.name,
+                    heads.join(", ")
+                );
+            }
+        }
+        let _ = writeln!(s, "\n## State drift (NRMSE after each block)\n");
+        for l in &self.layers {
+            let drift: Vec<String> = l
+                .block_ends
+                .iter()
+                .zip(&l.state_drift)
+                .map(|(p, e)| format!("{p}: {e:.1e}"))
+                .collect();
+            let _ = writeln!(s, "- layer {}: {}", l.layer, drift.join(", "));
+        }
+        if let Some(d) = &self.drill_down {
+            let _ = writeln!(
+                s,
+                "\n## Drill-down: layer {} (intermediates in the order the layer computes them)\n",
+                d.layer
+            );
+            let _ = writeln!(s, "| intermediate | NRMSE | NMSE | max abs | cosine |");
+            let _ = writeln!(s, "|---|---|---|---|---|");
+            for n in &d.intermediates {
+                let mark = if d.first_over.as_deref() == Some(n.name.as_str()) {
+                    " ← starts here"
+                } else {
+                    ""
+                };
+                let _ = writeln!(
+                    s,
+                    "| `{}`{mark} | {:.2e} | {:.2e} | {:.2e} | {:.8} |",
+                    n.name, n.error.nrmse, n.error.nmse, n.error.max_abs, n.error.cosine
+                );
+            }
+        }
+        let t = &self.thresholds;
+        let _ = writeln!(
+            s,
+            "\nThresholds (for {} as read back; flags override): NRMSE ≤ {:.1e} for outputs and intermediates, ≤ {:.1e} \
+             for states. NRMSE = RMSE / max(0.001, range) as OpenVINO NPUW computes it.",
+            r.precision.as_deref().unwrap_or("?"),
+            t.max_nrmse,
+            t.max_state_nrmse
+        );
+        s
+    }
+
+    /// The chart: output, mixer and MLP NRMSE per layer; the state drift along the positions.
+    pub fn chart(&self, path: &Path) -> Result<()> {
+        let per_layer = |name: &str, f: &dyn Fn(&LayerProbe) -> f64| Series {
+            name: name.into(),
+            points: self.layers.iter().map(|l| (l.layer as f64, f(l))).collect(),
+        };
+        let panels = [
+            Panel {
+                title: format!(
+                    "{} ({:?}): error per layer",
+                    self.record.device.as_deref().unwrap_or("?"),
+                    self.inputs.mode
+                ),
+                x_label: "layer".into(),
+                y_label: "NRMSE".into(),
+                series: vec![
+                    per_layer("output", &|l| l.output.nrmse),
+                    per_layer("mixer", &|l| l.mixer.nrmse),
+                    per_layer("MLP", &|l| l.mlp.nrmse),
+                ],
+                threshold: Some(self.thresholds.max_nrmse),
+                marker: None,
+            },
+            Panel {
+                title: "State drift after each block".into(),
+                x_label: "position".into(),
+                y_label: "state NRMSE".into(),
+                series: self
+                    .layers
+                    .iter()
+                    .map(|l| Series {
+                        name: format!("layer {}", l.layer),
+                        points: l
+                            .block_ends
+                            .iter()
+                            .zip(&l.state_drift)
+                            .map(|(&p, &e)| (p as f64, e))
+                            .collect(),
+                    })
+                    .collect(),
+                threshold: Some(self.thresholds.max_state_nrmse),
+                marker: None,
+            },
+        ];
+        draw(path, &panels)
+    }
+}
