@@ -37,6 +37,16 @@ pub enum Mode {
     Chained,
 }
 
+impl Mode {
+    /// The command-line name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Isolated => "isolated",
+            Mode::Chained => "chained",
+        }
+    }
+}
+
 /// Something that runs one layer over one block: a device's per-layer graphs (or, in tests, a corrupted one).
 pub trait LayerDevice {
     /// Runs layer `layer` on `hidden` `[T, H]` (`T` at most [`LayerDevice::block`], at positions `start..`),

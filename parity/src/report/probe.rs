@@ -91,11 +91,11 @@ impl ProbeReport {
     fn title(&self) -> String {
         let i = &self.inputs;
         format!(
-            "qwen35 probe: {} on {} ({} read back), {:?} mode, prompt `{}` ({} tokens) in blocks of {}, {} weights",
+            "qwen35 probe: {} on {} ({} read back), {} mode, prompt `{}` ({} tokens) in blocks of {}, {} weights",
             short_model(&i.model),
             self.record.device.as_deref().unwrap_or("?"),
             self.record.precision.as_deref().unwrap_or("?"),
-            i.mode,
+            i.mode.name(),
             i.prompt,
             i.prompt_tokens,
             i.block,
@@ -343,9 +343,9 @@ impl ProbeReport {
         let panels = [
             Panel {
                 title: format!(
-                    "{} ({:?}): error per layer",
+                    "{} ({}): error per layer",
                     self.record.device.as_deref().unwrap_or("?"),
-                    self.inputs.mode
+                    self.inputs.mode.name()
                 ),
                 x_label: "layer".into(),
                 y_label: "NRMSE".into(),
