@@ -180,15 +180,23 @@ pub fn device_config(file: Option<&Path>) -> Result<BTreeMap<String, String>> {
     }
 }
 
-/// A graph compiled for a device, with the settings that actually took effect.
+/// A graph compiled for a device by OpenVINO, with the settings that actually took effect.
 pub struct Compiled {
     /// The compiled model.
     pub model: CompiledModel,
+    /// What took effect.
+    pub info: ExecInfo,
+}
+
+/// What a graph was prepared with on a device (an OpenVINO device or FP16SIM): the settings that actually took
+/// effect and the graph's interface.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExecInfo {
     /// The graph's name.
     pub graph: String,
     /// The device it was compiled for.
     pub device: String,
-    /// `INFERENCE_PRECISION_HINT` read back from the compiled model.
+    /// `INFERENCE_PRECISION_HINT` read back from the compiled model (FP16SIM: its storage format).
     pub precision: String,
     /// `EXECUTION_DEVICES` read back, where reported.
     pub execution_devices: Option<String>,
@@ -295,15 +303,17 @@ pub fn compile_file(
         compiled.get_output_by_index(i)
     })?;
     Ok(Compiled {
-        inputs,
-        outputs,
         model: compiled,
-        graph: graph_name,
-        device: device.to_string(),
-        precision,
-        execution_devices,
-        properties,
-        compile_seconds: start.elapsed().as_secs_f64(),
+        info: ExecInfo {
+            inputs,
+            outputs,
+            graph: graph_name,
+            device: device.to_string(),
+            precision,
+            execution_devices,
+            properties,
+            compile_seconds: start.elapsed().as_secs_f64(),
+        },
     })
 }
 

@@ -2,11 +2,11 @@
 //! between calls, greedy decoding. Produces the reference's dump names, so the two can be compared tensor for
 //! tensor.
 
-use crate::devices::{CompileOptions, compile};
+use crate::devices::CompileOptions;
 use crate::error::{Error, Result};
 use crate::graphs::Builder;
 use crate::graphs::ports;
-use crate::infer::Session;
+use crate::infer::{Executor, prepare};
 use candle_core::{DType, Device, Tensor};
 use reference::backend::{Backend, Forward, RunRecord, Snapshot};
 use reference::config::{Config, LayerKind};
@@ -309,7 +309,7 @@ impl Collector {
 
 /// One layer's graph compiled on a device, run over whole sequences (the per-layer probe).
 pub struct LayerRunner {
-    session: Session,
+    session: Box<dyn Executor>,
     layer: usize,
     kind: LayerKind,
     tokens: usize,
@@ -326,10 +326,8 @@ impl LayerRunner {
         opts: &CompileOptions,
     ) -> Result<Self> {
         let graph = builder.layer_graph(layer, tokens)?;
-        let mut core = crate::runtime::core()?;
-        let compiled = compile(&mut core, graph, device, opts)?;
         Ok(LayerRunner {
-            session: Session::new(compiled)?,
+            session: prepare(graph, device, opts)?,
             layer,
             kind: builder.config().layer_types[layer],
             tokens,
@@ -337,9 +335,9 @@ impl LayerRunner {
         })
     }
 
-    /// The compiled session (device, precision, compile time).
-    pub fn session(&self) -> &Session {
-        &self.session
+    /// What the graph was prepared with (device, precision, compile time).
+    pub fn info(&self) -> &crate::devices::ExecInfo {
+        self.session.info()
     }
 
     /// Runs `hidden` `[S, H]` (positions `start..`) through the layer in blocks, updating `state`; returns every
@@ -388,8 +386,8 @@ impl LayerRunner {
 /// The whole-decoder graphs compiled on a device: one for prompt blocks of `block` tokens and one for single-token
 /// decode, with every cache kept on the host and handed between calls.
 pub struct DecoderEngine {
-    prefill: Option<Session>,
-    decode: Session,
+    prefill: Option<Box<dyn Executor>>,
+    decode: Box<dyn Executor>,
     block: usize,
     context: usize,
     config: Config,
@@ -412,11 +410,8 @@ impl DecoderEngine {
             ));
         }
         let start = std::time::Instant::now();
-        let mut core = crate::runtime::core()?;
-        let mut session = |tokens: usize| -> Result<Session> {
-            let graph = builder.decoder_graph(tokens)?;
-            let compiled = compile(&mut core, graph, device, opts)?;
-            Session::new(compiled)
+        let session = |tokens: usize| -> Result<Box<dyn Executor>> {
+            prepare(builder.decoder_graph(tokens)?, device, opts)
         };
         let decode = session(1)?;
         let prefill = if block > 1 {
@@ -430,28 +425,9 @@ impl DecoderEngine {
         let states = (0..config.num_layers())
             .map(|l| HostLayerState::zeros(&config, l, context))
             .collect::<Result<_>>()?;
-        let compiled = &decode.compiled;
-        let info = crate::devices::describe(&crate::runtime::core()?, device);
         let record = RunRecord {
-            backend: "openvino".into(),
-            device: Some(device.to_string()),
-            runtime: Some(crate::runtime::load()?.version.clone()),
-            device_name: Some(info.full_name),
-            driver: info.driver_version,
-            dtype: "f32".into(),
-            precision_requested: Some(opts.precision.hint().into()),
-            precision: Some(compiled.precision.clone()),
-            execution_devices: compiled.execution_devices.clone(),
-            properties: compiled.properties.clone(),
-            weights: builder.weight_format().name(),
-            deltanet_prefill: graph.form.describe_block(block),
-            deltanet_decode: "matrix".into(),
-            output_scale: graph.output_scale as f64,
-            prefill_block: None,
-            block: Some(block),
-            context: Some(context),
-            taps: graph.taps,
             compile_seconds: Some(start.elapsed().as_secs_f64()),
+            ..record_of(decode.info(), builder, block, opts)?
         };
         Ok(DecoderEngine {
             prefill,
@@ -465,11 +441,12 @@ impl DecoderEngine {
         })
     }
 
-    /// The sessions (prompt, decode) for reports.
-    pub fn sessions(&self) -> Vec<&Session> {
+    /// What the graphs (prompt, decode) were prepared with.
+    pub fn infos(&self) -> Vec<&crate::devices::ExecInfo> {
         self.prefill
             .iter()
             .chain(std::iter::once(&self.decode))
+            .map(|e| e.info())
             .collect()
     }
 
@@ -586,6 +563,57 @@ impl Backend for DecoderEngine {
         self.position = snapshot.position;
         Ok(())
     }
+}
+
+/// What a device ran, from what its graphs were prepared with: the device's own name and driver (OpenVINO
+/// devices), the precision that took effect, every property, the graph options and the weight format.
+pub fn record_of(
+    info: &crate::devices::ExecInfo,
+    builder: &Builder,
+    block: usize,
+    opts: &CompileOptions,
+) -> Result<RunRecord> {
+    let sim = crate::sim::NumericModel::is_sim(&info.device);
+    let (runtime, device_name, driver) = if sim {
+        (
+            Some(format!("FP16SIM (qwen35 {})", env!("CARGO_PKG_VERSION"))),
+            info.execution_devices.clone(),
+            None,
+        )
+    } else {
+        let d = crate::devices::describe(&crate::runtime::core()?, &info.device);
+        (
+            Some(crate::runtime::load()?.version.clone()),
+            Some(d.full_name),
+            d.driver_version,
+        )
+    };
+    let graph = builder.options();
+    Ok(RunRecord {
+        backend: if sim { "fp16sim" } else { "openvino" }.into(),
+        device: Some(info.device.clone()),
+        runtime,
+        device_name,
+        driver,
+        dtype: "f32".into(),
+        precision_requested: Some(if sim {
+            info.precision.clone()
+        } else {
+            opts.precision.hint().into()
+        }),
+        precision: Some(info.precision.clone()),
+        execution_devices: info.execution_devices.clone(),
+        properties: info.properties.clone(),
+        weights: builder.weight_format().name(),
+        deltanet_prefill: graph.form.describe_block(block),
+        deltanet_decode: "matrix".into(),
+        output_scale: graph.output_scale as f64,
+        prefill_block: None,
+        block: Some(block),
+        context: Some(graph.context),
+        taps: graph.taps,
+        compile_seconds: Some(info.compile_seconds),
+    })
 }
 
 /// An error of this crate as the backend interface's error (which is the reference's).

@@ -1,15 +1,111 @@
-//! Running a compiled graph: host tensors (candle) in, named outputs out.
+//! Running a prepared graph: host tensors (candle) in, named outputs out, on an OpenVINO device ([`Session`]) or
+//! on FP16SIM ([`SimSession`]), both behind [`Executor`]; [`prepare`] picks by the device's name.
 
-use crate::devices::{Compiled, openvino_message};
+use crate::devices::{CompileOptions, Compiled, ExecInfo, compile, openvino_message};
 use crate::error::{Error, Result};
+use crate::graphs::ports;
+use crate::ir::Graph;
+use crate::sim::{NumericModel, eval::Evaluator};
 use candle_core::{DType, Device, Tensor};
 use openvino::{ElementType, InferRequest, Shape};
 use std::collections::BTreeMap;
 
-/// An inference session on one compiled graph.
+/// A graph ready to run on a device.
+pub trait Executor {
+    /// What it was prepared with.
+    fn info(&self) -> &ExecInfo;
+
+    /// Sets every input by name, runs, and returns every output by name.
+    fn run(&mut self, inputs: &[(&str, &Tensor)]) -> Result<BTreeMap<String, Tensor>>;
+
+    /// Runs with every input the graph declares taken by name from `offered` (an engine offers what a block may
+    /// need; a graph declares what it reads, e.g. a per-layer DeltaNet graph no attention mask); a declared input
+    /// that is not offered is an error. Returns every output by name.
+    fn run_declared(&mut self, offered: &[(String, Tensor)]) -> Result<BTreeMap<String, Tensor>> {
+        let names = self.info().inputs.clone();
+        let mut chosen = Vec::with_capacity(names.len());
+        for name in &names {
+            let (_, t) = offered.iter().find(|(n, _)| n == name).ok_or_else(|| {
+                Error::Interface(format!(
+                    "graph {} reads `{name}`, which its caller does not provide",
+                    self.info().graph
+                ))
+            })?;
+            chosen.push((name.as_str(), t));
+        }
+        self.run(&chosen)
+    }
+}
+
+/// Prepares `graph` for `device`: the FP16SIM pseudo-device (`FP16SIM[:options]`, options also from the device
+/// config) evaluates it in Rust; any other name compiles it with OpenVINO.
+pub fn prepare(graph: Graph, device: &str, opts: &CompileOptions) -> Result<Box<dyn Executor>> {
+    if NumericModel::is_sim(device) {
+        let config: Vec<(String, String)> = opts
+            .device_config
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let model = NumericModel::parse(device, &config)?;
+        return Ok(Box::new(SimSession::new(graph, device, model)?));
+    }
+    let mut core = crate::runtime::core()?;
+    Ok(Box::new(Session::new(compile(&mut core, graph, device, opts)?)?))
+}
+
+/// A graph evaluated by FP16SIM.
+pub struct SimSession {
+    info: ExecInfo,
+    evaluator: Evaluator,
+}
+
+impl SimSession {
+    /// Prepares `graph` under `model`.
+    pub fn new(graph: Graph, device: &str, model: NumericModel) -> Result<Self> {
+        let start = std::time::Instant::now();
+        let inputs: Vec<String> = graph.inputs().into_iter().map(|(n, _, _)| n).collect();
+        let outputs: Vec<String> = graph.outputs().into_iter().map(|(n, _, _)| n).collect();
+        let state_in: Vec<String> = inputs
+            .iter()
+            .filter(|n| ports::is_state_port(n, true))
+            .cloned()
+            .collect();
+        let state_out: Vec<String> = outputs
+            .iter()
+            .filter(|n| ports::is_state_port(n, false))
+            .cloned()
+            .collect();
+        let name = graph.name().to_string();
+        let evaluator = Evaluator::new(graph, model, &state_in, &state_out)?;
+        Ok(SimSession {
+            info: ExecInfo {
+                graph: name,
+                device: device.to_string(),
+                precision: model.precision().into(),
+                execution_devices: Some(model.to_string()),
+                properties: model.properties().into_iter().collect(),
+                compile_seconds: start.elapsed().as_secs_f64(),
+                inputs,
+                outputs,
+            },
+            evaluator,
+        })
+    }
+}
+
+impl Executor for SimSession {
+    fn info(&self) -> &ExecInfo {
+        &self.info
+    }
+
+    fn run(&mut self, inputs: &[(&str, &Tensor)]) -> Result<BTreeMap<String, Tensor>> {
+        self.evaluator.run(inputs)
+    }
+}
+
+/// An inference session on one graph compiled by OpenVINO.
 pub struct Session {
-    /// The compiled graph and what it was compiled with.
-    pub compiled: Compiled,
+    info: ExecInfo,
     request: InferRequest,
 }
 
@@ -88,45 +184,33 @@ impl Session {
             .create_infer_request()
             .map_err(|e| Error::OpenVino {
                 stage: "inference",
-                graph: compiled.graph.clone(),
-                device: compiled.device.clone(),
+                graph: compiled.info.graph.clone(),
+                device: compiled.info.device.clone(),
                 message: format!("creating the request: {}", openvino_message(&e)),
             })?;
-        Ok(Session { compiled, request })
+        Ok(Session {
+            info: compiled.info,
+            request,
+        })
     }
 
     fn err(&self, message: String) -> Error {
         Error::OpenVino {
             stage: "inference",
-            graph: self.compiled.graph.clone(),
-            device: self.compiled.device.clone(),
+            graph: self.info.graph.clone(),
+            device: self.info.device.clone(),
             message,
         }
     }
 
-    /// Runs with every input the graph declares taken by name from `offered` (an engine offers what a block may
-    /// need; a graph declares what it reads, e.g. a per-layer DeltaNet graph no attention mask); a declared input
-    /// that is not offered is an error. Returns every output by name.
-    pub fn run_declared(
-        &mut self,
-        offered: &[(String, Tensor)],
-    ) -> Result<BTreeMap<String, Tensor>> {
-        let names = self.compiled.inputs.clone();
-        let mut chosen = Vec::with_capacity(names.len());
-        for name in &names {
-            let (_, t) = offered.iter().find(|(n, _)| n == name).ok_or_else(|| {
-                Error::Interface(format!(
-                    "graph {} reads `{name}`, which its caller does not provide",
-                    self.compiled.graph
-                ))
-            })?;
-            chosen.push((name.as_str(), t));
-        }
-        self.run(&chosen)
+}
+
+impl Executor for Session {
+    fn info(&self) -> &ExecInfo {
+        &self.info
     }
 
-    /// Sets every input by name, runs, and returns every output by name.
-    pub fn run(&mut self, inputs: &[(&str, &Tensor)]) -> Result<BTreeMap<String, Tensor>> {
+    fn run(&mut self, inputs: &[(&str, &Tensor)]) -> Result<BTreeMap<String, Tensor>> {
         for (name, t) in inputs {
             let ov = to_ov(t).map_err(|e| self.err(format!("input `{name}`: {e}")))?;
             self.request.set_tensor(name, &ov).map_err(|e| {
@@ -141,7 +225,7 @@ impl Session {
             .infer()
             .map_err(|e| self.err(openvino_message(&e)))?;
         let mut out = BTreeMap::new();
-        for name in self.compiled.outputs.clone() {
+        for name in self.info.outputs.clone() {
             let t = self
                 .request
                 .get_tensor(&name)

@@ -9,5 +9,6 @@ pub mod graphs;
 pub mod infer;
 pub mod ir;
 pub mod runtime;
+pub mod sim;
 
 pub use error::{Error, Result};

@@ -2,27 +2,51 @@
 
 use candle_core::{DType, Device, Tensor};
 use npu::devices::{CompileOptions, compile, compile_file};
-use npu::infer::Session;
+use npu::infer::{Executor, Session, SimSession};
+use npu::sim::NumericModel;
 use npu::ir::{ElemType, Graph, Unary};
 use reference::compare::diff;
 use reference::synthetic::Rng;
 
+/// Runs `g` on OpenVINO's CPU device at f32, and on FP16SIM with nothing rounded (an evaluator sharing no code
+/// with OpenVINO): both must agree within 1e-6 of each output's largest value. Returns OpenVINO's outputs.
 fn run(g: &Graph, inputs: &[(&str, &Tensor)]) -> std::collections::BTreeMap<String, Tensor> {
     let mut core = npu::runtime::core().expect("OpenVINO runtime (run scripts/fetch-openvino.sh)");
     let compiled = compile(&mut core, g.clone(), "CPU", &CompileOptions::default()).unwrap();
     assert_eq!(
-        compiled.precision, "f32",
+        compiled.info.precision, "f32",
         "a reference run must compute in f32"
     );
     assert_eq!(
-        compiled.outputs,
+        compiled.info.outputs,
         g.outputs()
             .into_iter()
             .map(|(n, _, _)| n)
             .collect::<Vec<_>>(),
         "the compiled model reports the graph's outputs, in order"
     );
-    Session::new(compiled).unwrap().run(inputs).unwrap()
+    let ov = Session::new(compiled).unwrap().run(inputs).unwrap();
+    let exact = NumericModel::parse("FP16SIM:store=f32,ftz=off", &[]).unwrap();
+    let sim = SimSession::new(g.clone(), "FP16SIM", exact)
+        .unwrap()
+        .run(inputs)
+        .unwrap();
+    assert_eq!(
+        sim.keys().collect::<Vec<_>>(),
+        ov.keys().collect::<Vec<_>>()
+    );
+    for (name, t) in &ov {
+        if t.dtype() == DType::F32 {
+            close(&format!("FP16SIM f32 vs OpenVINO: {name}"), &sim[name], t, 1e-6);
+        } else {
+            assert_eq!(
+                sim[name].to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap(),
+                t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap(),
+                "{name}"
+            );
+        }
+    }
+    ov
 }
 
 fn close(what: &str, a: &Tensor, b: &Tensor, rtol: f64) {

@@ -95,26 +95,12 @@ impl OpenVinoLayers {
             .values()
             .next()
             .context("no layer to probe")?
-            .session();
+            .info();
         let graph = builder.options();
         let record = RunRecord {
-            backend: "openvino".into(),
-            device: Some(device.to_string()),
-            runtime: Some(npu::runtime::load()?.version.clone()),
-            dtype: "f32".into(),
-            precision_requested: Some(opts.precision.hint().into()),
-            precision: Some(first.compiled.precision.clone()),
-            execution_devices: first.compiled.execution_devices.clone(),
-            properties: first.compiled.properties.clone(),
-            weights: builder.weight_format().name(),
-            deltanet_prefill: graph.form.describe_block(block),
-            deltanet_decode: "matrix".into(),
-            output_scale: graph.output_scale as f64,
-            block: Some(block),
-            context: Some(graph.context),
             taps: true,
             compile_seconds: Some(start.elapsed().as_secs_f64()),
-            ..RunRecord::default()
+            ..npu::engine::record_of(first, builder, block, opts)?
         };
         Ok(OpenVinoLayers {
             runners,

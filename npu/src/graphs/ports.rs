@@ -49,3 +49,17 @@ pub fn state_ports(kind: LayerKind) -> StatePorts {
 pub fn layer_prefix(layer: usize) -> String {
     format!("layers.{layer}.")
 }
+
+/// Whether `name` is a state port (an input when `input`, else an output) of a per-layer graph or, under
+/// `layers.{i}.`, of the decoder graph.
+pub fn is_state_port(name: &str, input: bool) -> bool {
+    let local = name
+        .strip_prefix("layers.")
+        .and_then(|rest| rest.split_once('.'))
+        .filter(|(layer, _)| layer.parse::<usize>().is_ok())
+        .map_or(name, |(_, port)| port);
+    [LayerKind::Linear, LayerKind::Full].iter().any(|&k| {
+        let p = state_ports(k);
+        if input { p.inputs } else { p.outputs }.contains(&local)
+    })
+}

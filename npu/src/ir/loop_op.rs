@@ -6,16 +6,16 @@ use crate::error::Result;
 /// The body of a `Loop` node: its nodes (constants already pointing into the parent's `.bin`), the port map and
 /// the back edges, all by body node ids.
 #[derive(Debug, Clone)]
-pub(super) struct LoopBody {
-    pub(super) nodes: Vec<Node>,
+pub(crate) struct LoopBody {
+    pub(crate) nodes: Vec<Node>,
     /// `(external input port, body Parameter id, slicing axis)`.
-    pub(super) inputs: Vec<(usize, usize, Option<usize>)>,
+    pub(crate) inputs: Vec<(usize, usize, Option<usize>)>,
     /// `(external output port, body Result id, concatenation axis)`.
-    pub(super) outputs: Vec<(usize, usize, Option<usize>)>,
+    pub(crate) outputs: Vec<(usize, usize, Option<usize>)>,
     /// Body Result id of the execution condition.
-    pub(super) condition: usize,
+    pub(crate) condition: usize,
     /// `(body Result id, body Parameter id)`.
-    pub(super) back_edges: Vec<(usize, usize)>,
+    pub(crate) back_edges: Vec<(usize, usize)>,
 }
 
 /// How a `Loop` input reaches its body Parameter.

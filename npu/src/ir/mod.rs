@@ -15,7 +15,7 @@ pub use loop_op::{LoopInput, LoopOutput};
 pub use ops::{Binary, Unary};
 
 use crate::error::{Error, Result};
-use loop_op::LoopBody;
+pub(crate) use loop_op::LoopBody;
 
 /// Element types of tensors in a graph.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,34 +77,45 @@ impl ElemType {
 /// An output of a node: the handle ops take and return.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Value {
-    node: usize,
-    port: usize,
+    pub(crate) node: usize,
+    pub(crate) port: usize,
 }
 
 #[derive(Debug, Clone)]
-struct Port {
-    ty: ElemType,
-    shape: Vec<usize>,
-    names: Vec<String>,
+pub(crate) struct Port {
+    pub(crate) ty: ElemType,
+    pub(crate) shape: Vec<usize>,
+    pub(crate) names: Vec<String>,
 }
 
+/// A node: an op, its attributes, its input values and its output ports (read by the evaluator of `crate::sim`).
 #[derive(Debug, Clone)]
-struct Node {
-    name: String,
-    op: &'static str,
-    version: &'static str,
-    attrs: Vec<(&'static str, String)>,
-    inputs: Vec<Value>,
-    outputs: Vec<Port>,
-    body: Option<Box<LoopBody>>,
+pub(crate) struct Node {
+    pub(crate) name: String,
+    pub(crate) op: &'static str,
+    pub(crate) version: &'static str,
+    pub(crate) attrs: Vec<(&'static str, String)>,
+    pub(crate) inputs: Vec<Value>,
+    pub(crate) outputs: Vec<Port>,
+    pub(crate) body: Option<Box<LoopBody>>,
+}
+
+impl Node {
+    /// The attribute `key`.
+    pub(crate) fn attr(&self, key: &str) -> Option<&str> {
+        self.attrs
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|(_, v)| v.as_str())
+    }
 }
 
 /// A graph under construction.
 #[derive(Debug, Clone)]
 pub struct Graph {
     name: String,
-    nodes: Vec<Node>,
-    bin: Vec<u8>,
+    pub(crate) nodes: Vec<Node>,
+    pub(crate) bin: Vec<u8>,
 }
 
 fn dims(shape: &[usize]) -> String {

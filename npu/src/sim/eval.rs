@@ -1,0 +1,684 @@
+//! An evaluator of this project's IR graphs with a chosen arithmetic ([`NumericModel`]): every op the graph builder
+//! emits, `Loop` included, written here from the OpenVINO op specifications and sharing no code with OpenVINO.
+//!
+//! Values are f32 vectors holding exactly what the modelled device stores: constants and inputs are rounded to the
+//! storage format on entry, every op's result on exit. A matrix product rounds each term `a·b` to the storage format
+//! (subnormals flushed when the model flushes) before summing; sums and reductions accumulate in f32 or in the
+//! storage format; element-wise functions and the softmax compute in f32 from stored inputs and round their result.
+
+use super::numeric::{Accumulation, NumericModel};
+use crate::error::{Error, Result};
+use crate::ir::{ElemType, Graph, LoopBody, Node, Value};
+use candle_core::{DType, Device, Tensor};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::rc::Rc;
+
+/// The data of a value.
+#[derive(Debug, Clone)]
+enum Data {
+    F(Vec<f32>),
+    I(Vec<i64>),
+    B(Vec<bool>),
+}
+
+/// A value: a shape and its data, row-major.
+#[derive(Debug, Clone)]
+struct Val {
+    shape: Vec<usize>,
+    data: Data,
+}
+
+type V = Rc<Val>;
+
+impl Val {
+    fn f(shape: Vec<usize>, data: Vec<f32>) -> V {
+        Rc::new(Val {
+            shape,
+            data: Data::F(data),
+        })
+    }
+
+    fn floats(&self) -> Result<&[f32]> {
+        match &self.data {
+            Data::F(v) => Ok(v),
+            _ => Err(Error::Interface("a float value was expected".into())),
+        }
+    }
+
+    fn ints(&self) -> Result<Vec<i64>> {
+        match &self.data {
+            Data::I(v) => Ok(v.clone()),
+            Data::F(v) => Ok(v.iter().map(|&x| x as i64).collect()),
+            Data::B(v) => Ok(v.iter().map(|&b| b as i64).collect()),
+        }
+    }
+}
+
+/// Row-major strides of a shape.
+fn strides(shape: &[usize]) -> Vec<usize> {
+    let mut s = vec![1; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        s[i] = s[i + 1] * shape[i + 1];
+    }
+    s
+}
+
+/// The numpy broadcast of two shapes.
+fn broadcast(a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
+    let n = a.len().max(b.len());
+    (0..n)
+        .map(|i| {
+            let x = if i + a.len() >= n { a[i + a.len() - n] } else { 1 };
+            let y = if i + b.len() >= n { b[i + b.len() - n] } else { 1 };
+            match (x, y) {
+                (x, y) if x == y => Ok(x),
+                (1, y) => Ok(y),
+                (x, 1) => Ok(x),
+                _ => Err(Error::Interface(format!("{a:?} and {b:?} do not broadcast"))),
+            }
+        })
+        .collect()
+}
+
+/// For every element of `out` (a broadcast shape), the flat index into a value of shape `shape`.
+fn broadcast_index(shape: &[usize], out: &[usize]) -> Vec<usize> {
+    let n = out.len();
+    let st = strides(shape);
+    let offset = n - shape.len();
+    let total: usize = out.iter().product();
+    let out_st = strides(out);
+    (0..total)
+        .map(|flat| {
+            let mut idx = 0;
+            for (d, &os) in out_st.iter().enumerate() {
+                let coord = (flat / os) % out[d];
+                if d >= offset && shape[d - offset] != 1 {
+                    idx += coord * st[d - offset];
+                }
+            }
+            idx
+        })
+        .collect()
+}
+
+/// Evaluates graphs of one [`NumericModel`].
+pub struct Evaluator {
+    graph: Graph,
+    model: NumericModel,
+    /// Decoded constants by node id (top level and Loop bodies share the `.bin`).
+    consts: HashMap<(usize, usize), V>,
+    /// Inputs and producers of the outputs that hold states (kept in f32 when the model keeps states in f32).
+    state_inputs: HashSet<String>,
+    state_producers: HashSet<usize>,
+}
+
+impl Evaluator {
+    /// An evaluator of `graph`; `state_inputs`/`state_outputs` name the ports that carry states between calls.
+    pub fn new(
+        graph: Graph,
+        model: NumericModel,
+        state_inputs: &[String],
+        state_outputs: &[String],
+    ) -> Result<Self> {
+        let mut consts = HashMap::new();
+        decode_consts(&graph, &graph.nodes, 0, &model, &mut consts)?;
+        let mut state_producers = HashSet::new();
+        for n in graph.nodes.iter().filter(|n| n.op == "Result") {
+            let v = n.inputs[0];
+            let port = &graph.nodes[v.node].outputs[v.port];
+            if port.names.iter().any(|name| state_outputs.contains(name)) {
+                state_producers.insert(v.node);
+            }
+        }
+        Ok(Evaluator {
+            graph,
+            model,
+            consts,
+            state_inputs: state_inputs.iter().cloned().collect(),
+            state_producers,
+        })
+    }
+
+    /// The graph's name.
+    pub fn name(&self) -> &str {
+        self.graph.name()
+    }
+
+    /// The graph being evaluated.
+    pub fn graph(&self) -> &Graph {
+        &self.graph
+    }
+
+    /// Runs the graph on `inputs` (by name, f32 or i64) and returns every output by name.
+    pub fn run(&self, inputs: &[(&str, &Tensor)]) -> Result<BTreeMap<String, Tensor>> {
+        let mut given: HashMap<&str, V> = HashMap::new();
+        for (name, t) in inputs {
+            given.insert(name, from_tensor(t)?);
+        }
+        let values = self.eval_nodes(&self.graph.nodes, 0, &mut |_, node: &Node| {
+            let v = given.get(node.name.as_str()).cloned().ok_or_else(|| {
+                Error::Interface(format!(
+                    "graph {} reads `{}`, which its caller does not provide",
+                    self.graph.name(),
+                    node.name
+                ))
+            })?;
+            let keep = self.model.f32_state && self.state_inputs.contains(&node.name);
+            Ok(if keep { v } else { self.round_val(&v) })
+        })?;
+        let mut out = BTreeMap::new();
+        for n in self.graph.nodes.iter().filter(|n| n.op == "Result") {
+            let v = n.inputs[0];
+            let name = self.graph.nodes[v.node].outputs[v.port]
+                .names
+                .last()
+                .cloned()
+                .unwrap_or_default();
+            out.insert(name, to_tensor(&values[v.node][v.port])?);
+        }
+        Ok(out)
+    }
+
+    fn round_val(&self, v: &V) -> V {
+        match &v.data {
+            Data::F(x) if !self.model.is_exact_f32() => {
+                Val::f(v.shape.clone(), x.iter().map(|&a| self.model.round(a)).collect())
+            }
+            _ => v.clone(),
+        }
+    }
+
+    /// Evaluates a node list (the graph's, or a Loop body's: `scope` tells their constants apart); `parameter`
+    /// supplies each Parameter node's value.
+    fn eval_nodes(
+        &self,
+        nodes: &[Node],
+        scope: usize,
+        parameter: &mut dyn FnMut(usize, &Node) -> Result<V>,
+    ) -> Result<Vec<Vec<V>>> {
+        let mut values: Vec<Vec<V>> = Vec::with_capacity(nodes.len());
+        for (id, node) in nodes.iter().enumerate() {
+            let arg = |i: usize| -> V {
+                let Value { node, port } = node.inputs[i];
+                values[node][port].clone()
+            };
+            let err = |m: String| Error::Interface(format!("{}: {} {}: {m}", self.graph.name(), node.op, node.name));
+            let keep_f32 = self.model.f32_state && scope == 0 && self.state_producers.contains(&id);
+            let out: Vec<V> = match node.op {
+                "Parameter" => vec![parameter(id, node)?],
+                "Const" => vec![
+                    self.consts
+                        .get(&(scope, id))
+                        .cloned()
+                        .ok_or_else(|| err("constant not decoded".into()))?,
+                ],
+                "Result" => vec![],
+                "Loop" => self.eval_loop(node, &(0..node.inputs.len()).map(arg).collect::<Vec<_>>())?,
+                op => {
+                    let args: Vec<V> = (0..node.inputs.len()).map(arg).collect();
+                    let v = self.op(op, node, &args).map_err(|e| err(e.to_string()))?;
+                    vec![if keep_f32 { v } else { self.round_val(&v) }]
+                }
+            };
+            values.push(out);
+        }
+        Ok(values)
+    }
+
+    fn eval_loop(&self, node: &Node, args: &[V]) -> Result<Vec<V>> {
+        let body: &LoopBody = node
+            .body
+            .as_deref()
+            .ok_or_else(|| Error::Interface("a Loop without a body".into()))?;
+        let trips = args[0].ints()?.first().copied().unwrap_or(0).max(0) as usize;
+        // A body's constants are keyed by its Loop node's address, stable while the evaluator owns the graph.
+        let scope = node as *const Node as usize;
+        let mut carried: HashMap<usize, V> = HashMap::new();
+        let mut per_iteration: Vec<Vec<V>> = vec![Vec::new(); body.outputs.len()];
+        for it in 0..trips {
+            let mut parameter = |pid: usize, _: &Node| -> Result<V> {
+                let &(port, _, axis) = body
+                    .inputs
+                    .iter()
+                    .find(|(_, param, _)| *param == pid)
+                    .ok_or_else(|| Error::Interface("Loop parameter not mapped".into()))?;
+                let outer = &args[port];
+                Ok(match (axis, carried.get(&pid)) {
+                    (_, Some(v)) => v.clone(),
+                    (Some(a), None) => slice(outer, a, it, 1)?,
+                    (None, None) => outer.clone(),
+                })
+            };
+            let values = self.eval_nodes(&body.nodes, scope, &mut parameter)?;
+            let result_value = |rid: usize| -> V {
+                let v = body.nodes[rid].inputs[0];
+                values[v.node][v.port].clone()
+            };
+            for &(result, param) in &body.back_edges {
+                carried.insert(param, result_value(result));
+            }
+            for (j, &(_, result, _)) in body.outputs.iter().enumerate() {
+                per_iteration[j].push(result_value(result));
+            }
+        }
+        body.outputs
+            .iter()
+            .enumerate()
+            .map(|(j, &(_, _, axis))| match axis {
+                None => per_iteration[j]
+                    .last()
+                    .cloned()
+                    .ok_or_else(|| Error::Interface("a Loop of zero iterations".into())),
+                Some(a) => concat(&per_iteration[j], a),
+            })
+            .collect()
+    }
+
+    /// One op on its (already stored) arguments; the caller rounds the result.
+    fn op(&self, op: &str, node: &Node, a: &[V]) -> Result<V> {
+        let attr = |k: &str| node.attr(k).unwrap_or("");
+        Ok(match op {
+            "Add" | "Subtract" | "Multiply" | "Divide" => {
+                let f: fn(f32, f32) -> f32 = match op {
+                    "Add" => |x, y| x + y,
+                    "Subtract" => |x, y| x - y,
+                    "Multiply" => |x, y| x * y,
+                    _ => |x, y| x / y,
+                };
+                binary(&a[0], &a[1], f)?
+            }
+            "Exp" => unary(&a[0], f32::exp)?,
+            "Sqrt" => unary(&a[0], f32::sqrt)?,
+            "Sigmoid" => unary(&a[0], |x| 1.0 / (1.0 + (-x).exp()))?,
+            "Negative" => unary(&a[0], |x| -x)?,
+            "Sin" => unary(&a[0], f32::sin)?,
+            "Cos" => unary(&a[0], f32::cos)?,
+            "SoftPlus" => unary(&a[0], |x| {
+                // OpenVINO's SoftPlus returns x beyond the threshold where ln(1 + e^x) rounds to x.
+                if x > 20.0 { x } else { x.exp().ln_1p() }
+            })?,
+            "Swish" => unary(&a[0], |x| x / (1.0 + (-x).exp()))?,
+            "MatMul" => self.matmul(&a[0], &a[1], attr("transpose_a") == "true", attr("transpose_b") == "true")?,
+            "Reshape" => {
+                let shape: Vec<usize> = a[1].ints()?.iter().map(|&d| d as usize).collect();
+                Rc::new(Val {
+                    shape,
+                    data: a[0].data.clone(),
+                })
+            }
+            "Transpose" => {
+                let perm: Vec<usize> = a[1].ints()?.iter().map(|&d| d as usize).collect();
+                transpose(&a[0], &perm)?
+            }
+            "Concat" => {
+                let axis: usize = attr("axis").parse().map_err(|_| Error::Interface("Concat axis".into()))?;
+                concat(a, axis)?
+            }
+            "Slice" => {
+                let (start, stop, step, axis) = (
+                    a[1].ints()?[0],
+                    a[2].ints()?[0],
+                    a[3].ints()?[0],
+                    a[4].ints()?[0] as usize,
+                );
+                if step != 1 {
+                    return Err(Error::Interface(format!("Slice step {step}")));
+                }
+                slice(&a[0], axis, start as usize, (stop - start) as usize)?
+            }
+            "Gather" => {
+                let axis = a[2].ints()?[0] as usize;
+                gather(&a[0], &a[1], axis)?
+            }
+            "ReduceSum" | "ReduceMean" => {
+                let axes: Vec<usize> = a[1].ints()?.iter().map(|&d| d as usize).collect();
+                self.reduce(&a[0], &axes, attr("keep_dims") == "true", op == "ReduceMean")?
+            }
+            "SoftMax" => {
+                let axis: usize = attr("axis").parse().map_err(|_| Error::Interface("SoftMax axis".into()))?;
+                softmax(&a[0], axis)?
+            }
+            "Convert" => convert(&a[0], attr("destination_type"))?,
+            other => return Err(Error::Interface(format!("{other} is not an op FP16SIM evaluates"))),
+        })
+    }
+
+    /// `a @ b` with optional transposes of the last two dims and broadcast batch dims: each term rounded to the
+    /// storage format before it is summed (the accumulation as the model says), the result rounded by the caller.
+    fn matmul(&self, a: &V, b: &V, ta: bool, tb: bool) -> Result<V> {
+        let last2 = |v: &V, t: bool| -> Result<V> {
+            let r = v.shape.len();
+            if !t {
+                return Ok(v.clone());
+            }
+            let mut perm: Vec<usize> = (0..r).collect();
+            perm.swap(r - 2, r - 1);
+            transpose(v, &perm)
+        };
+        let (a, b) = (last2(a, ta)?, last2(b, tb)?);
+        let (ra, rb) = (a.shape.len(), b.shape.len());
+        let (m, k) = (a.shape[ra - 2], a.shape[ra - 1]);
+        let (k2, n) = (b.shape[rb - 2], b.shape[rb - 1]);
+        if k != k2 {
+            return Err(Error::Interface(format!("MatMul {:?} x {:?}", a.shape, b.shape)));
+        }
+        let batch = broadcast(&a.shape[..ra - 2], &b.shape[..rb - 2])?;
+        let ia = broadcast_index(&a.shape[..ra - 2], &batch);
+        let ib = broadcast_index(&b.shape[..rb - 2], &batch);
+        let (av, bv) = (a.floats()?, b.floats()?);
+        let exact = self.model.is_exact_f32();
+        let acc_storage = self.model.accumulation == Accumulation::Storage;
+        let mut out = Vec::with_capacity(ia.len() * m * n);
+        for (&pa, &pb) in ia.iter().zip(&ib) {
+            let a0 = &av[pa * m * k..(pa + 1) * m * k];
+            let b0 = &bv[pb * k * n..(pb + 1) * k * n];
+            for i in 0..m {
+                for j in 0..n {
+                    let mut acc = 0f32;
+                    for kk in 0..k {
+                        let p = a0[i * k + kk] * b0[kk * n + j];
+                        if exact {
+                            acc += p;
+                        } else {
+                            acc += self.model.round(p);
+                            if acc_storage {
+                                acc = self.model.round(acc);
+                            }
+                        }
+                    }
+                    out.push(acc);
+                }
+            }
+        }
+        let mut shape = batch;
+        shape.extend([m, n]);
+        Ok(Val::f(shape, out))
+    }
+
+    fn reduce(&self, x: &V, axes: &[usize], keep: bool, mean: bool) -> Result<V> {
+        let xs = x.floats()?;
+        let shape = &x.shape;
+        let reduced: Vec<usize> = shape
+            .iter()
+            .enumerate()
+            .map(|(i, &d)| if axes.contains(&i) { 1 } else { d })
+            .collect();
+        let count: usize = axes.iter().map(|&a| shape[a]).product();
+        let st = strides(shape);
+        let rst = strides(&reduced);
+        let mut acc = vec![0f32; reduced.iter().product()];
+        let acc_storage = self.model.accumulation == Accumulation::Storage && !self.model.is_exact_f32();
+        for (flat, &v) in xs.iter().enumerate() {
+            let mut r = 0;
+            for d in 0..shape.len() {
+                let c = (flat / st[d]) % shape[d];
+                if !axes.contains(&d) {
+                    r += c * rst[d];
+                }
+            }
+            acc[r] += v;
+            if acc_storage {
+                acc[r] = self.model.round(acc[r]);
+            }
+        }
+        if mean {
+            for v in &mut acc {
+                *v /= count as f32;
+            }
+        }
+        let out_shape = if keep {
+            reduced
+        } else {
+            shape
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| !axes.contains(i))
+                .map(|(_, &d)| d)
+                .collect()
+        };
+        Ok(Val::f(out_shape, acc))
+    }
+}
+
+/// Decodes every constant of `nodes` (scope 0: the graph; a Loop body: its node's address), rounded to storage
+/// when it is a float.
+fn decode_consts(
+    graph: &Graph,
+    nodes: &[Node],
+    scope: usize,
+    model: &NumericModel,
+    out: &mut HashMap<(usize, usize), V>,
+) -> Result<()> {
+    for (id, n) in nodes.iter().enumerate() {
+        if let Some(body) = &n.body {
+            decode_consts(graph, &body.nodes, n as *const Node as usize, model, out)?;
+        }
+        if n.op != "Const" {
+            continue;
+        }
+        let num = |k: &str| -> Result<usize> {
+            n.attr(k)
+                .and_then(|v| v.parse().ok())
+                .ok_or_else(|| Error::Interface(format!("Const {} has no {k}", n.name)))
+        };
+        let (offset, size) = (num("offset")?, num("size")?);
+        let bytes = graph
+            .bin
+            .get(offset..offset + size)
+            .ok_or_else(|| Error::Interface(format!("Const {} outside the .bin", n.name)))?;
+        let port = &n.outputs[0];
+        let count: usize = port.shape.iter().product();
+        let data = match port.ty {
+            ElemType::F32 => Data::F(
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| model.round(f32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+                    .collect(),
+            ),
+            ElemType::F16 => Data::F(
+                bytes
+                    .chunks_exact(2)
+                    .map(|c| model.round(half::f16::from_le_bytes([c[0], c[1]]).to_f32()))
+                    .collect(),
+            ),
+            ElemType::I64 => Data::I(
+                bytes
+                    .chunks_exact(8)
+                    .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                    .collect(),
+            ),
+            ElemType::I8 => Data::I(bytes.iter().map(|&b| b as i8 as i64).collect()),
+            ElemType::I4 => Data::I(
+                reference::quant::unpack_i4(bytes, count)?
+                    .into_iter()
+                    .map(i64::from)
+                    .collect(),
+            ),
+            ElemType::Boolean => Data::B(bytes.iter().map(|&b| b != 0).collect()),
+        };
+        out.insert(
+            (scope, id),
+            Rc::new(Val {
+                shape: port.shape.clone(),
+                data,
+            }),
+        );
+    }
+    Ok(())
+}
+
+fn unary(x: &V, f: impl Fn(f32) -> f32) -> Result<V> {
+    Ok(Val::f(x.shape.clone(), x.floats()?.iter().map(|&v| f(v)).collect()))
+}
+
+fn binary(a: &V, b: &V, f: fn(f32, f32) -> f32) -> Result<V> {
+    let shape = broadcast(&a.shape, &b.shape)?;
+    let (ia, ib) = (broadcast_index(&a.shape, &shape), broadcast_index(&b.shape, &shape));
+    let (av, bv) = (a.floats()?, b.floats()?);
+    Ok(Val::f(shape, ia.iter().zip(&ib).map(|(&i, &j)| f(av[i], bv[j])).collect()))
+}
+
+fn permute<T: Copy>(data: &[T], shape: &[usize], perm: &[usize]) -> (Vec<usize>, Vec<T>) {
+    let out_shape: Vec<usize> = perm.iter().map(|&p| shape[p]).collect();
+    let st = strides(shape);
+    let ost = strides(&out_shape);
+    let total: usize = out_shape.iter().product();
+    let v = (0..total)
+        .map(|flat| {
+            let mut src = 0;
+            for (d, &p) in perm.iter().enumerate() {
+                src += ((flat / ost[d]) % out_shape[d]) * st[p];
+            }
+            data[src]
+        })
+        .collect();
+    (out_shape, v)
+}
+
+fn transpose(x: &V, perm: &[usize]) -> Result<V> {
+    Ok(Rc::new(match &x.data {
+        Data::F(v) => {
+            let (shape, d) = permute(v, &x.shape, perm);
+            Val { shape, data: Data::F(d) }
+        }
+        Data::I(v) => {
+            let (shape, d) = permute(v, &x.shape, perm);
+            Val { shape, data: Data::I(d) }
+        }
+        Data::B(v) => {
+            let (shape, d) = permute(v, &x.shape, perm);
+            Val { shape, data: Data::B(d) }
+        }
+    }))
+}
+
+/// Elements `start..start + len` along `axis`.
+fn slice(x: &V, axis: usize, start: usize, len: usize) -> Result<V> {
+    let shape = &x.shape;
+    if axis >= shape.len() || start + len > shape[axis] {
+        return Err(Error::Interface(format!("slice {start}+{len} of axis {axis} of {shape:?}")));
+    }
+    let outer: usize = shape[..axis].iter().product();
+    let inner: usize = shape[axis + 1..].iter().product();
+    let mut out_shape = shape.clone();
+    out_shape[axis] = len;
+    let ranges: Vec<(usize, usize)> = (0..outer)
+        .map(|o| {
+            let from = (o * shape[axis] + start) * inner;
+            (from, from + len * inner)
+        })
+        .collect();
+    Ok(Rc::new(Val {
+        shape: out_shape,
+        data: match &x.data {
+            Data::F(v) => Data::F(ranges.iter().flat_map(|&(a, b)| v[a..b].iter().copied()).collect()),
+            Data::I(v) => Data::I(ranges.iter().flat_map(|&(a, b)| v[a..b].iter().copied()).collect()),
+            Data::B(v) => Data::B(ranges.iter().flat_map(|&(a, b)| v[a..b].iter().copied()).collect()),
+        },
+    }))
+}
+
+fn concat(parts: &[V], axis: usize) -> Result<V> {
+    let first = parts.first().ok_or_else(|| Error::Interface("Concat of nothing".into()))?;
+    let mut shape = first.shape.clone();
+    shape[axis] = parts.iter().map(|p| p.shape[axis]).sum();
+    let outer: usize = shape[..axis].iter().product();
+    let mut out = Vec::with_capacity(shape.iter().product());
+    for o in 0..outer {
+        for p in parts {
+            let inner: usize = p.shape[axis..].iter().product();
+            out.extend_from_slice(&p.floats()?[o * inner..(o + 1) * inner]);
+        }
+    }
+    Ok(Val::f(shape, out))
+}
+
+fn gather(data: &V, indices: &V, axis: usize) -> Result<V> {
+    let idx = indices.ints()?;
+    let shape = &data.shape;
+    let outer: usize = shape[..axis].iter().product();
+    let inner: usize = shape[axis + 1..].iter().product();
+    let dim = shape[axis] as i64;
+    let mut out_shape = shape[..axis].to_vec();
+    out_shape.extend_from_slice(&indices.shape);
+    out_shape.extend_from_slice(&shape[axis + 1..]);
+    let v = data.floats()?;
+    let mut out = Vec::with_capacity(out_shape.iter().product());
+    for o in 0..outer {
+        for &i in &idx {
+            let i = if i < 0 { i + dim } else { i };
+            if !(0..dim).contains(&i) {
+                return Err(Error::Interface(format!("Gather index {i} outside 0..{dim}")));
+            }
+            let from = (o * dim as usize + i as usize) * inner;
+            out.extend_from_slice(&v[from..from + inner]);
+        }
+    }
+    Ok(Val::f(out_shape, out))
+}
+
+fn softmax(x: &V, axis: usize) -> Result<V> {
+    let shape = &x.shape;
+    let v = x.floats()?;
+    let inner: usize = shape[axis + 1..].iter().product();
+    let n = shape[axis];
+    let outer: usize = shape[..axis].iter().product();
+    let mut out = vec![0f32; v.len()];
+    for o in 0..outer {
+        for i in 0..inner {
+            let at = |k: usize| (o * n + k) * inner + i;
+            let max = (0..n).map(|k| v[at(k)]).fold(f32::NEG_INFINITY, f32::max);
+            let sum: f32 = (0..n).map(|k| (v[at(k)] - max).exp()).sum();
+            for k in 0..n {
+                out[at(k)] = (v[at(k)] - max).exp() / sum;
+            }
+        }
+    }
+    Ok(Val::f(shape.clone(), out))
+}
+
+fn convert(x: &V, to: &str) -> Result<V> {
+    Ok(Rc::new(match to {
+        "f32" | "f16" => Val {
+            shape: x.shape.clone(),
+            data: Data::F(match &x.data {
+                Data::F(v) => v.clone(),
+                Data::I(v) => v.iter().map(|&i| i as f32).collect(),
+                Data::B(v) => v.iter().map(|&b| b as i32 as f32).collect(),
+            }),
+        },
+        "i64" => Val {
+            shape: x.shape.clone(),
+            data: Data::I(x.ints()?),
+        },
+        other => return Err(Error::Interface(format!("Convert to {other}"))),
+    }))
+}
+
+fn from_tensor(t: &Tensor) -> Result<V> {
+    let shape = t.dims().to_vec();
+    let flat = t.flatten_all()?;
+    Ok(Rc::new(match t.dtype() {
+        DType::I64 => Val {
+            shape,
+            data: Data::I(flat.to_vec1::<i64>()?),
+        },
+        _ => Val {
+            shape,
+            data: Data::F(flat.to_dtype(DType::F32)?.to_vec1::<f32>()?),
+        },
+    }))
+}
+
+fn to_tensor(v: &Val) -> Result<Tensor> {
+    let dev = &Device::Cpu;
+    Ok(match &v.data {
+        Data::F(x) => Tensor::from_vec(x.clone(), v.shape.clone(), dev)?,
+        Data::I(x) => Tensor::from_vec(x.clone(), v.shape.clone(), dev)?,
+        Data::B(x) => Tensor::from_vec(
+            x.iter().map(|&b| b as i64).collect::<Vec<_>>(),
+            v.shape.clone(),
+            dev,
+        )?,
+    })
+}
