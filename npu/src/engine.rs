@@ -261,14 +261,20 @@ impl BlockInputs {
     }
 }
 
-/// Pads `[n, …]` with zero rows to `[tokens, …]`.
+/// Pads `[n, …]` to `[tokens, …]` by repeating the last row. The padded rows never reach a valid one (masked out
+/// of attention, `token_valid` zeroing their decay and write strength), but they are computed: rows of zeros would
+/// make the RMSNorms divide 0 by 0 wherever the norm's epsilon does not survive the device's arithmetic (1e-6 is
+/// flushed to zero in fp16), and the NaN would reach valid rows through products with zero weights. A real token's
+/// row (as the decoder graphs get from padding with token 0) is what a deployed graph sees.
 fn pad_rows(x: &Tensor, tokens: usize) -> Result<Tensor> {
     let n = x.dim(0)?;
-    Ok(if n == tokens {
-        x.clone()
-    } else {
-        x.pad_with_zeros(0, 0, tokens - n)?
-    })
+    if n == tokens {
+        return Ok(x.clone());
+    }
+    let last = x.narrow(0, n - 1, 1)?;
+    let mut rows = vec![x.clone()];
+    rows.extend(std::iter::repeat_n(last, tokens - n));
+    Ok(Tensor::cat(&rows, 0)?)
 }
 
 /// Appends the first `n` tokens of `new` (`[Hkv, T, D]`) to a static cache at slot `len`.

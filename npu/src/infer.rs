@@ -50,7 +50,9 @@ pub fn prepare(graph: Graph, device: &str, opts: &CompileOptions) -> Result<Box<
         return Ok(Box::new(SimSession::new(graph, device, model)?));
     }
     let mut core = crate::runtime::core()?;
-    Ok(Box::new(Session::new(compile(&mut core, graph, device, opts)?)?))
+    Ok(Box::new(Session::new(compile(
+        &mut core, graph, device, opts,
+    )?)?))
 }
 
 /// A graph evaluated by FP16SIM.
@@ -202,7 +204,6 @@ impl Session {
             message,
         }
     }
-
 }
 
 impl Executor for Session {

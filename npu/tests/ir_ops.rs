@@ -3,8 +3,8 @@
 use candle_core::{DType, Device, Tensor};
 use npu::devices::{CompileOptions, compile, compile_file};
 use npu::infer::{Executor, Session, SimSession};
-use npu::sim::NumericModel;
 use npu::ir::{ElemType, Graph, Unary};
+use npu::sim::NumericModel;
 use reference::compare::diff;
 use reference::synthetic::Rng;
 
@@ -37,11 +37,27 @@ fn run(g: &Graph, inputs: &[(&str, &Tensor)]) -> std::collections::BTreeMap<Stri
     );
     for (name, t) in &ov {
         if t.dtype() == DType::F32 {
-            close(&format!("FP16SIM f32 vs OpenVINO: {name}"), &sim[name], t, 1e-6);
+            close(
+                &format!("FP16SIM f32 vs OpenVINO: {name}"),
+                &sim[name],
+                t,
+                1e-6,
+            );
         } else {
             assert_eq!(
-                sim[name].to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap(),
-                t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap(),
+                sim[name]
+                    .to_dtype(DType::F64)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f64>()
+                    .unwrap(),
+                t.to_dtype(DType::F64)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f64>()
+                    .unwrap(),
                 "{name}"
             );
         }

@@ -6,11 +6,34 @@ use anyhow::{Result, bail};
 use npu::devices::{CompileOptions, InferencePrecision, device_config};
 use npu::engine::{DEFAULT_BLOCK, DecoderEngine};
 use npu::graphs::{Builder, DEFAULT_CONTEXT, GraphOptions};
+use npu::sim::NumericModel;
 use reference::backend::{Backend, ReferenceBackend};
 use reference::config::Config;
 use reference::linear_attn::PORT_OUTPUT_SCALE;
 use reference::model::{Model, RunOptions};
 use reference::weights::WeightStore;
+
+/// Fails unless `device` can run here: the FP16SIM pseudo-device with valid options, or an OpenVINO device that is
+/// present (the error names the ones that are).
+pub fn check_device(device: &str) -> Result<()> {
+    if NumericModel::is_sim(device) {
+        NumericModel::parse(device, &[])?;
+        return Ok(());
+    }
+    let core = npu::runtime::core()?;
+    npu::devices::require(&core, device)?;
+    Ok(())
+}
+
+/// Every OpenVINO device present (the FP16SIM pseudo-device is compared only when named).
+pub fn available_devices() -> Result<Vec<String>> {
+    let core = npu::runtime::core().map_err(|e| {
+        anyhow::anyhow!(
+            "{e} (FP16SIM needs no runtime: pass --devices FP16SIM to compare with it alone)"
+        )
+    })?;
+    Ok(npu::devices::available(&core)?)
+}
 
 /// Graph and compile settings resolved from the command line.
 pub struct DeviceSettings {
@@ -36,6 +59,13 @@ impl DeviceSettings {
             bail!("--context must be at least 1");
         }
         let graph_form = form.graph_form()?;
+        if NumericModel::is_sim(device) && dev.precision.is_some() {
+            bail!(
+                "--precision applies to OpenVINO devices; {device}'s arithmetic comes from its options \
+                 ({}:store=f16|bf16|f32,ftz=on|off,acc=f32|f16,state=f16|f32)",
+                npu::sim::DEVICE
+            );
+        }
         let compile = CompileOptions {
             precision: dev.precision.unwrap_or(InferencePrecision::F32),
             device_config: device_config(dev.device_config.as_deref())?,
@@ -62,7 +92,9 @@ pub fn open_device(
     settings: &DeviceSettings,
     taps: bool,
 ) -> Result<DecoderEngine> {
-    npu::runtime::load()?;
+    if !NumericModel::is_sim(&settings.device) {
+        npu::runtime::load()?;
+    }
     let graph = GraphOptions {
         taps,
         ..settings.graph
@@ -75,7 +107,9 @@ pub fn open_device(
         &settings.compile,
     )?;
     let record = engine.record();
-    if record.precision.as_deref() != Some(settings.compile.precision.hint()) {
+    if !NumericModel::is_sim(&settings.device)
+        && record.precision.as_deref() != Some(settings.compile.precision.hint())
+    {
         eprintln!(
             "warning: {} computed in {} although {} was requested (the device has no such arithmetic); recorded as \
              `precision`",

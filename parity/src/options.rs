@@ -329,8 +329,8 @@ pub enum Backend {
 /// How the OpenVINO graphs are built and compiled (besides the DeltaNet form of [`FormArgs`]).
 #[derive(Debug, Clone, Args)]
 pub struct GraphArgs {
-    /// Inference precision asked of the device (f32, or f16 as an NPU computes); what actually ran is read back and
-    /// recorded. Default f32.
+    /// Inference precision asked of an OpenVINO device (f32, or f16 as an NPU computes); what actually ran is read
+    /// back and recorded. Default f32. (FP16SIM takes its arithmetic from its options.)
     #[arg(long, value_parser = parse_precision, value_name = "f32|f16")]
     pub precision: Option<InferencePrecision>,
     /// Prompt block of the OpenVINO graphs (the prompt runs in padded blocks of N tokens). Default 16.
@@ -365,7 +365,8 @@ pub struct DeviceArgs {
     /// Which backend computes the dump.
     #[arg(long, value_enum, default_value = "reference")]
     pub backend: Backend,
-    /// OpenVINO device (CPU, NPU, GPU, ...). Default CPU.
+    /// OpenVINO device (CPU, NPU, GPU, ...) or FP16SIM[:options] (an fp16 accelerator's arithmetic on the same
+    /// graphs: store=f16|bf16|f32, ftz=on|off, acc=f32|f16, state=f16|f32). Default CPU.
     #[arg(long)]
     pub device: Option<String>,
     /// The graph and compile options.

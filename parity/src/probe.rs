@@ -91,11 +91,7 @@ impl OpenVinoLayers {
         for &l in layers {
             runners.insert(l, LayerRunner::new(builder, l, block, device, opts)?);
         }
-        let first = runners
-            .values()
-            .next()
-            .context("no layer to probe")?
-            .info();
+        let first = runners.values().next().context("no layer to probe")?.info();
         let graph = builder.options();
         let record = RunRecord {
             taps: true,

@@ -327,8 +327,69 @@ fn diff_of_a_dump_with_itself_is_zero_and_a_device_dump_is_close() {
     );
 }
 
+/// FP16SIM with nothing rounded is a second executor of the graphs: compared like a device, it passes the f32
+/// thresholds; its default fp16 arithmetic is reported as what ran.
+#[test]
+fn fp16sim_is_compared_like_a_device() {
+    let tmp = tempfile::tempdir().unwrap();
+    let j = tmp.path().join("r.json");
+    let o = qwen35(&[
+        "compare-devices",
+        "--devices",
+        "FP16SIM:store=f32,ftz=off,FP16SIM",
+        "--context",
+        "64",
+        "--prompt",
+        "Why does the river rise?",
+        "--tokens",
+        "4",
+        "--json",
+        j.to_str().unwrap(),
+    ]);
+    assert!(matches!(o.status.code(), Some(0 | 1)), "{}", stderr(&o));
+    let v = json(&j);
+    let devices = v["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 2);
+    let exact = &devices[0];
+    assert_eq!(exact["device"], "FP16SIM:store=f32,ftz=off");
+    assert_eq!(exact["record"]["precision"], "f32");
+    assert_eq!(exact["passed"], true, "{}", exact["failures"]);
+    assert_eq!(exact["greedy_matched"], 4);
+    let fp16 = &devices[1];
+    assert_eq!(fp16["record"]["precision"], "f16");
+    assert_eq!(fp16["record"]["properties"]["ftz"], "on");
+    assert_eq!(
+        fp16["record"]["execution_devices"],
+        "FP16SIM:store=f16,ftz=on,acc=f32,state=f16"
+    );
+    // fp16 moves the logits far more than f32 rounding does.
+    assert!(
+        fp16["logits"]["nmse"].as_f64().unwrap() > 1e3 * exact["logits"]["nmse"].as_f64().unwrap()
+    );
+}
+
 #[test]
 fn harness_errors_are_clear() {
+    expect_error(
+        &["compare-devices", "--devices", "FP16SIM:ftz=maybe"],
+        &["--devices", "ftz"],
+    );
+    expect_error(
+        &[
+            "dump",
+            "--backend",
+            "openvino",
+            "--device",
+            "FP16SIM",
+            "--precision",
+            "f16",
+            "--token-ids",
+            "1",
+            "--out",
+            "never-written.safetensors",
+        ],
+        &["--precision", "FP16SIM"],
+    );
     expect_error(
         &["compare-devices", "--devices", "NO_SUCH_DEVICE"],
         &["--devices", "NO_SUCH_DEVICE", "available"],

@@ -68,13 +68,23 @@ fn broadcast(a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
     let n = a.len().max(b.len());
     (0..n)
         .map(|i| {
-            let x = if i + a.len() >= n { a[i + a.len() - n] } else { 1 };
-            let y = if i + b.len() >= n { b[i + b.len() - n] } else { 1 };
+            let x = if i + a.len() >= n {
+                a[i + a.len() - n]
+            } else {
+                1
+            };
+            let y = if i + b.len() >= n {
+                b[i + b.len() - n]
+            } else {
+                1
+            };
             match (x, y) {
                 (x, y) if x == y => Ok(x),
                 (1, y) => Ok(y),
                 (x, 1) => Ok(x),
-                _ => Err(Error::Interface(format!("{a:?} and {b:?} do not broadcast"))),
+                _ => Err(Error::Interface(format!(
+                    "{a:?} and {b:?} do not broadcast"
+                ))),
             }
         })
         .collect()
@@ -181,9 +191,10 @@ impl Evaluator {
 
     fn round_val(&self, v: &V) -> V {
         match &v.data {
-            Data::F(x) if !self.model.is_exact_f32() => {
-                Val::f(v.shape.clone(), x.iter().map(|&a| self.model.round(a)).collect())
-            }
+            Data::F(x) if !self.model.is_exact_f32() => Val::f(
+                v.shape.clone(),
+                x.iter().map(|&a| self.model.round(a)).collect(),
+            ),
             _ => v.clone(),
         }
     }
@@ -202,7 +213,14 @@ impl Evaluator {
                 let Value { node, port } = node.inputs[i];
                 values[node][port].clone()
             };
-            let err = |m: String| Error::Interface(format!("{}: {} {}: {m}", self.graph.name(), node.op, node.name));
+            let err = |m: String| {
+                Error::Interface(format!(
+                    "{}: {} {}: {m}",
+                    self.graph.name(),
+                    node.op,
+                    node.name
+                ))
+            };
             let keep_f32 = self.model.f32_state && scope == 0 && self.state_producers.contains(&id);
             let out: Vec<V> = match node.op {
                 "Parameter" => vec![parameter(id, node)?],
@@ -213,7 +231,9 @@ impl Evaluator {
                         .ok_or_else(|| err("constant not decoded".into()))?,
                 ],
                 "Result" => vec![],
-                "Loop" => self.eval_loop(node, &(0..node.inputs.len()).map(arg).collect::<Vec<_>>())?,
+                "Loop" => {
+                    self.eval_loop(node, &(0..node.inputs.len()).map(arg).collect::<Vec<_>>())?
+                }
                 op => {
                     let args: Vec<V> = (0..node.inputs.len()).map(arg).collect();
                     let v = self.op(op, node, &args).map_err(|e| err(e.to_string()))?;
@@ -279,6 +299,15 @@ impl Evaluator {
         let attr = |k: &str| node.attr(k).unwrap_or("");
         Ok(match op {
             "Add" | "Subtract" | "Multiply" | "Divide" => {
+                if let (Data::I(_), Data::I(_)) = (&a[0].data, &a[1].data) {
+                    let f: fn(i64, i64) -> i64 = match op {
+                        "Add" => |x, y| x + y,
+                        "Subtract" => |x, y| x - y,
+                        "Multiply" => |x, y| x * y,
+                        _ => |x, y| if y == 0 { 0 } else { x / y },
+                    };
+                    return binary_int(&a[0], &a[1], f);
+                }
                 let f: fn(f32, f32) -> f32 = match op {
                     "Add" => |x, y| x + y,
                     "Subtract" => |x, y| x - y,
@@ -298,7 +327,12 @@ impl Evaluator {
                 if x > 20.0 { x } else { x.exp().ln_1p() }
             })?,
             "Swish" => unary(&a[0], |x| x / (1.0 + (-x).exp()))?,
-            "MatMul" => self.matmul(&a[0], &a[1], attr("transpose_a") == "true", attr("transpose_b") == "true")?,
+            "MatMul" => self.matmul(
+                &a[0],
+                &a[1],
+                attr("transpose_a") == "true",
+                attr("transpose_b") == "true",
+            )?,
             "Reshape" => {
                 let shape: Vec<usize> = a[1].ints()?.iter().map(|&d| d as usize).collect();
                 Rc::new(Val {
@@ -311,7 +345,9 @@ impl Evaluator {
                 transpose(&a[0], &perm)?
             }
             "Concat" => {
-                let axis: usize = attr("axis").parse().map_err(|_| Error::Interface("Concat axis".into()))?;
+                let axis: usize = attr("axis")
+                    .parse()
+                    .map_err(|_| Error::Interface("Concat axis".into()))?;
                 concat(a, axis)?
             }
             "Slice" => {
@@ -332,14 +368,25 @@ impl Evaluator {
             }
             "ReduceSum" | "ReduceMean" => {
                 let axes: Vec<usize> = a[1].ints()?.iter().map(|&d| d as usize).collect();
-                self.reduce(&a[0], &axes, attr("keep_dims") == "true", op == "ReduceMean")?
+                self.reduce(
+                    &a[0],
+                    &axes,
+                    attr("keep_dims") == "true",
+                    op == "ReduceMean",
+                )?
             }
             "SoftMax" => {
-                let axis: usize = attr("axis").parse().map_err(|_| Error::Interface("SoftMax axis".into()))?;
+                let axis: usize = attr("axis")
+                    .parse()
+                    .map_err(|_| Error::Interface("SoftMax axis".into()))?;
                 softmax(&a[0], axis)?
             }
             "Convert" => convert(&a[0], attr("destination_type"))?,
-            other => return Err(Error::Interface(format!("{other} is not an op FP16SIM evaluates"))),
+            other => {
+                return Err(Error::Interface(format!(
+                    "{other} is not an op FP16SIM evaluates"
+                )));
+            }
         })
     }
 
@@ -360,7 +407,10 @@ impl Evaluator {
         let (m, k) = (a.shape[ra - 2], a.shape[ra - 1]);
         let (k2, n) = (b.shape[rb - 2], b.shape[rb - 1]);
         if k != k2 {
-            return Err(Error::Interface(format!("MatMul {:?} x {:?}", a.shape, b.shape)));
+            return Err(Error::Interface(format!(
+                "MatMul {:?} x {:?}",
+                a.shape, b.shape
+            )));
         }
         let batch = broadcast(&a.shape[..ra - 2], &b.shape[..rb - 2])?;
         let ia = broadcast_index(&a.shape[..ra - 2], &batch);
@@ -407,7 +457,8 @@ impl Evaluator {
         let st = strides(shape);
         let rst = strides(&reduced);
         let mut acc = vec![0f32; reduced.iter().product()];
-        let acc_storage = self.model.accumulation == Accumulation::Storage && !self.model.is_exact_f32();
+        let acc_storage =
+            self.model.accumulation == Accumulation::Storage && !self.model.is_exact_f32();
         for (flat, &v) in xs.iter().enumerate() {
             let mut r = 0;
             for d in 0..shape.len() {
@@ -508,14 +559,36 @@ fn decode_consts(
 }
 
 fn unary(x: &V, f: impl Fn(f32) -> f32) -> Result<V> {
-    Ok(Val::f(x.shape.clone(), x.floats()?.iter().map(|&v| f(v)).collect()))
+    Ok(Val::f(
+        x.shape.clone(),
+        x.floats()?.iter().map(|&v| f(v)).collect(),
+    ))
 }
 
 fn binary(a: &V, b: &V, f: fn(f32, f32) -> f32) -> Result<V> {
     let shape = broadcast(&a.shape, &b.shape)?;
-    let (ia, ib) = (broadcast_index(&a.shape, &shape), broadcast_index(&b.shape, &shape));
+    let (ia, ib) = (
+        broadcast_index(&a.shape, &shape),
+        broadcast_index(&b.shape, &shape),
+    );
     let (av, bv) = (a.floats()?, b.floats()?);
-    Ok(Val::f(shape, ia.iter().zip(&ib).map(|(&i, &j)| f(av[i], bv[j])).collect()))
+    Ok(Val::f(
+        shape,
+        ia.iter().zip(&ib).map(|(&i, &j)| f(av[i], bv[j])).collect(),
+    ))
+}
+
+fn binary_int(a: &V, b: &V, f: fn(i64, i64) -> i64) -> Result<V> {
+    let shape = broadcast(&a.shape, &b.shape)?;
+    let (ia, ib) = (
+        broadcast_index(&a.shape, &shape),
+        broadcast_index(&b.shape, &shape),
+    );
+    let (av, bv) = (a.ints()?, b.ints()?);
+    Ok(Rc::new(Val {
+        shape,
+        data: Data::I(ia.iter().zip(&ib).map(|(&i, &j)| f(av[i], bv[j])).collect()),
+    }))
 }
 
 fn permute<T: Copy>(data: &[T], shape: &[usize], perm: &[usize]) -> (Vec<usize>, Vec<T>) {
@@ -539,15 +612,24 @@ fn transpose(x: &V, perm: &[usize]) -> Result<V> {
     Ok(Rc::new(match &x.data {
         Data::F(v) => {
             let (shape, d) = permute(v, &x.shape, perm);
-            Val { shape, data: Data::F(d) }
+            Val {
+                shape,
+                data: Data::F(d),
+            }
         }
         Data::I(v) => {
             let (shape, d) = permute(v, &x.shape, perm);
-            Val { shape, data: Data::I(d) }
+            Val {
+                shape,
+                data: Data::I(d),
+            }
         }
         Data::B(v) => {
             let (shape, d) = permute(v, &x.shape, perm);
-            Val { shape, data: Data::B(d) }
+            Val {
+                shape,
+                data: Data::B(d),
+            }
         }
     }))
 }
@@ -556,7 +638,9 @@ fn transpose(x: &V, perm: &[usize]) -> Result<V> {
 fn slice(x: &V, axis: usize, start: usize, len: usize) -> Result<V> {
     let shape = &x.shape;
     if axis >= shape.len() || start + len > shape[axis] {
-        return Err(Error::Interface(format!("slice {start}+{len} of axis {axis} of {shape:?}")));
+        return Err(Error::Interface(format!(
+            "slice {start}+{len} of axis {axis} of {shape:?}"
+        )));
     }
     let outer: usize = shape[..axis].iter().product();
     let inner: usize = shape[axis + 1..].iter().product();
@@ -571,15 +655,32 @@ fn slice(x: &V, axis: usize, start: usize, len: usize) -> Result<V> {
     Ok(Rc::new(Val {
         shape: out_shape,
         data: match &x.data {
-            Data::F(v) => Data::F(ranges.iter().flat_map(|&(a, b)| v[a..b].iter().copied()).collect()),
-            Data::I(v) => Data::I(ranges.iter().flat_map(|&(a, b)| v[a..b].iter().copied()).collect()),
-            Data::B(v) => Data::B(ranges.iter().flat_map(|&(a, b)| v[a..b].iter().copied()).collect()),
+            Data::F(v) => Data::F(
+                ranges
+                    .iter()
+                    .flat_map(|&(a, b)| v[a..b].iter().copied())
+                    .collect(),
+            ),
+            Data::I(v) => Data::I(
+                ranges
+                    .iter()
+                    .flat_map(|&(a, b)| v[a..b].iter().copied())
+                    .collect(),
+            ),
+            Data::B(v) => Data::B(
+                ranges
+                    .iter()
+                    .flat_map(|&(a, b)| v[a..b].iter().copied())
+                    .collect(),
+            ),
         },
     }))
 }
 
 fn concat(parts: &[V], axis: usize) -> Result<V> {
-    let first = parts.first().ok_or_else(|| Error::Interface("Concat of nothing".into()))?;
+    let first = parts
+        .first()
+        .ok_or_else(|| Error::Interface("Concat of nothing".into()))?;
     let mut shape = first.shape.clone();
     shape[axis] = parts.iter().map(|p| p.shape[axis]).sum();
     let outer: usize = shape[..axis].iter().product();
@@ -608,7 +709,9 @@ fn gather(data: &V, indices: &V, axis: usize) -> Result<V> {
         for &i in &idx {
             let i = if i < 0 { i + dim } else { i };
             if !(0..dim).contains(&i) {
-                return Err(Error::Interface(format!("Gather index {i} outside 0..{dim}")));
+                return Err(Error::Interface(format!(
+                    "Gather index {i} outside 0..{dim}"
+                )));
             }
             let from = (o * dim as usize + i as usize) * inner;
             out.extend_from_slice(&v[from..from + inner]);

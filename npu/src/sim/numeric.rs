@@ -81,28 +81,40 @@ impl NumericModel {
                 }
             }
             None if rest.is_empty() => {}
-            None => return Err(Error::Config(format!("`{device}`: expected {DEVICE}:key=value,…"))),
+            None => {
+                return Err(Error::Config(format!(
+                    "`{device}`: expected {DEVICE}:key=value,…"
+                )));
+            }
         }
         pairs.extend(config.iter().cloned());
         let mut m = NumericModel::default();
         for (k, v) in pairs {
             let bad = || {
-                Error::Config(format!("{DEVICE} option {k}={v}: {}", match k.as_str() {
-                    "store" => "store is f16, bf16 or f32",
-                    "ftz" => "ftz is on or off",
-                    "acc" => "acc is f32, or the storage format (f16, bf16)",
-                    "state" => "state is f16 or f32",
-                    _ => "unknown option (store, ftz, acc, state)",
-                }))
+                Error::Config(format!(
+                    "{DEVICE} option {k}={v}: {}",
+                    match k.as_str() {
+                        "store" => "store is f16, bf16 or f32",
+                        "ftz" => "ftz is on or off",
+                        "acc" => "acc is f32, or the storage format (f16, bf16)",
+                        "state" => "state is f16 or f32",
+                        _ => "unknown option (store, ftz, acc, state)",
+                    }
+                ))
             };
-            match (k.to_ascii_lowercase().as_str(), v.to_ascii_lowercase().as_str()) {
+            match (
+                k.to_ascii_lowercase().as_str(),
+                v.to_ascii_lowercase().as_str(),
+            ) {
                 ("store", "f16" | "fp16") => m.storage = Storage::F16,
                 ("store", "bf16") => m.storage = Storage::Bf16,
                 ("store", "f32" | "fp32") => m.storage = Storage::F32,
                 ("ftz", "on" | "yes" | "true") => m.flush_subnormals = true,
                 ("ftz", "off" | "no" | "false") => m.flush_subnormals = false,
                 ("acc", "f32" | "fp32") => m.accumulation = Accumulation::F32,
-                ("acc", "f16" | "fp16" | "bf16" | "storage") => m.accumulation = Accumulation::Storage,
+                ("acc", "f16" | "fp16" | "bf16" | "storage") => {
+                    m.accumulation = Accumulation::Storage
+                }
                 ("state", "f16" | "fp16" | "storage") => m.f32_state = false,
                 ("state", "f32" | "fp32") => m.f32_state = true,
                 _ => return Err(bad()),
@@ -165,7 +177,12 @@ impl NumericModel {
             ),
             (
                 "state".into(),
-                if self.f32_state { "f32" } else { self.precision() }.into(),
+                if self.f32_state {
+                    "f32"
+                } else {
+                    self.precision()
+                }
+                .into(),
             ),
         ]
     }
@@ -192,10 +209,16 @@ mod tests {
         let d = NumericModel::parse("FP16SIM", &[]).unwrap();
         assert_eq!(d, NumericModel::default());
         assert_eq!(d.to_string(), "FP16SIM:store=f16,ftz=on,acc=f32,state=f16");
-        let m = NumericModel::parse("FP16SIM:ftz=off,acc=f16", &[("state".into(), "f32".into())]).unwrap();
+        let m = NumericModel::parse("FP16SIM:ftz=off,acc=f16", &[("state".into(), "f32".into())])
+            .unwrap();
         assert!(!m.flush_subnormals && m.accumulation == Accumulation::Storage && m.f32_state);
         assert_eq!(NumericModel::parse(&m.to_string(), &[]).unwrap(), m);
-        for bad in ["FP16SIM:ftz=maybe", "FP16SIM:speed=fast", "FP16SIM:ftz", "FP16SIMX"] {
+        for bad in [
+            "FP16SIM:ftz=maybe",
+            "FP16SIM:speed=fast",
+            "FP16SIM:ftz",
+            "FP16SIMX",
+        ] {
             assert!(NumericModel::parse(bad, &[]).is_err(), "{bad}");
         }
         assert!(NumericModel::is_sim("FP16SIM:store=bf16") && !NumericModel::is_sim("NPU"));

@@ -1,7 +1,9 @@
 //! `qwen35 compare-devices`: the same prompts on the reference and on each device, compared token by token, layer
 //! by layer and state by state, with a verdict against thresholds.
 
-use crate::backends::{DeviceSettings, check_context, open_device, open_reference};
+use crate::backends::{
+    DeviceSettings, available_devices, check_context, check_device, open_device, open_reference,
+};
 use crate::commands::Outcome;
 use crate::compare::{
     DeviceReport, Distribution, Position, PositionClass, ReferenceRun, Thresholds, compare_prompt,
@@ -12,6 +14,7 @@ use crate::options::{ChatPrompt, FormArgs, GraphArgs, ModelArgs, PromptArgs};
 use crate::progress::Progress;
 use crate::report::{CompareReport, Inputs, Machine, QuantizationError, ReportArgs};
 use anyhow::{Context, Result, bail};
+use npu::sim::NumericModel;
 use reference::backend::teacher_forced;
 use reference::model::RunOptions;
 use reference::quant::WeightFormat;
@@ -27,9 +30,10 @@ pub const DEFAULT_PROMPTS: &str = include_str!("../../prompts/default.jsonl");
 pub struct CompareArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// Devices to compare with the reference, comma separated. Default: every device present.
-    #[arg(long, value_delimiter = ',', value_name = "CPU,NPU")]
-    devices: Vec<String>,
+    /// Devices to compare with the reference, comma separated: OpenVINO devices, or FP16SIM[:options] (an fp16
+    /// accelerator's arithmetic applied to the same graphs). Default: every OpenVINO device present.
+    #[arg(long, value_name = "CPU,NPU,FP16SIM")]
+    devices: Option<String>,
     #[command(flatten)]
     prompt: PromptArgs,
     /// A prompt set, one JSON object per line: {"prompt": …, "system"?: …, "think"?: bool, "label"?: …} or
@@ -214,17 +218,35 @@ pub fn eos_ids(dir: &Path, config: &reference::Config) -> Vec<u32> {
     eos
 }
 
-/// The devices to compare: the ones asked for (each checked to be present), else every device present.
-pub fn devices(asked: &[String]) -> Result<Vec<String>> {
-    let core = npu::runtime::core()?;
-    let present = npu::devices::available(&core)?;
-    if asked.is_empty() {
-        return Ok(present);
+/// The devices to compare: the ones asked for (each checked to be present), else every OpenVINO device present.
+pub fn devices(asked: Option<&str>) -> Result<Vec<String>> {
+    let Some(list) = asked else {
+        return available_devices();
+    };
+    let list = split_devices(list);
+    if list.is_empty() {
+        bail!("--devices: no device given");
     }
-    for d in asked {
-        npu::devices::require(&core, d).context("--devices")?;
+    for d in &list {
+        check_device(d).context("--devices")?;
     }
-    Ok(asked.to_vec())
+    Ok(list)
+}
+
+/// Splits `CPU,FP16SIM:store=f32,ftz=off,NPU` at the commas between devices (an item `key=value` continues the
+/// options of the FP16SIM before it).
+pub fn split_devices(list: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        match out.last_mut() {
+            Some(prev) if item.contains('=') && !item.contains(':') && prev.contains(':') => {
+                prev.push(',');
+                prev.push_str(item);
+            }
+            _ => out.push(item.to_string()),
+        }
+    }
+    out
 }
 
 /// Runs `qwen35 compare-devices`.
@@ -234,13 +256,29 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
         bail!("--tokens must be at least 1");
     }
     let (dir, config, store) = args.model.open()?;
-    let settings = DeviceSettings::resolve("CPU", &args.graph, &args.form)?;
+    let devices = devices(args.devices.as_deref())?;
+    // --precision is asked of the OpenVINO devices; FP16SIM's arithmetic comes from its options.
+    let sim_graph = GraphArgs {
+        precision: None,
+        ..args.graph.clone()
+    };
+    let settings = devices
+        .iter()
+        .map(|d| {
+            let graph = if NumericModel::is_sim(d) {
+                &sim_graph
+            } else {
+                &args.graph
+            };
+            DeviceSettings::resolve(d, graph, &args.form)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let context = settings[0].graph.context;
     let set = prompts(&args.prompt, args.prompts.as_deref(), &dir, &config)?;
     for p in &set {
-        check_context(p.ids.len(), args.tokens, settings.graph.context)
+        check_context(p.ids.len(), args.tokens, context)
             .with_context(|| format!("prompt `{}`", p.label))?;
     }
-    let devices = devices(&args.devices)?;
     args.report.check()?;
     let eos = eos_ids(&dir, &config);
 
@@ -263,11 +301,10 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
     };
 
     let mut reports = Vec::with_capacity(devices.len());
-    for device in &devices {
-        let settings = DeviceSettings::resolve(device, &args.graph, &args.form)?;
+    for (device, settings) in devices.iter().zip(&settings) {
         progress.message(&format!("{device}: compiling"));
-        let mut deployed = open_device(&config, &store, &settings, false)?;
-        let mut tapped = open_device(&config, &store, &settings, true)?;
+        let mut deployed = open_device(&config, &store, settings, false)?;
+        let mut tapped = open_device(&config, &store, settings, true)?;
         let mut compared = Vec::with_capacity(runs.len());
         for run in &runs {
             progress.step(&format!("{device}: {}", run.label));

@@ -2,6 +2,7 @@
 
 use crate::commands::Outcome;
 use anyhow::Result;
+use npu::sim::NumericModel;
 
 #[derive(clap::Args)]
 /// Arguments of `qwen35 devices`.
@@ -26,8 +27,11 @@ pub fn exec(args: DevicesArgs) -> Result<Outcome> {
                 })
             })
             .collect();
+        let sim = NumericModel::default();
         let out = serde_json::json!({
-            "openvino": version, "library": runtime.library.display().to_string(), "devices": list
+            "openvino": version, "library": runtime.library.display().to_string(), "devices": list,
+            "pseudo_devices": [{"name": npu::sim::DEVICE, "default": sim.to_string(),
+                                "options": {"store": "f16|bf16|f32", "ftz": "on|off", "acc": "f32|f16", "state": "f16|f32"}}],
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(Outcome::Pass);
@@ -46,5 +50,11 @@ pub fn exec(args: DevicesArgs) -> Result<Outcome> {
             println!("  default inference precision: {p} (reference runs ask for f32 explicitly)");
         }
     }
+    println!(
+        "{}: pseudo-device, an fp16 accelerator's arithmetic applied to the same graphs (no runtime needed)\n  \
+         default {}; options store=f16|bf16|f32, ftz=on|off, acc=f32|f16, state=f16|f32",
+        npu::sim::DEVICE,
+        NumericModel::default()
+    );
     Ok(Outcome::Pass)
 }

@@ -1,7 +1,7 @@
 //! `qwen35 probe`: each layer's own graph on a device against the reference, isolated or chained, with the
 //! drill-down of the first layer over threshold.
 
-use crate::backends::{DeviceSettings, open_reference};
+use crate::backends::{DeviceSettings, check_device, open_reference};
 use crate::commands::Outcome;
 use crate::commands::compare_devices::prompts;
 use crate::options::{FormArgs, GraphArgs, ModelArgs, PromptArgs};
@@ -17,7 +17,7 @@ use reference::model::RunOptions;
 pub struct ProbeArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// The device whose per-layer graphs are probed.
+    /// The device whose per-layer graphs are probed: an OpenVINO device, or FP16SIM[:options].
     #[arg(long)]
     device: String,
     /// Isolated: every block of every layer gets the reference's input and state. Chained: every layer gets the
@@ -81,8 +81,7 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
         );
     }
     args.report.check()?;
-    let core = npu::runtime::core()?;
-    npu::devices::require(&core, &args.device).context("--device")?;
+    check_device(&args.device).context("--device")?;
 
     let mut reference = open_reference(&config, &store, RunOptions::default(), true)?;
     let trace = ReferenceTrace::new(&mut reference, &prompt.ids, settings.block)?;
