@@ -12,4 +12,5 @@ pub mod options;
 pub mod plot;
 pub mod probe;
 pub mod progress;
+pub mod ranges;
 pub mod report;

@@ -35,6 +35,9 @@ enum Command {
     /// Compare two dumps (the second the reference) with the metrics and reports of compare-devices: a dump written
     /// by another program checked offline (exit 1 when a threshold fails).
     Diff(commands::diff::DiffArgs),
+    /// What of the reference's numbers an fp16 (or bf16) device cannot hold: overflows, values below the smallest
+    /// normal, constants that do not survive the cast, and the first overflow.
+    Ranges(commands::ranges::RangesArgs),
     /// Write the static OpenVINO graphs of a checkpoint (decoder and per-layer) and a manifest of their interfaces.
     ExportIr(commands::export_ir::ExportArgs),
 }
@@ -48,6 +51,7 @@ fn main() -> ExitCode {
         Command::CompareDevices(a) => commands::compare_devices::exec(a),
         Command::Probe(a) => commands::probe::exec(a),
         Command::Diff(a) => commands::diff::exec(a),
+        Command::Ranges(a) => commands::ranges::exec(a),
         Command::ExportIr(a) => commands::export_ir::exec(a),
     };
     match result {

@@ -368,6 +368,55 @@ fn fp16sim_is_compared_like_a_device() {
     );
 }
 
+/// The range report names what fp16 cannot hold: eps 1e-6 is an fp16 subnormal (flushed: zero), and on the tiny
+/// model the ×1024-rescaled DeltaNet outputs square past 65504 in the gated norm (what FP16SIM shows at ×1024).
+#[test]
+fn ranges_name_what_fp16_cannot_hold() {
+    let tmp = tempfile::tempdir().unwrap();
+    let j = tmp.path().join("r.json");
+    let o = qwen35(&["ranges", "--json", j.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v = json(&j);
+    assert_eq!(v["storage"], "f16");
+    let constants = v["constants"].as_array().unwrap();
+    let eps = constants
+        .iter()
+        .find(|c| c["name"].as_str().unwrap().starts_with("rms_norm_eps"))
+        .unwrap();
+    assert_eq!(eps["subnormal"], true, "{eps}");
+    let gated = constants
+        .iter()
+        .find(|c| c["name"].as_str().unwrap().starts_with("gated norm eps"))
+        .unwrap();
+    assert_eq!(
+        gated["subnormal"], false,
+        "eps × 1024² is a normal fp16: {gated}"
+    );
+    let first = v["first_overflow"].as_str().unwrap();
+    assert!(
+        first.starts_with("layers.0.linear_attn.core_output squared"),
+        "{first}"
+    );
+    // Without the rescaling nothing overflows, and the gated norm's eps is flushed instead.
+    let o = qwen35(&[
+        "ranges",
+        "--output-scale",
+        "1",
+        "--json",
+        j.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v = json(&j);
+    assert!(v["first_overflow"].is_null(), "{}", v["first_overflow"]);
+    assert!(
+        v["constants"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|c| c["subnormal"] == true)
+    );
+}
+
 #[test]
 fn harness_errors_are_clear() {
     expect_error(

@@ -6,6 +6,7 @@ pub mod diff;
 pub mod dump;
 pub mod export_ir;
 pub mod probe;
+pub mod ranges;
 pub mod run;
 
 /// What a command concluded: exit code 0 when every check passed, 1 when one failed (errors are 2).

@@ -1,0 +1,66 @@
+//! `qwen35 ranges`: what of the reference's numbers an fp16 (or bf16) device cannot hold, before any device runs.
+
+use crate::backends::open_reference;
+use crate::commands::Outcome;
+use crate::commands::compare_devices::prompts;
+use crate::options::{ModelArgs, PromptArgs};
+use crate::ranges::range_report;
+use anyhow::{Context, Result, bail};
+use npu::sim::numeric::Storage;
+use reference::backend::Backend;
+use reference::linear_attn::{PORT_OUTPUT_SCALE, check_output_scale};
+use reference::model::RunOptions;
+use std::path::PathBuf;
+
+/// Arguments of `qwen35 ranges`.
+#[derive(clap::Args)]
+pub struct RangesArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    prompt: PromptArgs,
+    /// The format the device stores values in: f16 (an NPU) or bf16.
+    #[arg(long, default_value = "f16", value_name = "f16|bf16")]
+    store: String,
+    /// The DeltaNet output rescaling the graphs apply (1 = off; the NPU port's is 1024).
+    #[arg(long, default_value_t = PORT_OUTPUT_SCALE, value_name = "S")]
+    output_scale: f64,
+    /// Write the report as JSON.
+    #[arg(long, value_name = "FILE.json")]
+    json: Option<PathBuf>,
+}
+
+/// Runs `qwen35 ranges`.
+pub fn exec(args: RangesArgs) -> Result<Outcome> {
+    let storage = match args.store.as_str() {
+        "f16" | "fp16" => Storage::F16,
+        "bf16" => Storage::Bf16,
+        other => bail!("--store {other}: expected f16 or bf16"),
+    };
+    check_output_scale(args.output_scale).context("--output-scale")?;
+    let (dir, config, store) = args.model.open()?;
+    let prompt = prompts(&args.prompt, None, &dir, &config)?
+        .into_iter()
+        .next()
+        .context("no prompt")?;
+    let mut reference = open_reference(&config, &store, RunOptions::default(), true)?;
+    reference.reset()?;
+    let run = reference.forward(&prompt.ids, true)?;
+    let mut taps = run.taps;
+    taps.insert(reference::taps::names::LOGITS.into(), run.logits);
+    let states = reference.snapshot()?.tensors;
+    let report = range_report(&config, &store, &taps, &states, storage, args.output_scale)?;
+    print!("{}", report.terminal());
+    if let Some(p) = &args.json {
+        let mut v = serde_json::to_value(&report)?;
+        if let Some(o) = v.as_object_mut() {
+            o.insert(
+                "schema_version".into(),
+                crate::report::SCHEMA_VERSION.into(),
+            );
+            o.insert("prompt".into(), prompt.label.into());
+        }
+        crate::report::write(p, &serde_json::to_string_pretty(&v)?)?;
+    }
+    Ok(Outcome::Pass)
+}

@@ -1,0 +1,343 @@
+//! The range report: before any device runs, what of the reference's numbers an fp16 (or bf16) device cannot hold.
+//!
+//! From the reference's activations and states (with the DeltaNet output rescaling applied as the graphs apply it):
+//! per tensor, the values beyond the format's largest finite value (65504 in fp16), the share of nonzero values
+//! below its smallest normal (flushed to zero by a device that flushes), and the same for the squares the RMSNorms
+//! and the l2 norms sum (`x²` of every norm's input: a hidden state of 300 squares to 9e4, past fp16's range). From
+//! the weights and the constants: the values that do not survive the cast (`rms_norm_eps = 1e-6` is an fp16
+//! subnormal: flushed, it is zero). The first overflow, in the order the decoder computes, is named.
+
+use crate::metrics::values;
+use anyhow::Result;
+use candle_core::Tensor;
+use npu::sim::numeric::Storage;
+use reference::config::{Config, LayerKind};
+use reference::linear_attn::L2_NORM_EPS;
+use reference::model::state_names;
+use reference::schema::Schema;
+use reference::taps::names;
+use reference::weights::WeightStore;
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// A storage format's limits.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Limits {
+    /// Largest finite magnitude.
+    pub max: f64,
+    /// Smallest normal magnitude.
+    pub min_normal: f64,
+}
+
+impl Limits {
+    /// The limits of `storage`.
+    pub fn of(storage: Storage) -> Self {
+        match storage {
+            Storage::F16 => Limits {
+                max: 65504.0,
+                min_normal: 6.103_515_625e-5,
+            },
+            Storage::Bf16 => Limits {
+                max: 3.389_531_389_251_535_5e38,
+                min_normal: f32::MIN_POSITIVE as f64,
+            },
+            Storage::F32 => Limits {
+                max: f32::MAX as f64,
+                min_normal: f32::MIN_POSITIVE as f64,
+            },
+        }
+    }
+}
+
+/// What a tensor's values (or their squares) do in the format.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Range {
+    /// Largest magnitude.
+    pub max_abs: f64,
+    /// Values beyond the largest finite value.
+    pub overflow: usize,
+    /// Share of the nonzero values below the smallest normal.
+    pub below_normal: f64,
+    /// Values counted.
+    pub count: usize,
+}
+
+impl Range {
+    /// The range of `x` in `limits`.
+    pub fn of(x: &[f64], limits: Limits) -> Self {
+        let nonzero = x.iter().filter(|v| **v != 0.0).count().max(1);
+        Range {
+            max_abs: x.iter().fold(0f64, |m, v| m.max(v.abs())),
+            overflow: x.iter().filter(|v| v.abs() > limits.max).count(),
+            below_normal: x
+                .iter()
+                .filter(|v| **v != 0.0 && v.abs() < limits.min_normal)
+                .count() as f64
+                / nonzero as f64,
+            count: x.len(),
+        }
+    }
+}
+
+/// One tensor's row of the report.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RangeRow {
+    /// The tensor (a dump name, a weight's checkpoint name, or a constant).
+    pub name: String,
+    /// The layer, if any.
+    pub layer: Option<usize>,
+    /// Its values.
+    pub values: Range,
+    /// Its squares, for the inputs of the norms (`None` for other tensors).
+    pub squares: Option<Range>,
+}
+
+impl RangeRow {
+    /// Whether a value or a square overflows.
+    pub fn overflows(&self) -> bool {
+        self.values.overflow > 0 || self.squares.is_some_and(|s| s.overflow > 0)
+    }
+}
+
+/// A constant of the graphs and what it becomes.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ConstantRow {
+    /// What it is.
+    pub name: String,
+    /// Its value.
+    pub value: f64,
+    /// Its value in the format with subnormals kept.
+    pub stored: f64,
+    /// Whether it is a subnormal of the format (zero when flushed).
+    pub subnormal: bool,
+}
+
+/// The range report.
+#[derive(Debug, Clone, Serialize)]
+pub struct RangeReport {
+    /// The format (`f16`, `bf16`).
+    pub storage: String,
+    /// Its limits.
+    pub limits: Limits,
+    /// The DeltaNet output rescaling applied.
+    pub output_scale: f64,
+    /// Activations and states, in the order the decoder computes them.
+    pub activations: Vec<RangeRow>,
+    /// Weights.
+    pub weights: Vec<RangeRow>,
+    /// Scalar constants of the graphs.
+    pub constants: Vec<ConstantRow>,
+    /// The first activation (or square) that overflows, in compute order.
+    pub first_overflow: Option<String>,
+}
+
+fn store(x: f64, storage: Storage) -> f64 {
+    match storage {
+        Storage::F16 => half::f16::from_f64(x).to_f64(),
+        Storage::Bf16 => half::bf16::from_f64(x).to_f64(),
+        Storage::F32 => x as f32 as f64,
+    }
+}
+
+/// Builds the report from the reference's taps and states over a prompt, its weights and the graph options.
+pub fn range_report(
+    config: &Config,
+    store_: &WeightStore,
+    taps: &BTreeMap<String, Tensor>,
+    states: &BTreeMap<String, Tensor>,
+    storage: Storage,
+    output_scale: f64,
+) -> Result<RangeReport> {
+    let limits = Limits::of(storage);
+    let mut activations = Vec::new();
+    let mut row = |name: String,
+                   layer: Option<usize>,
+                   t: &Tensor,
+                   scale: f64,
+                   norm_input: bool|
+     -> Result<()> {
+        let v: Vec<f64> = values(t)?.into_iter().map(|x| x * scale).collect();
+        let squares = norm_input.then(|| {
+            let sq: Vec<f64> = v.iter().map(|x| x * x).collect();
+            Range::of(&sq, limits)
+        });
+        activations.push(RangeRow {
+            name,
+            layer,
+            values: Range::of(&v, limits),
+            squares,
+        });
+        Ok(())
+    };
+    if let Some(t) = taps.get(names::EMBEDDINGS) {
+        row(names::EMBEDDINGS.into(), None, t, 1.0, true)?;
+    }
+    for (layer, kind) in config.layer_types.iter().enumerate() {
+        let (mixer, mixer_taps): (&str, &[&str]) = match kind {
+            LayerKind::Linear => (names::LINEAR_ATTN, &names::LINEAR_ATTN_TAPS),
+            LayerKind::Full => (names::SELF_ATTN, &names::SELF_ATTN_TAPS),
+        };
+        for tap in mixer_taps {
+            let name = names::layer(layer, &names::mixer(mixer, tap));
+            let Some(t) = taps.get(&name) else { continue };
+            // The graphs compute the DeltaNet output scaled (q × S) and normalise it; the l2 norms and the gated
+            // norm sum squares.
+            let (scale, norm_input) = match (*kind, *tap) {
+                (LayerKind::Linear, names::CORE_OUTPUT) => (output_scale, true),
+                (LayerKind::Linear, names::QUERY | names::KEY) => (1.0, true),
+                _ => (1.0, false),
+            };
+            row(name, Some(layer), t, scale, norm_input)?;
+        }
+        for (tap, norm_input) in [
+            (names::MIXER_OUTPUT, false),
+            (names::MLP_OUTPUT, false),
+            (names::OUTPUT, true),
+        ] {
+            if let Some(t) = taps.get(&names::layer(layer, tap)) {
+                row(names::layer(layer, tap), Some(layer), t, 1.0, norm_input)?;
+            }
+        }
+        for name in state_names(layer, *kind) {
+            if let Some(t) = states.get(&name) {
+                row(name, Some(layer), t, 1.0, false)?;
+            }
+        }
+    }
+    for tap in [names::FINAL_NORM, names::LOGITS] {
+        if let Some(t) = taps.get(tap) {
+            row(tap.into(), None, t, 1.0, false)?;
+        }
+    }
+    let first_overflow = activations.iter().find(|r| r.overflows()).map(|r| {
+        if r.values.overflow > 0 {
+            format!(
+                "{} ({} values beyond {:.0})",
+                r.name, r.values.overflow, limits.max
+            )
+        } else {
+            format!(
+                "{} squared, as its norm sums it ({} squares beyond {:.0})",
+                r.name,
+                r.squares.map_or(0, |s| s.overflow),
+                limits.max
+            )
+        }
+    });
+    let mut weights = Vec::new();
+    for spec in Schema::new(config).tensors() {
+        let v = values(&store_.load(&spec)?)?;
+        weights.push(RangeRow {
+            name: store_.full_name(&spec),
+            layer: spec.layer,
+            values: Range::of(&v, limits),
+            squares: None,
+        });
+    }
+    let eps = config.rms_norm_eps;
+    let constants = [
+        ("rms_norm_eps (the RMSNorms)".to_string(), eps),
+        ("l2 norm eps (q and k)".to_string(), L2_NORM_EPS),
+        (
+            format!("gated norm eps × output scale² ({eps:e} × {output_scale}²)"),
+            eps * output_scale * output_scale,
+        ),
+    ]
+    .into_iter()
+    .map(|(name, value)| {
+        let stored = store(value, storage);
+        ConstantRow {
+            name,
+            value,
+            stored,
+            subnormal: stored != 0.0 && stored.abs() < limits.min_normal,
+        }
+    })
+    .collect();
+    Ok(RangeReport {
+        storage: match storage {
+            Storage::F16 => "f16",
+            Storage::Bf16 => "bf16",
+            Storage::F32 => "f32",
+        }
+        .into(),
+        limits,
+        output_scale,
+        activations,
+        weights,
+        constants,
+        first_overflow,
+    })
+}
+
+impl RangeReport {
+    /// The one-screen summary: the constants that do not survive, the tensors that overflow or lose most to the
+    /// format's subnormals, and the first overflow.
+    pub fn terminal(&self) -> String {
+        use std::fmt::Write as _;
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "range report for {} (largest {:.0}, smallest normal {:.2e}), output scale {}",
+            self.storage, self.limits.max, self.limits.min_normal, self.output_scale
+        );
+        for c in &self.constants {
+            let fate = if c.stored == 0.0 {
+                "becomes 0".to_string()
+            } else if c.subnormal {
+                format!("is a subnormal ({:.3e}): flushed, it is 0", c.stored)
+            } else {
+                format!("is stored as {:.6e}", c.stored)
+            };
+            let _ = writeln!(s, "  constant {}: {:e} {fate}", c.name, c.value);
+        }
+        let mut over: Vec<&RangeRow> = self.activations.iter().filter(|r| r.overflows()).collect();
+        over.truncate(8);
+        for r in over {
+            let _ = writeln!(
+                s,
+                "  overflow: {} max |x| {:.3e}{}",
+                r.name,
+                r.values.max_abs,
+                r.squares.map_or(String::new(), |q| format!(
+                    ", {} squares beyond the range",
+                    q.overflow
+                ))
+            );
+        }
+        let mut small: Vec<&RangeRow> = self
+            .activations
+            .iter()
+            .filter(|r| r.values.below_normal > 0.0)
+            .collect();
+        small.sort_by(|a, b| b.values.below_normal.total_cmp(&a.values.below_normal));
+        for r in small.iter().take(6) {
+            let _ = writeln!(
+                s,
+                "  below the smallest normal: {:>6.2}% of {}",
+                100.0 * r.values.below_normal,
+                r.name
+            );
+        }
+        let weights_small: usize = self
+            .weights
+            .iter()
+            .filter(|w| w.values.below_normal > 0.0)
+            .count();
+        let weights_over: usize = self
+            .weights
+            .iter()
+            .filter(|w| w.values.overflow > 0)
+            .count();
+        let _ = writeln!(
+            s,
+            "  weights: {weights_over} tensors with values beyond the range, {weights_small} with values below the smallest normal"
+        );
+        let _ = writeln!(
+            s,
+            "first overflow: {}",
+            self.first_overflow.as_deref().unwrap_or("none")
+        );
+        s
+    }
+}
