@@ -235,6 +235,8 @@ pub struct LayerProbe {
     pub magnitudes: Vec<HeadMagnitudes>,
     /// Whether an output or a state exceeds its threshold.
     pub over: bool,
+    /// The thresholds it was judged by (per layer when they come from a baseline device).
+    pub thresholds: ProbeThresholds,
 }
 
 /// The thresholds of the probe.
@@ -444,20 +446,12 @@ fn layer_probe(
             ]
         }
     };
-    let over_nrmse = |e: &TensorError, max: f64| !e.finite() || exceeds(e.nrmse, max);
     let (output, mixer, mlp) = (
         error(names::OUTPUT)?,
         error(names::MIXER_OUTPUT)?,
         error(names::MLP_OUTPUT)?,
     );
-    let over = [output, mixer, mlp]
-        .iter()
-        .any(|e| over_nrmse(e, t.max_nrmse))
-        || states
-            .iter()
-            .any(|s| over_nrmse(&s.error, t.max_state_nrmse))
-        || state_drift.iter().any(|&e| exceeds(e, t.max_state_nrmse));
-    Ok(LayerProbe {
+    let mut probe = LayerProbe {
         layer,
         kind: kind.name(),
         output,
@@ -468,8 +462,68 @@ fn layer_probe(
         state_drift,
         intermediates: inter,
         magnitudes,
-        over,
-    })
+        over: false,
+        thresholds: t,
+    };
+    probe.judge(t);
+    Ok(probe)
+}
+
+impl LayerProbe {
+    /// Decides `over` under `t`: an output, a state after the prompt or after any block over its threshold, or
+    /// not finite.
+    pub fn judge(&mut self, t: ProbeThresholds) {
+        let over_nrmse = |e: &TensorError, max: f64| !e.finite() || exceeds(e.nrmse, max);
+        self.thresholds = t;
+        self.over = [self.output, self.mixer, self.mlp]
+            .iter()
+            .any(|e| over_nrmse(e, t.max_nrmse))
+            || self
+                .states
+                .iter()
+                .any(|s| over_nrmse(&s.error, t.max_state_nrmse))
+            || self
+                .state_drift
+                .iter()
+                .any(|&e| exceeds(e, t.max_state_nrmse));
+    }
+
+    /// The largest NRMSE of its outputs, and of its states (after the prompt and after any block).
+    pub fn worst(&self) -> (f64, f64) {
+        let outputs = [self.output, self.mixer, self.mlp]
+            .iter()
+            .map(|e| e.nrmse)
+            .fold(0.0, f64::max);
+        let states = self
+            .states
+            .iter()
+            .map(|s| s.error.nrmse)
+            .chain(self.state_drift.iter().copied())
+            .fold(0.0, f64::max);
+        (outputs, states)
+    }
+}
+
+/// Thresholds from a baseline device (FP16SIM): layer `l` may be `factor` times as far from the reference as the
+/// baseline's layer `l`, and never held tighter than `floor` (so an exact baseline does not demand exactness).
+pub fn thresholds_from(
+    baseline: &[LayerProbe],
+    factor: f64,
+    floor: ProbeThresholds,
+) -> BTreeMap<usize, ProbeThresholds> {
+    baseline
+        .iter()
+        .map(|b| {
+            let (outputs, states) = b.worst();
+            (
+                b.layer,
+                ProbeThresholds {
+                    max_nrmse: (factor * outputs).max(floor.max_nrmse),
+                    max_state_nrmse: (factor * states).max(floor.max_state_nrmse),
+                },
+            )
+        })
+        .collect()
 }
 
 /// Per query head, the magnitudes of the causal attention scores `q_t·k_s / √D` (`s ≤ t`), recomputed in f64 from
@@ -496,9 +550,11 @@ pub fn score_magnitudes(q: &Tensor, k: &Tensor) -> Result<Vec<Magnitude>> {
         .collect())
 }
 
-/// The drill-down of the first layer over threshold (`None` when every layer holds).
-pub fn drill_down(layers: &[LayerProbe], max_nrmse: f64) -> Option<DrillDown> {
+/// The drill-down of the first layer over threshold (`None` when every layer holds), judged by that layer's own
+/// threshold.
+pub fn drill_down(layers: &[LayerProbe]) -> Option<DrillDown> {
     let first = layers.iter().find(|l| l.over)?;
+    let max_nrmse = first.thresholds.max_nrmse;
     Some(DrillDown {
         layer: first.layer,
         first_over: first

@@ -91,7 +91,7 @@ fn a_scaled_weight_is_flagged_in_exactly_its_layer() {
         vec![1],
         "isolated mode flags the corrupted layer and no other"
     );
-    let d = drill_down(&isolated, F32.max_nrmse).unwrap();
+    let d = drill_down(&isolated).unwrap();
     assert_eq!(d.layer, 1);
     // Everything before out_proj agrees; the error starts at the mixer output.
     assert_eq!(
@@ -134,7 +134,7 @@ fn a_swapped_gate_is_flagged_at_the_attention_layer_and_its_query() {
     let all: Vec<usize> = (0..config.num_layers()).collect();
     let isolated = probe(&config, &trace, &mut device, &all, Mode::Isolated, F32).unwrap();
     assert_eq!(flagged(&isolated), vec![3]);
-    let d = drill_down(&isolated, F32.max_nrmse).unwrap();
+    let d = drill_down(&isolated).unwrap();
     assert_eq!(
         d.first_over.as_deref(),
         Some("self_attn.query"),

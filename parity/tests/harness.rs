@@ -368,6 +368,68 @@ fn fp16sim_is_compared_like_a_device() {
     );
 }
 
+/// Thresholds from FP16SIM: the CPU device computing bf16 (asked for f16) stays within 3× FP16SIM-bf16's error on
+/// every layer, and each layer is judged by its own threshold, 3× the baseline's error there.
+#[test]
+fn probe_thresholds_from_fp16sim() {
+    let tmp = tempfile::tempdir().unwrap();
+    let j = tmp.path().join("p.json");
+    let o = qwen35(&[
+        "probe",
+        "--device",
+        "CPU",
+        "--precision",
+        "f16",
+        "--tolerance-from",
+        "FP16SIM:store=bf16",
+        "--context",
+        "64",
+        "--prompt",
+        "Why does the river rise?",
+        "--json",
+        j.to_str().unwrap(),
+    ]);
+    let v = json(&j);
+    let baseline = &v["baseline"];
+    assert_eq!(baseline["device"], "FP16SIM:store=bf16");
+    for (l, b) in v["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(baseline["layers"].as_array().unwrap())
+    {
+        let allowed = l["thresholds"]["max_nrmse"].as_f64().unwrap();
+        let expected = (3.0 * b[1].as_f64().unwrap()).max(1e-4);
+        assert!(
+            (allowed - expected).abs() <= 1e-12 * expected,
+            "{allowed} vs {expected}"
+        );
+    }
+    // Only a bf16 CPU makes this pass: say what ran if it did not.
+    if v["record"]["precision"] == "bf16" {
+        assert_eq!(
+            o.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&o.stdout)
+        );
+    }
+    expect_error(
+        &[
+            "probe",
+            "--device",
+            "CPU",
+            "--token-ids",
+            "1,2",
+            "--tolerance-from",
+            "FP16SIM",
+            "--factor",
+            "0.5",
+        ],
+        &["--factor"],
+    );
+}
+
 /// The range report names what fp16 cannot hold: eps 1e-6 is an fp16 subnormal (flushed: zero), and on the tiny
 /// model the ×1024-rescaled DeltaNet outputs square past 65504 in the gated norm (what FP16SIM shows at ×1024).
 #[test]

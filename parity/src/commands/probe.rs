@@ -5,8 +5,10 @@ use crate::backends::{DeviceSettings, check_device, open_reference};
 use crate::commands::Outcome;
 use crate::commands::compare_devices::prompts;
 use crate::options::{FormArgs, GraphArgs, ModelArgs, PromptArgs};
-use crate::probe::{Mode, OpenVinoLayers, ProbeThresholds, ReferenceTrace, drill_down, probe};
-use crate::report::probe::{ProbeInputs, ProbeReport};
+use crate::probe::{
+    Mode, OpenVinoLayers, ProbeThresholds, ReferenceTrace, drill_down, probe, thresholds_from,
+};
+use crate::report::probe::{Baseline, ProbeInputs, ProbeReport};
 use crate::report::{Machine, ReportArgs};
 use anyhow::{Context, Result, bail};
 use npu::graphs::{Builder, GraphOptions};
@@ -35,6 +37,19 @@ pub struct ProbeArgs {
     /// Largest NRMSE of a state, after the prompt and after every block (default 1e-4 at f32, 5e-2 at f16/bf16).
     #[arg(long, value_name = "X")]
     max_state_nrmse: Option<f64>,
+    /// Take each layer's thresholds from a baseline device instead (FP16SIM: the error an fp16 device is expected to
+    /// show there): a layer passes within --factor times the baseline's error on that layer (never tighter than the
+    /// f32 thresholds).
+    #[arg(long, value_name = "FP16SIM[:options]", conflicts_with_all = ["max_nrmse", "max_state_nrmse"])]
+    tolerance_from: Option<String>,
+    /// With --tolerance-from: how many times the baseline's error a layer may show.
+    #[arg(
+        long,
+        default_value_t = 3.0,
+        value_name = "F",
+        requires = "tolerance_from"
+    )]
+    factor: f64,
     #[command(flatten)]
     report: ReportArgs,
     #[command(flatten)]
@@ -55,7 +70,26 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
             bail!("{flag} {v}: must be a finite number ≥ 0");
         }
     }
+    if !(args.factor >= 1.0 && args.factor.is_finite()) {
+        bail!("--factor {}: must be a finite number ≥ 1", args.factor);
+    }
     let settings = DeviceSettings::resolve(&args.device, &args.graph, &args.form)?;
+    let baseline_settings = match &args.tolerance_from {
+        Some(b) => {
+            check_device(b).context("--tolerance-from")?;
+            let graph = GraphArgs {
+                precision: None,
+                ..args.graph.clone()
+            };
+            let g = if npu::sim::NumericModel::is_sim(b) {
+                &graph
+            } else {
+                &args.graph
+            };
+            Some(DeviceSettings::resolve(b, g, &args.form)?)
+        }
+        None => None,
+    };
     let (dir, config, store) = args.model.open()?;
     let n = config.num_layers();
     let mut layers = if args.layers.is_empty() {
@@ -111,7 +145,38 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
         max_nrmse: args.max_nrmse.unwrap_or(defaults.max_nrmse),
         max_state_nrmse: args.max_state_nrmse.unwrap_or(defaults.max_state_nrmse),
     };
-    let probed = probe(&config, &trace, &mut device, &layers, args.mode, thresholds)?;
+    let mut probed = probe(&config, &trace, &mut device, &layers, args.mode, thresholds)?;
+    let baseline = match &baseline_settings {
+        Some(b) => {
+            let mut base_device =
+                OpenVinoLayers::new(&builder, &compiled, b.block, &b.device, &b.compile)?;
+            let base = probe(
+                &config,
+                &trace,
+                &mut base_device,
+                &layers,
+                args.mode,
+                thresholds,
+            )?;
+            let floor = ProbeThresholds::for_precision("f32");
+            let per_layer = thresholds_from(&base, args.factor, floor);
+            for l in &mut probed {
+                l.judge(per_layer[&l.layer]);
+            }
+            Some(Baseline {
+                device: b.device.clone(),
+                factor: args.factor,
+                layers: base
+                    .iter()
+                    .map(|l| {
+                        let (outputs, states) = l.worst();
+                        (l.layer, outputs, states)
+                    })
+                    .collect(),
+            })
+        }
+        None => None,
+    };
     let report = ProbeReport {
         machine: Machine::detect(),
         inputs: ProbeInputs {
@@ -124,7 +189,8 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
         },
         record,
         thresholds,
-        drill_down: drill_down(&probed, thresholds.max_nrmse),
+        baseline,
+        drill_down: drill_down(&probed),
         layers: probed,
     };
     report.emit(&args.report)?;

@@ -37,6 +37,17 @@ pub struct ProbeInputs {
     pub block: usize,
 }
 
+/// The baseline device the thresholds came from.
+#[derive(Debug, Clone, Serialize)]
+pub struct Baseline {
+    /// The baseline (FP16SIM and its options).
+    pub device: String,
+    /// How many times its error a layer may show.
+    pub factor: f64,
+    /// Per layer: the baseline's worst output NRMSE and worst state NRMSE.
+    pub layers: Vec<(usize, f64, f64)>,
+}
+
 /// A probe report.
 #[derive(Debug, Clone, Serialize)]
 pub struct ProbeReport {
@@ -46,8 +57,10 @@ pub struct ProbeReport {
     pub inputs: ProbeInputs,
     /// What the device ran.
     pub record: RunRecord,
-    /// The thresholds applied.
+    /// The thresholds applied (without a baseline; with one, each layer states its own).
     pub thresholds: ProbeThresholds,
+    /// The baseline device per-layer thresholds came from.
+    pub baseline: Option<Baseline>,
     /// Every probed layer.
     pub layers: Vec<LayerProbe>,
     /// Where the error starts in the first layer over threshold.
@@ -140,7 +153,7 @@ impl ProbeReport {
             let nan = l.output.nan + l.output.inf;
             let _ = writeln!(
                 s,
-                "{:>5} {:<6} {:>10.2e} {:>10.2e} {:>10.2e} {:>10.2e} {:>10.2e} {:>12.2e} {:>9.1}% {mark}{}",
+                "{:>5} {:<6} {:>10.2e} {:>10.2e} {:>10.2e} {:>10.2e} {:>10.2e} {:>12.2e} {:>9.1}% {:>9.1e} {mark}{}",
                 l.layer,
                 if l.kind == "linear_attention" {
                     "delta"
@@ -154,6 +167,7 @@ impl ProbeReport {
                 drift,
                 rms,
                 100.0 * small,
+                l.thresholds.max_nrmse,
                 if nan > 0 {
                     format!(" {nan} NaN/Inf")
                 } else {
@@ -172,11 +186,18 @@ impl ProbeReport {
 
     fn verdict_line(&self) -> String {
         let t = &self.thresholds;
-        match &self.drill_down {
+        let within = match &self.baseline {
+            Some(b) => format!(
+                "within {}× {}'s error on each layer (at least the f32 thresholds)",
+                b.factor, b.device
+            ),
             None => format!(
-                "every layer within NRMSE {:.1e} (states {:.1e})",
+                "within NRMSE {:.1e} (states {:.1e})",
                 t.max_nrmse, t.max_state_nrmse
             ),
+        };
+        match &self.drill_down {
+            None => format!("every layer {within}"),
             Some(d) => {
                 let over: Vec<String> = self
                     .layers
@@ -185,7 +206,7 @@ impl ProbeReport {
                     .map(|l| l.layer.to_string())
                     .collect();
                 format!(
-                    "layers over threshold: {}; in layer {} the error starts at {}",
+                    "layers over threshold ({within}): {}; in layer {} the error starts at {}",
                     over.join(", "),
                     d.layer,
                     d.first_over
