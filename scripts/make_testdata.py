@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Regenerate everything under testdata/: a small byte-level BPE tokenizer, three tiny random Qwen3.5 checkpoints,
+"""Regenerate everything under testdata/: a small byte-level BPE tokenizer, four tiny random Qwen3.5 checkpoints,
 Hugging Face transformers goldens (f32 and f64) for each, an fla naive-kernel golden, and testdata/manifest.json.
 
 Run from anywhere with the interpreter of a venv made from scripts/requirements.txt:
@@ -212,6 +212,19 @@ PROMPTS = {
         ],
         "chat_template_kwargs": {"enable_thinking": True},
     },
+    "tiny-h128": {
+        "messages": [
+            {"role": "system", "content": "You are a quiet music teacher."},
+            {
+                "role": "user",
+                "content": (
+                    "Every evening I repeat the same few bars on the piano, but after a week my hands still feel "
+                    "slow. Should I play faster now, or keep going slowly for a while?"
+                ),
+            },
+        ],
+        "chat_template_kwargs": {"enable_thinking": False},
+    },
 }
 PROMPT_LEN_RANGE = (100, 160)
 NUM_GENERATED = 16
@@ -316,6 +329,43 @@ MODEL_SPECS = {
             num_position_embeddings=16,
         ),
     },
+    # The real model's DeltaNet head dims (Dk = Dv = 128, two value heads per key head) and its small DeltaNet output
+    # (SPEC "fp16 precision of the DeltaNet output"): the value rows of in_proj_qkv are scaled per value head so that
+    # the RMS of `core_output` over the prompt spans 1e-3..2e-2 as in Qwen3.5-9B. bf16 keeps the checkpoint small.
+    "tiny-h128": {
+        "format": "text",
+        "seed": 6000,
+        "weights_dtype": "bfloat16",
+        "core_output_rms": dict(
+            targets=(1.25e-3, 1.5e-2),  # per (layer, value head) targets, log-spaced over this range and shuffled
+            accept=(1.0e-3, 2.0e-2),  # every head's RMS must be in here
+            smallest_at_most=2.0e-3,  # and some heads near 1e-3 ...
+            largest_at_least=1.0e-2,  # ... and some near 1e-2
+        ),
+        "text": dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            linear_num_key_heads=1,
+            linear_num_value_heads=2,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=64,
+            rope_parameters=dict(
+                rope_type="default",
+                rope_theta=10000000.0,
+                partial_rotary_factor=0.25,
+                mrope_section=[3, 3, 2],
+                mrope_interleaved=True,
+            ),
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
+    },
 }
 COMMON_TEXT = dict(hidden_act="silu", max_position_embeddings=2048, attention_bias=False, use_cache=True)
 
@@ -344,7 +394,15 @@ RATIO_RANGE = (0.1, 2.0)  # ||mixer_out|| / ||residual in|| and ||mlp_out|| / ||
 MIN_DISTINCT_GENERATED = 8  # a greedy continuation that repeats one token tests little of the decode path
 MAX_ATTEMPTS = 64
 FLA_SEED = 4000
-MAX_TESTDATA_BYTES = 10_000_000
+MAX_TESTDATA_BYTES = 16_000_000  # what this script writes (the later scripts' goldens come on top)
+
+# Models with a `core_output_rms` spec: at most this many forward passes to bring every value head's core_output RMS
+# within CALIBRATION_TOL (relative) of its target.
+CALIBRATION_PASSES = 8
+CALIBRATION_TOL = 0.01
+# fp16: smallest normal 2^-14 (about 6.1e-5) and smallest subnormal 2^-24 (about 6.0e-8; half of it rounds to zero)
+FP16_MIN_NORMAL = 2.0**-14
+FP16_MIN_SUBNORMAL = 2.0**-24
 
 # ------------------------------------------------------------------------------------------------------------------
 # 3. Helpers
@@ -571,6 +629,11 @@ def make_config(spec: dict, vocab_size: int, special_ids: dict):
     )
 
 
+def weights_dtype_of(spec: dict) -> str:
+    """The dtype of the written checkpoint: tiny-full is bf16 like a real checkpoint; a flat model may ask for bf16."""
+    return spec.get("weights_dtype", "bfloat16" if spec["format"] == "full" else "float32")
+
+
 def text_config_of(config):
     return config.text_config if hasattr(config, "text_config") else config
 
@@ -645,6 +708,67 @@ def reinit(model, config, seed: int, overrides: dict | None = None) -> dict:
         la.dt_bias[h] = dt
         la.A_log[h] = math.log(c.item() / F.softplus(torch.tensor(dt, dtype=torch.float64)).item())
     return {"decay_centres": [float(x) for x in centres]}
+
+
+def linear_heads(config) -> list[tuple[int, int]]:
+    """(layer, value head) of every DeltaNet value head, in layer order."""
+    tc = text_config_of(config)
+    return [
+        (i, h)
+        for i, kind in enumerate(tc.layer_types)
+        if kind == "linear_attention"
+        for h in range(tc.linear_num_value_heads)
+    ]
+
+
+@torch.no_grad()
+def core_output_rms(model, config, ids: torch.Tensor) -> dict:
+    """Per (layer, value head): the RMS of the recurrence's output (`core_output`, before the gated norm) over the
+    prompt's tokens and Dv."""
+    with Recorder(model, config) as rec:
+        rec.active = True
+        model(input_ids=ids, use_cache=False)
+        rec.active = False
+    return {
+        (i, h): rec.t[f"layers.{i}.linear_attn.core_output"][:, h].double().pow(2).mean().sqrt().item()
+        for i, h in linear_heads(config)
+    }
+
+
+@torch.no_grad()
+def calibrate_core_output(model, config, ids: torch.Tensor, seed: int, rms_spec: dict) -> dict:
+    """Scale the value rows of each DeltaNet layer's in_proj_qkv, per value head, so that the head's core_output RMS
+    over the prompt lands on its target (SPEC "fp16 precision of the DeltaNet output": 1e-3..2e-2 in Qwen3.5-9B).
+    Targets are log-spaced over rms_spec["targets"] and shuffled across (layer, head) pairs. The recurrence is linear
+    in v, so the gain needed is target/measured, up to the SiLU after the conv: a few passes converge. Nothing random
+    is drawn from the init generator, and no weight is zeroed; the gated norm after the recurrence is scale-invariant
+    (up to its eps), so the rest of the model barely notices."""
+    tc = text_config_of(config)
+    dec = decoder_of(model)
+    heads = linear_heads(config)
+    lo, hi = (math.log(x) for x in rms_spec["targets"])
+    levels = torch.exp(torch.linspace(lo, hi, len(heads), dtype=torch.float64))
+    perm = torch.randperm(len(heads), generator=torch.Generator().manual_seed(seed))
+    targets = {ih: levels[j].item() for ih, j in zip(heads, perm.tolist())}
+    gains = {ih: 1.0 for ih in heads}
+    v0, dv = 2 * tc.linear_num_key_heads * tc.linear_key_head_dim, tc.linear_value_head_dim
+    for passes in range(1, CALIBRATION_PASSES + 1):
+        rms = core_output_rms(model, config, ids)
+        worst = max(abs(rms[ih] / targets[ih] - 1.0) for ih in heads)
+        if worst <= CALIBRATION_TOL:
+            break
+        for i, h in heads:
+            factor = targets[(i, h)] / rms[(i, h)]
+            dec.layers[i].linear_attn.in_proj_qkv.weight[v0 + h * dv : v0 + (h + 1) * dv] *= factor
+            gains[(i, h)] *= factor
+    else:
+        raise RuntimeError(f"core_output calibration did not converge: worst {worst:.3g}")
+    return {
+        "passes": passes,
+        "targets": [{"layer": i, "head": h, "rms": targets[(i, h)]} for i, h in heads],
+        # in_proj_qkv value rows of this head: N(0, gain * in_gain / sqrt(hidden_size))
+        "value_row_gains": [{"layer": i, "head": h, "gain": gains[(i, h)]} for i, h in heads],
+    }
 
 
 def round_params_to_bf16(model) -> None:
@@ -866,6 +990,14 @@ def diagnostics(config, res: dict) -> dict:
             }
         )
         prev = t[f"layers.{i}.output"]
+    core_rms = [
+        {
+            "layer": i,
+            "rms": t[f"layers.{i}.linear_attn.core_output"].double().pow(2).mean(dim=(0, 2)).sqrt().tolist(),
+        }
+        for i, k in enumerate(tc.layer_types)
+        if k == "linear_attention"
+    ]
     prompt_margin = margins(t["logits"]).min().item()
     greedy_margin = margins(res["step_logits"]).min().item()
     beta = torch.cat([t[f"layers.{i}.linear_attn.beta"].reshape(-1) for i, k in enumerate(tc.layer_types)
@@ -876,6 +1008,7 @@ def diagnostics(config, res: dict) -> dict:
         "beta_min": beta.min().item(),
         "beta_max": beta.max().item(),
         "per_layer": per_layer,
+        "core_output_rms": core_rms,
         "min_margin_prompt": prompt_margin,
         "min_margin_greedy": greedy_margin,
         "logit_std": t["logits"].std().item(),
@@ -883,8 +1016,52 @@ def diagnostics(config, res: dict) -> dict:
     }
 
 
-def acceptable(diag: dict) -> list[str]:
+@torch.no_grad()
+def fp16_product_shares(config, t: dict) -> list[dict]:
+    """The products S_ij * q_i of o = S^T q (per token, after that token's state update), from the golden's kernel
+    inputs, in float64: per (layer, value head) the share whose magnitude is below fp16's smallest normal (flushed to
+    zero where subnormals are) and below its smallest subnormal. q and k are l2-normalised and q scaled by Dk^-0.5 as
+    in the kernel."""
+    tc = text_config_of(config)
+    hk, hv, dk = tc.linear_num_key_heads, tc.linear_num_value_heads, tc.linear_key_head_dim
+
+    def l2norm(x):
+        return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+    rows = []
+    for i, kind in enumerate(tc.layer_types):
+        if kind != "linear_attention":
+            continue
+        p = f"layers.{i}.linear_attn."
+        q = (l2norm(t[p + "query"].double()) * dk**-0.5).repeat_interleave(hv // hk, dim=1)  # [T, Hv, Dk]
+        k = l2norm(t[p + "key"].double()).repeat_interleave(hv // hk, dim=1)
+        v, g, beta = (t[p + n].double() for n in ("value", "g", "beta"))
+        state = torch.zeros(hv, dk, v.shape[-1], dtype=torch.float64)
+        below_normal = torch.zeros(hv, dtype=torch.float64)
+        below_subnormal = torch.zeros(hv, dtype=torch.float64)
+        for step in range(q.shape[0]):
+            state = state * g[step].exp()[:, None, None]
+            delta = beta[step][:, None] * (v[step] - torch.einsum("hkv,hk->hv", state, k[step]))
+            state = state + k[step][:, :, None] * delta[:, None, :]
+            prod = (state * q[step][:, :, None]).abs()
+            below_normal += (prod < FP16_MIN_NORMAL).double().sum(dim=(1, 2))
+            below_subnormal += (prod < FP16_MIN_SUBNORMAL).double().sum(dim=(1, 2))
+        total = q.shape[0] * dk * v.shape[-1]
+        rows.append({"layer": i, "below_min_normal": (below_normal / total).tolist(),
+                     "below_min_subnormal": (below_subnormal / total).tolist()})
+    return rows
+
+
+def acceptable(diag: dict, spec: dict) -> list[str]:
     bad = []
+    rms_spec = spec.get("core_output_rms")
+    if rms_spec is not None:
+        rms = [x for row in diag["core_output_rms"] for x in row["rms"]]
+        lo, hi = rms_spec["accept"]
+        if not all(lo <= x <= hi for x in rms):
+            bad.append(f"core_output RMS {min(rms):.3g}..{max(rms):.3g} outside {lo:g}..{hi:g}")
+        if min(rms) > rms_spec["smallest_at_most"] or max(rms) < rms_spec["largest_at_least"]:
+            bad.append(f"core_output RMS {min(rms):.3g}..{max(rms):.3g} not spread")
     if diag["min_margin_prompt"] <= MIN_MARGIN:
         bad.append(f"prompt margin {diag['min_margin_prompt']:.3g}")
     if diag["min_margin_greedy"] <= MIN_MARGIN:
@@ -904,6 +1081,9 @@ def print_diag(name: str, diag: dict) -> None:
     for row in diag["per_layer"]:
         log(f"[{name}]   layer {row['layer']} {row['kind']:<16} ||mixer||/||resid in|| = {row['mixer_ratio']:.3f}"
             f"   ||mlp||/||resid in|| = {row['mlp_ratio']:.3f}")
+    for row in diag["core_output_rms"]:
+        log(f"[{name}]   layer {row['layer']} core_output RMS per value head: "
+            + " ".join(f"{x:.3e}" for x in row["rms"]))
     log(f"[{name}] min top1-top2 margin: prompt {diag['min_margin_prompt']:.4f}  greedy "
         f"{diag['min_margin_greedy']:.4f}   logits std {diag['logit_std']:.2f}")
 
@@ -919,6 +1099,8 @@ def copy_tokenizer(dst: Path) -> None:
 
 
 def save_text_checkpoint(name: str, spec: dict, model, out_dir: Path) -> None:
+    if weights_dtype_of(spec) == "bfloat16":
+        model = model.to(torch.bfloat16)  # exact: the parameters were rounded to bf16 before the goldens
     model.save_pretrained(out_dir, safe_serialization=True, max_shard_size="1GB")
     cfg_path = out_dir / "config.json"
     cfg = json.loads(cfg_path.read_text())
@@ -934,6 +1116,8 @@ def save_text_checkpoint(name: str, spec: dict, model, out_dir: Path) -> None:
     names = sorted(load_file(out_dir / "model.safetensors").keys())
     assert all(n.startswith("model.") or n == "lm_head.weight" for n in names), names
     assert ("lm_head.weight" in names) == (not spec["text"]["tie_word_embeddings"]), name
+    want = torch.bfloat16 if weights_dtype_of(spec) == "bfloat16" else torch.float32
+    assert all(v.dtype == want for v in load_file(out_dir / "model.safetensors").values()), name
     copy_tokenizer(out_dir)
 
 
@@ -1055,11 +1239,13 @@ def make_model(name: str, spec: dict, tok_info: dict, hf_tok) -> dict:
         text_config_of(config)._attn_implementation = "eager"
         model = new_model(spec, config)
         init_info = reinit(model, config, seed, spec.get("init"))
-        if spec["format"] == "full":
+        if "core_output_rms" in spec:
+            init_info.update(calibrate_core_output(model, config, ids, seed, spec["core_output_rms"]))
+        if weights_dtype_of(spec) == "bfloat16":
             round_params_to_bf16(model)  # evaluate exactly what the bf16 checkpoint will hold
         res = run_f32(model, config, ids, pad_id)
         diag = diagnostics(config, res)
-        bad = acceptable(diag)
+        bad = acceptable(diag, spec)
         if not bad:
             break
         log(f"[{name}] seed {seed} rejected: {', '.join(bad)}")
@@ -1087,11 +1273,13 @@ def make_model(name: str, spec: dict, tok_info: dict, hf_tok) -> dict:
     assert list(ltc.layer_types) == spec["text"]["layer_types"], (name, ltc.layer_types)
     assert ltc.vocab_size == vocab
     assert all(p.dtype == torch.float32 for p in loaded.parameters())
+    if weights_dtype_of(spec) == "bfloat16":
+        assert all(torch.equal(p, p.to(torch.bfloat16).float()) for p in loaded.parameters()), name
     assert lconf._attn_implementation == "eager" and ltc._attn_implementation == "eager"
     res = run_f32(loaded, lconf, ids, pad_id)
     assert torch.equal(res["tensors"]["logits"], search_logits), f"{name}: checkpoint does not round-trip"
     diag = diagnostics(lconf, res)
-    assert not acceptable(diag), acceptable(diag)
+    assert not acceptable(diag, spec), acceptable(diag, spec)
     print_diag(name, diag)
     t32 = res["tensors"]
     assert t32["token_ids"].tolist() == ids_list
@@ -1152,20 +1340,25 @@ def make_model(name: str, spec: dict, tok_info: dict, hf_tok) -> dict:
         "batch_dim": "removed",
     }
     gdir = TESTDATA / "goldens"
+    bf16 = weights_dtype_of(spec) == "bfloat16"
     save_golden(gdir / f"{name}.safetensors", t32, dict(meta, dtype="float32", weights_dtype=(
-        "bfloat16 checkpoint upcast to float32" if spec["format"] == "full" else "float32")), torch.float32)
+        "bfloat16 checkpoint upcast to float32" if bf16 else "float32")), torch.float32)
     save_golden(gdir / f"{name}.f64.safetensors", t64, dict(meta, dtype="float64", weights_dtype=(
-        ("bfloat16 checkpoint upcast to float32" if spec["format"] == "full" else "float32 checkpoint")
+        ("bfloat16 checkpoint upcast to float32" if bf16 else "float32 checkpoint")
         + ", then model.double(); every float32 cast inside the modeling code redirected to float64")),
         torch.float64)
 
-    return {
+    shares = fp16_product_shares(ltc, t32)
+    for row in shares:
+        log(f"[{name}]   layer {row['layer']} share of |S_ij q_i| below fp16's smallest normal per value head: "
+            + " ".join(f"{x:.3f}" for x in row["below_min_normal"]))
+    entry = {
         "format": spec["format"],
         "class": type(loaded).__name__,
         "seed": seed,
         "attempts": attempt + 1,
         "init_overrides": spec.get("init", {}),
-        "weights_dtype": "bfloat16" if spec["format"] == "full" else "float32",
+        "weights_dtype": weights_dtype_of(spec),
         "config": {
             k: (list(v) if isinstance(v, (list, tuple)) else v)
             for k, v in dict(spec["text"], vocab_size=vocab).items()
@@ -1187,7 +1380,21 @@ def make_model(name: str, spec: dict, tok_info: dict, hf_tok) -> dict:
         "f64_chunk_vs_recurrent_rel_gap": res64["chunk_vs_recurrent_rel"],
         "generated": t32["generated"].tolist(),
         "decay_centres": init_info["decay_centres"],
+        # per value head over the prompt (tokens and Dv): the RMS of core_output, and the share of the products
+        # S_ij * q_i of o = S^T q below fp16's smallest normal 2^-14 and smallest subnormal 2^-24
+        "core_output_rms": diag["core_output_rms"],
+        "fp16_product_shares": shares,
     }
+    if "core_output_rms" in spec:
+        entry["core_output_calibration"] = dict(
+            spec["core_output_rms"],
+            acceptance="the other models' seed checks apply unchanged (margins, residual ratios, distinct greedy "
+                       "tokens); this RMS check comes on top",
+            passes=init_info["passes"],
+            targets=init_info["targets"],
+            value_row_gains=init_info["value_row_gains"],
+        )
+    return entry
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -1319,6 +1526,9 @@ def main() -> None:
             "dt_bias_range": list(DT_BIAS_RANGE),
             "min_margin": MIN_MARGIN,
             "ratio_range": list(RATIO_RANGE),
+            "min_distinct_generated": MIN_DISTINCT_GENERATED,
+            "core_output_calibration": {"max_passes": CALIBRATION_PASSES, "relative_tolerance": CALIBRATION_TOL},
+            "fp16_thresholds": {"min_normal": FP16_MIN_NORMAL, "min_subnormal": FP16_MIN_SUBNORMAL},
             "num_generated": NUM_GENERATED,
         },
         "tokenizer": tok_info,

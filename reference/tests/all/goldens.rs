@@ -13,7 +13,7 @@ use reference::tokenizer::{ChatTokenizer, Message};
 use std::collections::HashMap;
 use std::path::Path;
 
-pub const MODELS: [&str; 3] = ["tiny", "tiny-tied", "tiny-full"];
+pub const MODELS: [&str; 4] = ["tiny", "tiny-tied", "tiny-full", "tiny-h128"];
 
 /// Tolerances of the issue: layer outputs within 1e-4 of the tensor's max magnitude, logits within 1e-3 absolute.
 const LAYER_RTOL: f64 = 1e-4;
@@ -245,12 +245,12 @@ fn f32_run_matches_transformers() {
 }
 
 /// Tolerances of the float64 run against transformers' float64 run: every tensor within 1e-12 of its max, logits
-/// within 1e-12 absolute (measured: at most 6.7e-15 of the max, logits 1.1e-13 to 2.2e-13 abs).
+/// within 1e-12 absolute (measured: at most 6.7e-15 of the max, logits 6.2e-14 to 2.2e-13 abs).
 const F64_RTOL: f64 = 1e-12;
 const F64_LOGITS_ATOL: f64 = 1e-12;
 
 /// How much further from the float64 truth our f32 logits may be than transformers' own f32 logits: both are f32
-/// rounding, measured 1.05, 0.69 and 0.97 times transformers' on tiny, tiny-tied and tiny-full.
+/// rounding, measured 1.05, 0.69, 0.97 and 0.90 times transformers' on tiny, tiny-tied, tiny-full and tiny-h128.
 const F32_ERROR_FACTOR: f64 = 1.5;
 
 #[test]

@@ -3,6 +3,7 @@
 mod common;
 mod conventions;
 mod deltanet;
+mod fp16_output;
 mod goldens;
 mod manifest;
 mod model;
