@@ -47,7 +47,7 @@ fn reference_dump(
 
 #[test]
 fn decoder_graphs_match_the_reference() {
-    for name in ["tiny", "tiny-tied", "tiny-full"] {
+    for name in ["tiny", "tiny-tied", "tiny-full", "tiny-h128"] {
         let dir = testdata().join("models").join(name);
         let g = golden(name);
         let ids: Vec<u32> = g["token_ids"]
@@ -74,7 +74,7 @@ fn decoder_graphs_match_the_reference() {
         ] {
             let opts = GraphOptions {
                 form,
-                context: 128,
+                context: 160,
                 ..GraphOptions::default()
             };
             let builder = Builder::new(&config, &weights, opts).unwrap();

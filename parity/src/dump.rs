@@ -97,6 +97,11 @@ impl Dump {
 /// Runs `ids` on a backend (with taps), then exactly `generate` greedy tokens, and collects the dump.
 pub fn run_dump(backend: &mut dyn Backend, ids: &[u32], generate: usize) -> Result<Dump> {
     let generation = greedy(backend, ids, generate, &[], true, |_| Ok(()))?;
+    if let Some(i) = generation.nan_at {
+        eprintln!(
+            "warning: the logits hold a NaN at generated token {i}: the dump has {i} generated tokens and records `nan_at`"
+        );
+    }
     let mut tensors = generation.prompt.taps.clone();
     tensors.insert(names::LOGITS.into(), generation.prompt.logits.clone());
     tensors.extend(generation.after_prompt.tensors.clone());
@@ -111,6 +116,9 @@ pub fn run_dump(backend: &mut dyn Backend, ids: &[u32], generate: usize) -> Resu
         "decode_seconds".into(),
         format!("{:.3}", generation.decode_seconds),
     );
+    if let Some(i) = generation.nan_at {
+        metadata.insert("nan_at".into(), i.to_string());
+    }
     Ok(Dump { tensors, metadata })
 }
 

@@ -111,12 +111,16 @@ impl TensorError {
         } else {
             dot / (ref2.sqrt() * act2.sqrt())
         };
+        // A tensor holding NaN or infinity has no defined error: the measures say NaN (and every check fails), the
+        // counts say how many, `max_abs` describes the finite part.
+        let undefined = nan + inf > 0;
+        let or_nan = |x: f64| if undefined { f64::NAN } else { x };
         TensorError {
             max_abs,
-            nmse,
-            nrmse: rmse / range.max(0.001),
-            rel_l2: nmse.sqrt(),
-            cosine,
+            nmse: or_nan(nmse),
+            nrmse: or_nan(rmse / range.max(0.001)),
+            rel_l2: or_nan(nmse.sqrt()),
+            cosine: or_nan(cosine),
             nan,
             inf,
             count: a.len(),
@@ -242,8 +246,8 @@ impl TokenAgreement {
                 let pq = lq.exp();
                 if pq == 0.0 { 0.0 } else { pq * (lq - lp) }
             })
-            .sum::<f64>()
-            .max(0.0);
+            .sum::<f64>();
+        let kl = if kl.is_nan() { kl } else { kl.max(0.0) };
         let top_ref = top_k(reference, 5);
         let top = top_k(logits, 5);
         let overlap =
@@ -334,7 +338,8 @@ mod tests {
         assert_eq!((zero.nmse, zero.cosine, zero.nrmse), (0.0, 1.0, 0.0));
         let nan = TensorError::of_slices(&[f64::NAN, f64::INFINITY, 1.0], &[1.0, 1.0, 1.0]);
         assert_eq!((nan.nan, nan.inf, nan.max_abs), (1, 1, 0.0));
-        assert!(!nan.finite());
+        assert!(!nan.finite() && nan.nmse.is_nan() && nan.nrmse.is_nan());
+        assert!(exceeds(nan.nrmse, 1.0) && !exceeds(0.5, 1.0) && falls_short(f64::NAN, 0.0));
     }
 
     #[test]
@@ -343,6 +348,11 @@ mod tests {
         assert_eq!(same.kl, 0.0);
         assert!(same.same_top() && same.top5_overlap == 1.0 && same.delta_p == 0.0);
         assert_eq!(same.ref_margin, 1.0);
+        assert!(
+            TokenAgreement::of(&[f64::NAN, 0.0, 0.0], &[1.0, 3.0, 2.0], &[0])
+                .kl
+                .is_nan()
+        );
         let swapped = TokenAgreement::of(&[1.0, 2.0, 3.0], &[1.0, 3.0, 2.0], &[0]);
         assert!(!swapped.same_top() && swapped.kl > 0.0 && swapped.delta_p < 0.0);
         // KL(P_ref || P) by hand for two tokens.

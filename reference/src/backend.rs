@@ -173,11 +173,14 @@ pub struct Generation {
     pub prompt_seconds: f64,
     /// Seconds spent on the single-token calls.
     pub decode_seconds: f64,
+    /// The index of the token the backend could not choose because its logits held a NaN (generation stopped
+    /// there): a device fault, reported rather than turned into an error.
+    pub nan_at: Option<usize>,
 }
 
 /// Runs `prompt` from a fresh state, then up to `max_new` greedy tokens, feeding each back as a single-token call;
-/// stops after a token in `stop`. `all_logits` keeps the logits of every prompt position. `on_token` sees every
-/// token as it is chosen.
+/// stops after a token in `stop`, or when the logits hold a NaN (see [`Generation::nan_at`]). `all_logits` keeps
+/// the logits of every prompt position. `on_token` sees every token as it is chosen.
 pub fn greedy(
     backend: &mut dyn Backend,
     prompt: &[u32],
@@ -200,7 +203,17 @@ pub fn greedy(
     let mut tokens = Vec::with_capacity(max_new);
     let mut chosen_from = Vec::with_capacity(max_new);
     let start = Instant::now();
+    let mut nan_at = None;
     for n in 0..max_new {
+        if logits
+            .to_dtype(DType::F64)?
+            .to_vec1::<f64>()?
+            .iter()
+            .any(|x| x.is_nan())
+        {
+            nan_at = Some(n);
+            break;
+        }
         let next = argmax(&logits)?;
         tokens.push(next);
         chosen_from.push(logits.clone());
@@ -217,6 +230,7 @@ pub fn greedy(
         logits: chosen_from,
         prompt_seconds,
         decode_seconds: start.elapsed().as_secs_f64(),
+        nan_at,
     })
 }
 

@@ -244,6 +244,14 @@ impl DeviceReport {
     fn check(&self) -> Vec<String> {
         let t = &self.thresholds;
         let mut f = Vec::new();
+        for p in &self.prompts {
+            if let Some(i) = p.greedy.device_nan_at {
+                f.push(format!(
+                    "prompt `{}`: the logits hold a NaN at generated token {i} (free-running greedy stopped there)",
+                    p.label
+                ));
+            }
+        }
         if exceeds(self.logits.nmse, t.max_logits_nmse) || !self.logits.finite() {
             f.push(format!(
                 "logits NMSE {:.2e} > {:.1e} (--max-nmse)",

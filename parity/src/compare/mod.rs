@@ -84,7 +84,13 @@ impl ReferenceRun {
         prompt: &[u32],
         generate: usize,
     ) -> Result<Self> {
-        let tokens = greedy(backend, prompt, generate, &[], false, |_| Ok(()))?.tokens;
+        let g = greedy(backend, prompt, generate, &[], false, |_| Ok(()))?;
+        if let Some(i) = g.nan_at {
+            bail!(
+                "the reference's logits hold a NaN at generated token {i}: the checkpoint is broken"
+            );
+        }
+        let tokens = g.tokens;
         let forced = teacher_forced(backend, prompt, continuation(&tokens))?;
         Ok(ReferenceRun {
             label: label.to_string(),
@@ -115,6 +121,8 @@ pub struct GreedyAgreement {
     pub reference: Vec<u32>,
     /// The device's tokens.
     pub device: Vec<u32>,
+    /// The generated token at which the device's logits held a NaN (its generation stopped there).
+    pub device_nan_at: Option<usize>,
 }
 
 /// The class of a teacher-forced position.
@@ -233,6 +241,7 @@ pub fn compare_prompt(
         eos,
     )?;
     c.tapped_vs_deployed = tapped_vs_deployed;
+    c.greedy.device_nan_at = free.nan_at;
     c.prompt_seconds = free.prompt_seconds;
     c.decode_seconds = free.decode_seconds;
     Ok(c)
@@ -288,6 +297,7 @@ pub fn compare_runs(
             .map(|r| TokenAgreement::of(r, r, eos).ref_margin),
         reference: reference.tokens.to_vec(),
         device: device.tokens.to_vec(),
+        device_nan_at: None,
     };
 
     let positions = ref_rows
