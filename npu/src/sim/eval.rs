@@ -7,15 +7,19 @@
 //! storage format; element-wise functions and the softmax compute in f32 from stored inputs and round their result.
 
 use super::numeric::{Accumulation, NumericModel};
+use super::ops::{
+    binary, binary_int, concat, convert, from_tensor, gather, slice, softmax, to_tensor, transpose,
+    unary,
+};
 use crate::error::{Error, Result};
 use crate::ir::{ElemType, Graph, LoopBody, Node, Value};
-use candle_core::{DType, Device, Tensor};
+use candle_core::Tensor;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::rc::Rc;
 
 /// The data of a value.
 #[derive(Debug, Clone)]
-enum Data {
+pub(super) enum Data {
     F(Vec<f32>),
     I(Vec<i64>),
     B(Vec<bool>),
@@ -23,29 +27,29 @@ enum Data {
 
 /// A value: a shape and its data, row-major.
 #[derive(Debug, Clone)]
-struct Val {
-    shape: Vec<usize>,
-    data: Data,
+pub(super) struct Val {
+    pub(super) shape: Vec<usize>,
+    pub(super) data: Data,
 }
 
-type V = Rc<Val>;
+pub(super) type V = Rc<Val>;
 
 impl Val {
-    fn f(shape: Vec<usize>, data: Vec<f32>) -> V {
+    pub(super) fn f(shape: Vec<usize>, data: Vec<f32>) -> V {
         Rc::new(Val {
             shape,
             data: Data::F(data),
         })
     }
 
-    fn floats(&self) -> Result<&[f32]> {
+    pub(super) fn floats(&self) -> Result<&[f32]> {
         match &self.data {
             Data::F(v) => Ok(v),
             _ => Err(Error::Interface("a float value was expected".into())),
         }
     }
 
-    fn ints(&self) -> Result<Vec<i64>> {
+    pub(super) fn ints(&self) -> Result<Vec<i64>> {
         match &self.data {
             Data::I(v) => Ok(v.clone()),
             Data::F(v) => Ok(v.iter().map(|&x| x as i64).collect()),
@@ -55,7 +59,7 @@ impl Val {
 }
 
 /// Row-major strides of a shape.
-fn strides(shape: &[usize]) -> Vec<usize> {
+pub(super) fn strides(shape: &[usize]) -> Vec<usize> {
     let mut s = vec![1; shape.len()];
     for i in (0..shape.len().saturating_sub(1)).rev() {
         s[i] = s[i + 1] * shape[i + 1];
@@ -64,7 +68,7 @@ fn strides(shape: &[usize]) -> Vec<usize> {
 }
 
 /// The numpy broadcast of two shapes.
-fn broadcast(a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
+pub(super) fn broadcast(a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
     let n = a.len().max(b.len());
     (0..n)
         .map(|i| {
@@ -91,7 +95,7 @@ fn broadcast(a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
 }
 
 /// For every element of `out` (a broadcast shape), the flat index into a value of shape `shape`.
-fn broadcast_index(shape: &[usize], out: &[usize]) -> Vec<usize> {
+pub(super) fn broadcast_index(shape: &[usize], out: &[usize]) -> Vec<usize> {
     let n = out.len();
     let st = strides(shape);
     let offset = n - shape.len();
@@ -556,232 +560,4 @@ fn decode_consts(
         );
     }
     Ok(())
-}
-
-fn unary(x: &V, f: impl Fn(f32) -> f32) -> Result<V> {
-    Ok(Val::f(
-        x.shape.clone(),
-        x.floats()?.iter().map(|&v| f(v)).collect(),
-    ))
-}
-
-fn binary(a: &V, b: &V, f: fn(f32, f32) -> f32) -> Result<V> {
-    let shape = broadcast(&a.shape, &b.shape)?;
-    let (ia, ib) = (
-        broadcast_index(&a.shape, &shape),
-        broadcast_index(&b.shape, &shape),
-    );
-    let (av, bv) = (a.floats()?, b.floats()?);
-    Ok(Val::f(
-        shape,
-        ia.iter().zip(&ib).map(|(&i, &j)| f(av[i], bv[j])).collect(),
-    ))
-}
-
-fn binary_int(a: &V, b: &V, f: fn(i64, i64) -> i64) -> Result<V> {
-    let shape = broadcast(&a.shape, &b.shape)?;
-    let (ia, ib) = (
-        broadcast_index(&a.shape, &shape),
-        broadcast_index(&b.shape, &shape),
-    );
-    let (av, bv) = (a.ints()?, b.ints()?);
-    Ok(Rc::new(Val {
-        shape,
-        data: Data::I(ia.iter().zip(&ib).map(|(&i, &j)| f(av[i], bv[j])).collect()),
-    }))
-}
-
-fn permute<T: Copy>(data: &[T], shape: &[usize], perm: &[usize]) -> (Vec<usize>, Vec<T>) {
-    let out_shape: Vec<usize> = perm.iter().map(|&p| shape[p]).collect();
-    let st = strides(shape);
-    let ost = strides(&out_shape);
-    let total: usize = out_shape.iter().product();
-    let v = (0..total)
-        .map(|flat| {
-            let mut src = 0;
-            for (d, &p) in perm.iter().enumerate() {
-                src += ((flat / ost[d]) % out_shape[d]) * st[p];
-            }
-            data[src]
-        })
-        .collect();
-    (out_shape, v)
-}
-
-fn transpose(x: &V, perm: &[usize]) -> Result<V> {
-    Ok(Rc::new(match &x.data {
-        Data::F(v) => {
-            let (shape, d) = permute(v, &x.shape, perm);
-            Val {
-                shape,
-                data: Data::F(d),
-            }
-        }
-        Data::I(v) => {
-            let (shape, d) = permute(v, &x.shape, perm);
-            Val {
-                shape,
-                data: Data::I(d),
-            }
-        }
-        Data::B(v) => {
-            let (shape, d) = permute(v, &x.shape, perm);
-            Val {
-                shape,
-                data: Data::B(d),
-            }
-        }
-    }))
-}
-
-/// Elements `start..start + len` along `axis`.
-fn slice(x: &V, axis: usize, start: usize, len: usize) -> Result<V> {
-    let shape = &x.shape;
-    if axis >= shape.len() || start + len > shape[axis] {
-        return Err(Error::Interface(format!(
-            "slice {start}+{len} of axis {axis} of {shape:?}"
-        )));
-    }
-    let outer: usize = shape[..axis].iter().product();
-    let inner: usize = shape[axis + 1..].iter().product();
-    let mut out_shape = shape.clone();
-    out_shape[axis] = len;
-    let ranges: Vec<(usize, usize)> = (0..outer)
-        .map(|o| {
-            let from = (o * shape[axis] + start) * inner;
-            (from, from + len * inner)
-        })
-        .collect();
-    Ok(Rc::new(Val {
-        shape: out_shape,
-        data: match &x.data {
-            Data::F(v) => Data::F(
-                ranges
-                    .iter()
-                    .flat_map(|&(a, b)| v[a..b].iter().copied())
-                    .collect(),
-            ),
-            Data::I(v) => Data::I(
-                ranges
-                    .iter()
-                    .flat_map(|&(a, b)| v[a..b].iter().copied())
-                    .collect(),
-            ),
-            Data::B(v) => Data::B(
-                ranges
-                    .iter()
-                    .flat_map(|&(a, b)| v[a..b].iter().copied())
-                    .collect(),
-            ),
-        },
-    }))
-}
-
-fn concat(parts: &[V], axis: usize) -> Result<V> {
-    let first = parts
-        .first()
-        .ok_or_else(|| Error::Interface("Concat of nothing".into()))?;
-    let mut shape = first.shape.clone();
-    shape[axis] = parts.iter().map(|p| p.shape[axis]).sum();
-    let outer: usize = shape[..axis].iter().product();
-    let mut out = Vec::with_capacity(shape.iter().product());
-    for o in 0..outer {
-        for p in parts {
-            let inner: usize = p.shape[axis..].iter().product();
-            out.extend_from_slice(&p.floats()?[o * inner..(o + 1) * inner]);
-        }
-    }
-    Ok(Val::f(shape, out))
-}
-
-fn gather(data: &V, indices: &V, axis: usize) -> Result<V> {
-    let idx = indices.ints()?;
-    let shape = &data.shape;
-    let outer: usize = shape[..axis].iter().product();
-    let inner: usize = shape[axis + 1..].iter().product();
-    let dim = shape[axis] as i64;
-    let mut out_shape = shape[..axis].to_vec();
-    out_shape.extend_from_slice(&indices.shape);
-    out_shape.extend_from_slice(&shape[axis + 1..]);
-    let v = data.floats()?;
-    let mut out = Vec::with_capacity(out_shape.iter().product());
-    for o in 0..outer {
-        for &i in &idx {
-            let i = if i < 0 { i + dim } else { i };
-            if !(0..dim).contains(&i) {
-                return Err(Error::Interface(format!(
-                    "Gather index {i} outside 0..{dim}"
-                )));
-            }
-            let from = (o * dim as usize + i as usize) * inner;
-            out.extend_from_slice(&v[from..from + inner]);
-        }
-    }
-    Ok(Val::f(out_shape, out))
-}
-
-fn softmax(x: &V, axis: usize) -> Result<V> {
-    let shape = &x.shape;
-    let v = x.floats()?;
-    let inner: usize = shape[axis + 1..].iter().product();
-    let n = shape[axis];
-    let outer: usize = shape[..axis].iter().product();
-    let mut out = vec![0f32; v.len()];
-    for o in 0..outer {
-        for i in 0..inner {
-            let at = |k: usize| (o * n + k) * inner + i;
-            let max = (0..n).map(|k| v[at(k)]).fold(f32::NEG_INFINITY, f32::max);
-            let sum: f32 = (0..n).map(|k| (v[at(k)] - max).exp()).sum();
-            for k in 0..n {
-                out[at(k)] = (v[at(k)] - max).exp() / sum;
-            }
-        }
-    }
-    Ok(Val::f(shape.clone(), out))
-}
-
-fn convert(x: &V, to: &str) -> Result<V> {
-    Ok(Rc::new(match to {
-        "f32" | "f16" => Val {
-            shape: x.shape.clone(),
-            data: Data::F(match &x.data {
-                Data::F(v) => v.clone(),
-                Data::I(v) => v.iter().map(|&i| i as f32).collect(),
-                Data::B(v) => v.iter().map(|&b| b as i32 as f32).collect(),
-            }),
-        },
-        "i64" => Val {
-            shape: x.shape.clone(),
-            data: Data::I(x.ints()?),
-        },
-        other => return Err(Error::Interface(format!("Convert to {other}"))),
-    }))
-}
-
-fn from_tensor(t: &Tensor) -> Result<V> {
-    let shape = t.dims().to_vec();
-    let flat = t.flatten_all()?;
-    Ok(Rc::new(match t.dtype() {
-        DType::I64 => Val {
-            shape,
-            data: Data::I(flat.to_vec1::<i64>()?),
-        },
-        _ => Val {
-            shape,
-            data: Data::F(flat.to_dtype(DType::F32)?.to_vec1::<f32>()?),
-        },
-    }))
-}
-
-fn to_tensor(v: &Val) -> Result<Tensor> {
-    let dev = &Device::Cpu;
-    Ok(match &v.data {
-        Data::F(x) => Tensor::from_vec(x.clone(), v.shape.clone(), dev)?,
-        Data::I(x) => Tensor::from_vec(x.clone(), v.shape.clone(), dev)?,
-        Data::B(x) => Tensor::from_vec(
-            x.iter().map(|&b| b as i64).collect::<Vec<_>>(),
-            v.shape.clone(),
-            dev,
-        )?,
-    })
 }

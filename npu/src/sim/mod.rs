@@ -7,5 +7,6 @@
 
 pub mod eval;
 pub mod numeric;
+mod ops;
 
 pub use numeric::{DEVICE, NumericModel};

@@ -15,10 +15,10 @@
 //! `token`}, `prompt_tokens_per_s`, `decode_tokens_per_s` and `prompts` (every prompt's own comparison, with every
 //! teacher-forced position).
 
-use super::{Machine, ReportArgs, SCHEMA_VERSION, paint, short_model, write};
+use super::{Machine, ReportArgs, paint, short_model, stamped, write};
 use crate::compare::{DeviceReport, Distribution};
 use crate::metrics::TensorError;
-use anyhow::{Context, Result};
+use anyhow::Result;
 use reference::backend::RunRecord;
 use serde::Serialize;
 use std::fmt::Write as _;
@@ -71,15 +71,8 @@ impl CompareReport {
 
     /// The JSON document (see the module docs).
     pub fn json(&self) -> Result<serde_json::Value> {
-        let mut v = serde_json::to_value(self)?;
-        let obj = v.as_object_mut().context("a report is an object")?;
-        obj.insert("schema_version".into(), SCHEMA_VERSION.into());
-        obj.insert(
-            "tool".into(),
-            format!("qwen35 {}", env!("CARGO_PKG_VERSION")).into(),
-        );
-        obj.insert("passed".into(), self.passed().into());
-        if let Some(devices) = obj.get_mut("devices").and_then(|d| d.as_array_mut()) {
+        let mut v = stamped(self, self.passed())?;
+        if let Some(devices) = v.get_mut("devices").and_then(|d| d.as_array_mut()) {
             for (d, r) in devices.iter_mut().zip(&self.devices) {
                 if let Some(o) = d.as_object_mut() {
                     o.insert("passed".into(), r.passed().into());

@@ -14,6 +14,19 @@ use std::path::{Path, PathBuf};
 /// The version of the JSON layout; raised whenever a key changes meaning or disappears.
 pub const SCHEMA_VERSION: u32 = 1;
 
+/// A report as JSON, stamped with `schema_version`, `tool` (`qwen35 x.y.z`) and `passed`.
+pub fn stamped<T: Serialize>(report: &T, passed: bool) -> Result<serde_json::Value> {
+    let mut v = serde_json::to_value(report)?;
+    let obj = v.as_object_mut().context("a report is an object")?;
+    obj.insert("schema_version".into(), SCHEMA_VERSION.into());
+    obj.insert(
+        "tool".into(),
+        format!("qwen35 {}", env!("CARGO_PKG_VERSION")).into(),
+    );
+    obj.insert("passed".into(), passed.into());
+    Ok(v)
+}
+
 /// Where the reports go.
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct ReportArgs {

@@ -10,10 +10,10 @@
 //! ([{`name`, `reference`, `device`}], per head {`rms`, `max_abs`, `below_f16_normal`}), `over`; and `drill_down`
 //! (null, or {`layer`, `first_over`, `intermediates`} for the first layer over threshold).
 
-use super::{Machine, ReportArgs, SCHEMA_VERSION, paint, short_model, write};
+use super::{Machine, ReportArgs, paint, short_model, stamped, write};
 use crate::plot::{Panel, Series, draw};
 use crate::probe::{DrillDown, LayerProbe, Mode, ProbeThresholds};
-use anyhow::{Context, Result};
+use anyhow::Result;
 use reference::backend::RunRecord;
 use serde::Serialize;
 use std::fmt::Write as _;
@@ -75,15 +75,7 @@ impl ProbeReport {
 
     /// The JSON document (see the module docs).
     pub fn json(&self) -> Result<serde_json::Value> {
-        let mut v = serde_json::to_value(self)?;
-        let obj = v.as_object_mut().context("a report is an object")?;
-        obj.insert("schema_version".into(), SCHEMA_VERSION.into());
-        obj.insert(
-            "tool".into(),
-            format!("qwen35 {}", env!("CARGO_PKG_VERSION")).into(),
-        );
-        obj.insert("passed".into(), self.passed().into());
-        Ok(v)
+        stamped(self, self.passed())
     }
 
     /// Prints the terminal summary and writes the files asked for.
