@@ -3,7 +3,7 @@
 
 use candle_core::Tensor;
 use reference::backend::{Backend, greedy};
-use reference::compare::{diff, diff_sliced};
+use reference::compare::{WorstByFamily, diff, diff_sliced};
 use reference::config::Config;
 use reference::taps::names;
 use std::collections::BTreeMap;
@@ -36,12 +36,9 @@ pub const RTOL: f64 = 1e-4;
 /// Logits: absolute.
 pub const LOGITS_ATOL: f64 = 1e-3;
 
-/// The worst figure per tensor family (`layers.{i}.` dropped) over the checks made, for the test output.
+/// Checks tensors against the reference and keeps the worst figure per tensor family, for the test output.
 #[derive(Default)]
-pub struct Worst {
-    /// Family → (relative error, where, per what: `head`, `channel`, … or `tensor`).
-    families: BTreeMap<String, (f64, String, &'static str)>,
-}
+pub struct Worst(WorstByFamily);
 
 impl Worst {
     /// Fails unless `actual` is within tolerance of `expected` (see [`RTOL`], [`LOGITS_ATOL`]); `name` is the
@@ -57,7 +54,7 @@ impl Worst {
         let whole = diff(actual, expected).unwrap_or_else(|e| panic!("{label} {name}: {e}"));
         if name == "logits" {
             assert!(whole.within(LOGITS_ATOL, 0.0), "{label} {name}: {whole}");
-            self.record(name, whole.max_abs, label, "abs");
+            self.0.record(name, whole.max_abs, label, "abs");
             return;
         }
         assert!(whole.within(0.0, RTOL), "{label} {name}: {whole}");
@@ -67,44 +64,19 @@ impl Worst {
             Some(s) => {
                 assert!(s.within(RTOL), "{label} {name}: {s}");
                 let at = format!("{name} {} {}", s.what, s.worst().unwrap_or(0));
-                self.record(name, s.relative(), &at, s.what);
+                self.0.record(name, s.relative(), &at, s.what);
             }
-            None => self.record(name, whole.relative(), name, "tensor"),
-        }
-    }
-
-    fn record(&mut self, name: &str, value: f64, at: &str, per: &'static str) {
-        let family = match name.strip_prefix("layers.") {
-            Some(rest) => rest.split_once('.').map_or(rest, |(_, t)| t),
-            None => name,
-        };
-        let entry = self
-            .families
-            .entry(family.to_string())
-            .or_insert((0.0, String::new(), per));
-        if value >= entry.0 {
-            *entry = (value, at.to_string(), per);
+            None => self.0.record(name, whole.relative(), name, "tensor"),
         }
     }
 
     /// The worst relative figure (per head where sliced) of any family but the logits.
     pub fn overall(&self) -> f64 {
-        self.families
-            .iter()
-            .filter(|(f, _)| *f != "logits")
-            .map(|(_, (v, _, _))| *v)
-            .fold(0.0, f64::max)
+        self.0.overall()
     }
 
-    /// One line per family: `family  per head 1.2e-6 of its max (where)`.
+    /// One line per family.
     pub fn report(&self) -> String {
-        self.families
-            .iter()
-            .map(|(family, (v, at, per))| match *per {
-                "abs" => format!("  {family:<28} {v:.2e} abs"),
-                _ => format!("  {family:<28} per {per} {v:.2e} of its max ({at})"),
-            })
-            .collect::<Vec<_>>()
-            .join("\n")
+        self.0.report()
     }
 }

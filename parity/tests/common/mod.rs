@@ -83,49 +83,8 @@ pub const F32: Tolerance = Tolerance {
     epsilon: None,
 };
 
-/// The worst figure per tensor family (`layers.{i}.` dropped) over the tensors checked, for the test output.
-#[derive(Default)]
-pub struct Worst {
-    /// Family → (figure, where, per what: `head`, `channel`, …, `tensor`, or `abs` for the logits).
-    families: std::collections::BTreeMap<String, (f64, String, &'static str)>,
-}
-
-impl Worst {
-    fn record(&mut self, name: &str, value: f64, at: String, per: &'static str) {
-        let family = match name.strip_prefix("layers.") {
-            Some(rest) => rest.split_once('.').map_or(rest, |(_, t)| t),
-            None => name,
-        };
-        let entry = self
-            .families
-            .entry(family.to_string())
-            .or_insert((0.0, String::new(), per));
-        if value >= entry.0 {
-            *entry = (value, at, per);
-        }
-    }
-
-    /// The worst relative figure of any family but the logits.
-    pub fn overall(&self) -> f64 {
-        self.families
-            .iter()
-            .filter(|(f, _)| *f != "logits")
-            .map(|(_, (v, _, _))| *v)
-            .fold(0.0, f64::max)
-    }
-
-    /// One line per family.
-    pub fn report(&self) -> String {
-        self.families
-            .iter()
-            .map(|(family, (v, at, per))| match *per {
-                "abs" => format!("  {family:<28} {v:.2e} abs"),
-                _ => format!("  {family:<28} per {per} {v:.2e} of its max ({at})"),
-            })
-            .collect::<Vec<_>>()
-            .join("\n")
-    }
-}
+/// The worst figure per tensor family over the tensors checked, for the test output.
+pub type Worst = reference::compare::WorstByFamily;
 
 /// Checks every tensor of `expected` against the same tensor of `actual`: ids exactly, logits and every other tensor
 /// (per head where it has heads) within `tol`. Panics with a labelled report on the first failure.
@@ -154,7 +113,7 @@ pub fn check_dump(
                     whole.within(tol.logits_atol, 0.0),
                     "{label} {name}: {whole}"
                 );
-                worst.record(name, whole.max_abs, name.clone(), "abs");
+                worst.record(name, whole.max_abs, name, "abs");
                 continue;
             }
             _ => {}
@@ -174,9 +133,9 @@ pub fn check_dump(
                     s.what
                 );
                 let at = format!("{name} {} {}", s.what, s.worst().unwrap_or(0));
-                worst.record(name, s.relative(), at, s.what);
+                worst.record(name, s.relative(), &at, s.what);
             }
-            None => worst.record(name, whole.relative(), name.clone(), "tensor"),
+            None => worst.record(name, whole.relative(), name, "tensor"),
         }
     }
     worst
@@ -186,4 +145,39 @@ pub fn check_dump(
 pub fn config(model: &str) -> reference::config::Config {
     reference::config::Config::from_file(&testdata().join("models").join(model).join("config.json"))
         .unwrap()
+}
+
+/// The golden prompt of a bundled model, as `--token-ids` text.
+pub fn golden_ids(model: &str) -> String {
+    let g =
+        parity::dump::Dump::read(&testdata().join(format!("goldens/{model}.safetensors"))).unwrap();
+    ids_arg(&g.tensors["token_ids"])
+}
+
+/// `qwen35 dump` of the tiny model on `ids` with `args`, read back.
+pub fn dump(
+    dir: &Path,
+    file: &str,
+    ids: &str,
+    generate: usize,
+    args: &[&str],
+) -> parity::dump::Dump {
+    let out = dir.join(file);
+    let model = testdata().join("models/tiny");
+    let generate = generate.to_string();
+    let mut all = vec![
+        "dump",
+        "--model",
+        model.to_str().unwrap(),
+        "--token-ids",
+        ids,
+        "--generate",
+        &generate,
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    all.extend_from_slice(args);
+    let o = qwen35_env(&all, &[]);
+    assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+    parity::dump::Dump::read(&out).unwrap()
 }

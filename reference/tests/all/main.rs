@@ -11,3 +11,4 @@ mod nncf;
 mod precision;
 mod quant;
 mod rope;
+mod store;
