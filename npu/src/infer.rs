@@ -87,6 +87,8 @@ impl SimSession {
                 execution_devices: Some(model.to_string()),
                 properties: model.properties().into_iter().collect(),
                 compile_seconds: start.elapsed().as_secs_f64(),
+                cache_dir: None,
+                loaded_from_cache: None,
                 inputs,
                 outputs,
             },

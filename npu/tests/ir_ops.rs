@@ -227,3 +227,46 @@ fn an_absent_device_is_named_with_the_available_ones() {
         "{err}"
     );
 }
+
+#[test]
+fn a_cached_graph_is_loaded_from_the_cache_and_computes_the_same() {
+    let graph = |scale: f32| {
+        let mut g = Graph::new("cached");
+        let x = g.parameter("x", ElemType::F32, &[8]);
+        let c = g.const_f32(&[scale; 8], &[8]).unwrap();
+        let y = g.mul(x, c).unwrap();
+        let y = g.unary(Unary::Exp, y).unwrap();
+        g.result(y, "y").unwrap();
+        g
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let opts = CompileOptions {
+        cache_dir: Some(dir.path().join("ov-cache")),
+        ..CompileOptions::default()
+    };
+    let x = Tensor::arange(0f32, 8.0, &Device::Cpu).unwrap();
+    let mut outputs = Vec::new();
+    let mut flags = Vec::new();
+    for scale in [0.5, 0.5, 0.25] {
+        let mut core = npu::runtime::core().unwrap();
+        let compiled = compile(&mut core, graph(scale), "CPU", &opts).unwrap();
+        assert_eq!(compiled.info.cache_dir, opts.cache_dir);
+        flags.push(compiled.info.loaded_from_cache);
+        let mut s = Session::new(compiled).unwrap();
+        outputs.push(s.run(&[("x", &x)]).unwrap().remove("y").unwrap());
+    }
+    // The first compile fills the cache, the same graph then comes from it; other weights are another graph.
+    assert_eq!(flags, [Some(false), Some(true), Some(false)]);
+    assert_eq!(diff(&outputs[0], &outputs[1]).unwrap().max_abs, 0.0);
+    assert!(diff(&outputs[0], &outputs[2]).unwrap().max_abs > 0.0);
+    assert!(
+        std::fs::read_dir(dir.path().join("ov-cache"))
+            .unwrap()
+            .count()
+            >= 2
+    );
+    // Without a cache directory nothing is claimed.
+    let mut core = npu::runtime::core().unwrap();
+    let plain = compile(&mut core, graph(0.5), "CPU", &CompileOptions::default()).unwrap();
+    assert_eq!(plain.info.loaded_from_cache, None);
+}

@@ -66,9 +66,24 @@ impl DeviceSettings {
                 npu::sim::DEVICE
             );
         }
+        let sim = NumericModel::is_sim(device);
+        if sim && dev.cache_dir.is_some() {
+            bail!("--cache-dir applies to OpenVINO devices; {device} compiles nothing");
+        }
+        let cache_dir = match (&dev.cache_dir, dev.no_cache) {
+            (_, true) => None,
+            (Some(dir), false) => Some(dir.clone()),
+            (None, false) if !sim && npu::devices::caches_by_default(device) => Some(
+                crate::bundled::cache_root()
+                    .join("qwen35-parity")
+                    .join("ov-cache"),
+            ),
+            (None, false) => None,
+        };
         let compile = CompileOptions {
             precision: dev.precision.unwrap_or(InferencePrecision::F32),
             device_config: device_config(dev.device_config.as_deref())?,
+            cache_dir,
         };
         Ok(DeviceSettings {
             device: device.to_string(),

@@ -44,7 +44,7 @@ fn fingerprint() -> u64 {
 }
 
 /// The cache root: `$XDG_CACHE_HOME`, else `$HOME/.cache`, else the temporary directory.
-fn cache_root() -> PathBuf {
+pub(crate) fn cache_root() -> PathBuf {
     let var = |k: &str| {
         std::env::var_os(k)
             .filter(|v| !v.is_empty())

@@ -342,6 +342,14 @@ pub struct GraphArgs {
     /// Device properties as a JSON object (default: the QWEN35_DEVICE_CONFIG environment variable, if set).
     #[arg(long, value_name = "FILE.json")]
     pub device_config: Option<PathBuf>,
+    /// OpenVINO's on-disk model cache: compiled graphs are stored there and later compiles of the same graph, device
+    /// and properties load them (reports say which did). Default: on for NPU devices, in `qwen35-parity/ov-cache`
+    /// under the user's cache directory; off for the others.
+    #[arg(long, value_name = "DIR", conflicts_with = "no_cache")]
+    pub cache_dir: Option<PathBuf>,
+    /// Compile every graph afresh, with no model cache (even on NPU).
+    #[arg(long)]
+    pub no_cache: bool,
 }
 
 impl GraphArgs {
@@ -352,6 +360,8 @@ impl GraphArgs {
             ("--block", self.block.is_some()),
             ("--context", self.context.is_some()),
             ("--device-config", self.device_config.is_some()),
+            ("--cache-dir", self.cache_dir.is_some()),
+            ("--no-cache", self.no_cache),
         ]
         .into_iter()
         .filter_map(|(n, g)| g.then_some(n))

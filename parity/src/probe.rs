@@ -91,12 +91,15 @@ impl OpenVinoLayers {
         for &l in layers {
             runners.insert(l, LayerRunner::new(builder, l, block, device, opts)?);
         }
-        let first = runners.values().next().context("no layer to probe")?.info();
+        let infos: Vec<_> = runners.values().map(|r| r.info()).collect();
+        if infos.is_empty() {
+            anyhow::bail!("no layer to probe");
+        }
         let graph = builder.options();
         let record = RunRecord {
             taps: true,
             compile_seconds: Some(start.elapsed().as_secs_f64()),
-            ..npu::engine::record_of(first, builder, block, opts)?
+            ..npu::engine::record_of(&infos, builder, block, opts)?
         };
         Ok(OpenVinoLayers {
             runners,

@@ -396,3 +396,67 @@ fn loop_form_dump_matches_the_reference() {
         worst.report()
     );
 }
+
+#[test]
+fn the_model_cache_serves_the_second_run_and_reports_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path().join("ov-cache");
+    let run = |n: usize| {
+        let json = tmp.path().join(format!("run{n}.json"));
+        let md = tmp.path().join(format!("run{n}.md"));
+        let o = qwen35(
+            &[
+                "compare-devices",
+                "--devices",
+                "CPU",
+                "--token-ids",
+                "1,2,3,4,5",
+                "--tokens",
+                "2",
+                "--context",
+                "32",
+                "--cache-dir",
+                cache.to_str().unwrap(),
+                "--json",
+                json.to_str().unwrap(),
+                "--report",
+                md.to_str().unwrap(),
+            ],
+            &[],
+        );
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let record = v["devices"][0]["record"].clone();
+        assert_eq!(record["cache_dir"], cache.to_str().unwrap());
+        let flags: Vec<bool> = record["from_cache"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|b| b.as_bool().unwrap())
+            .collect();
+        (flags, std::fs::read_to_string(&md).unwrap())
+    };
+    // Deployed and tapped graphs, prompt block and decode each: four graphs, all compiled on the first run. The
+    // record holds the deployed pair.
+    let (first, _) = run(1);
+    assert_eq!(first, [false, false]);
+    let (second, md) = run(2);
+    assert_eq!(second, [true, true]);
+    assert!(md.contains("2 of 2 graphs loaded from the cache"), "{md}");
+
+    let o = qwen35(
+        &[
+            "compare-devices",
+            "--devices",
+            "FP16SIM",
+            "--token-ids",
+            "1,2",
+            "--cache-dir",
+            cache.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("--cache-dir"), "{}", stderr(&o));
+}

@@ -56,9 +56,33 @@ pub struct RunRecord {
     pub taps: bool,
     /// Seconds spent building and compiling, for device backends.
     pub compile_seconds: Option<f64>,
+    /// The device's on-disk model cache, when one was used.
+    pub cache_dir: Option<String>,
+    /// Per compiled graph (by name), whether it was loaded from the model cache (graphs whose device does not say
+    /// are absent).
+    pub from_cache: BTreeMap<String, bool>,
 }
 
 impl RunRecord {
+    /// The model cache in words: `off`, or the directory and how many graphs came from it.
+    pub fn cache_summary(&self) -> String {
+        match &self.cache_dir {
+            None => "off".into(),
+            Some(dir) => {
+                let hits = self.from_cache.values().filter(|&&h| h).count();
+                format!(
+                    "{dir}: {hits} of {} graphs loaded from the cache{}",
+                    self.from_cache.len(),
+                    if hits == 0 && !self.from_cache.is_empty() {
+                        " (compiled and stored)"
+                    } else {
+                        ""
+                    }
+                )
+            }
+        }
+    }
+
     /// The record as a dump's metadata (string values; see the dump format).
     pub fn to_metadata(&self) -> BTreeMap<String, String> {
         let mut m = BTreeMap::new();
@@ -100,6 +124,12 @@ impl RunRecord {
         }
         if let Some(s) = self.compile_seconds {
             put("compile_seconds", format!("{s:.3}"));
+        }
+        if let Some(d) = &self.cache_dir {
+            put("cache_dir", d.clone());
+        }
+        for (graph, hit) in &self.from_cache {
+            put(&format!("from_cache.{graph}"), hit.to_string());
         }
         for (k, v) in &self.properties {
             put(&format!("property.{k}"), v.clone());

@@ -54,9 +54,10 @@ impl DecoderEngine {
         let states = (0..config.num_layers())
             .map(|l| HostLayerState::zeros(&config, l, context))
             .collect::<Result<_>>()?;
+        let infos: Vec<_> = prefill.iter().chain([&decode]).map(|e| e.info()).collect();
         let record = RunRecord {
             compile_seconds: Some(start.elapsed().as_secs_f64()),
-            ..record_of(decode.info(), builder, block, opts)?
+            ..record_of(&infos, builder, block, opts)?
         };
         Ok(DecoderEngine {
             prefill,
@@ -194,14 +195,18 @@ impl Backend for DecoderEngine {
     }
 }
 
-/// What a device ran, from what its graphs were prepared with: the device's own name and driver (OpenVINO
-/// devices), the precision that took effect, every property, the graph options and the weight format.
+/// What a device ran, from what its graphs were prepared with (`infos`, the first one standing for all but the
+/// model cache, which is recorded per graph): the device's own name and driver (OpenVINO devices), the precision
+/// that took effect, every property, the graph options, the weight format and the model cache.
 pub fn record_of(
-    info: &crate::devices::ExecInfo,
+    infos: &[&crate::devices::ExecInfo],
     builder: &Builder,
     block: usize,
     opts: &CompileOptions,
 ) -> Result<RunRecord> {
+    let info = *infos
+        .first()
+        .ok_or_else(|| Error::Interface("no compiled graph to describe".into()))?;
     let sim = crate::sim::NumericModel::is_sim(&info.device);
     let (runtime, device_name, driver) = if sim {
         (
@@ -242,6 +247,11 @@ pub fn record_of(
         context: Some(graph.context),
         taps: graph.taps,
         compile_seconds: Some(info.compile_seconds),
+        cache_dir: info.cache_dir.as_ref().map(|d| d.display().to_string()),
+        from_cache: infos
+            .iter()
+            .filter_map(|i| Some((i.graph.clone(), i.loaded_from_cache?)))
+            .collect(),
     })
 }
 

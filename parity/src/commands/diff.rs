@@ -94,6 +94,11 @@ pub fn record_of(d: &Dump) -> RunRecord {
         context: int("context"),
         taps: true,
         compile_seconds: num("compile_seconds"),
+        cache_dir: get("cache_dir"),
+        from_cache: m
+            .iter()
+            .filter_map(|(k, v)| Some((k.strip_prefix("from_cache.")?.to_string(), v == "true")))
+            .collect(),
     }
 }
 

@@ -338,6 +338,7 @@ impl CompareReport {
             for (k, v) in &rec.properties {
                 let _ = writeln!(s, "| property `{k}` | {v} |");
             }
+            let _ = writeln!(s, "| model cache | {} |", rec.cache_summary());
             let _ = writeln!(
                 s,
                 "| times | compile {:.2} s; prompt {:.1} tok/s; decode {:.1} tok/s (deployed graphs) |",

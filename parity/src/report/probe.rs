@@ -241,6 +241,7 @@ impl ProbeReport {
         for (k, v) in &r.properties {
             let _ = writeln!(s, "| property `{k}` | {v} |");
         }
+        let _ = writeln!(s, "| model cache | {} |", r.cache_summary());
         let _ = writeln!(s, "\n## Layers\n");
         let _ = writeln!(
             s,
