@@ -62,7 +62,7 @@ impl DeviceSettings {
         if NumericModel::is_sim(device) && dev.precision.is_some() {
             bail!(
                 "--precision applies to OpenVINO devices; {device}'s arithmetic comes from its options \
-                 ({}:store=f16|bf16|f32,ftz=on|off,acc=f32|f16,state=f16|f32)",
+                 ({}:store=f16|bf16|f32,ftz=on|off,acc=f32|f16,state=f16|f32,norm=ops|fused)",
                 npu::sim::DEVICE
             );
         }

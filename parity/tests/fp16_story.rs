@@ -145,3 +145,63 @@ fn compare_devices_shows_the_ports_before_and_after() {
         figures.join("; ")
     );
 }
+
+/// The relative L2 error of `tap` in each DeltaNet layer of a probe.
+fn tap_errors(v: &serde_json::Value, tap: &str) -> Vec<f64> {
+    v["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|l| l["kind"] == "linear_attention")
+        .map(|l| {
+            l["intermediates"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|i| i["name"] == tap)
+                .unwrap_or_else(|| panic!("no {tap} in {l}"))["error"]["rel_l2"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn a_fused_norm_turns_the_nan_into_the_ports_finite_error() {
+    // A norm kernel that keeps its statistic in f32 (as NPU compilers fuse RMSNorm) no longer divides 0 by 0: what
+    // remains is the loss of the flushed product terms S_ij q_i, a few percent after the gated norm without the
+    // rescaling, a thousandth with it, and as little with subnormals kept.
+    let tmp = tempfile::tempdir().unwrap();
+    let tap = "linear_attn.gated_norm_output";
+    let (_, v) = probe("FP16SIM:norm=fused", "1", tmp.path());
+    let unscaled = tap_errors(&v, tap);
+    let (code, v) = probe("FP16SIM:norm=fused", "1024", tmp.path());
+    assert_eq!(code, Some(0), "{}", v["layers"]);
+    let scaled = tap_errors(&v, tap);
+    let (_, v) = probe("FP16SIM:norm=fused,ftz=off", "1", tmp.path());
+    let kept = tap_errors(&v, tap);
+    let fmt = |v: &[f64]| {
+        v.iter()
+            .map(|x| format!("{x:.2e}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    println!(
+        "FP16SIM:norm=fused, {tap} relative L2 error per DeltaNet layer: x1 {}; x1024 {}; ftz=off x1 {}",
+        fmt(&unscaled),
+        fmt(&scaled),
+        fmt(&kept)
+    );
+    assert_eq!(unscaled.len(), 3);
+    for i in 0..3 {
+        assert!(
+            unscaled[i].is_finite() && unscaled[i] > 0.01,
+            "{unscaled:?}"
+        );
+        assert!(
+            scaled[i] < 5e-3 && unscaled[i] > 10.0 * scaled[i],
+            "{scaled:?}"
+        );
+        assert!(kept[i] < 5e-3, "{kept:?}");
+    }
+}

@@ -360,7 +360,7 @@ fn fp16sim_is_compared_like_a_device() {
     assert_eq!(fp16["record"]["properties"]["ftz"], "on");
     assert_eq!(
         fp16["record"]["execution_devices"],
-        "FP16SIM:store=f16,ftz=on,acc=f32,state=f16"
+        "FP16SIM:store=f16,ftz=on,acc=f32,state=f16,norm=ops"
     );
     // fp16 moves the logits far more than f32 rounding does.
     assert!(

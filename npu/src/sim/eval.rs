@@ -124,6 +124,11 @@ pub struct Evaluator {
     /// Inputs and producers of the outputs that hold states (kept in f32 when the model keeps states in f32).
     state_inputs: HashSet<String>,
     state_producers: HashSet<usize>,
+    /// Under fused normalizations: the statistic's nodes (square, sum or mean, plus eps, root), whose results are
+    /// not rounded, by (scope, node id).
+    norm_inner: HashSet<(usize, usize)>,
+    /// Under fused normalizations: the eps constants, exact (unrounded) f32.
+    norm_eps: HashMap<(usize, usize), V>,
 }
 
 impl Evaluator {
@@ -144,12 +149,18 @@ impl Evaluator {
                 state_producers.insert(v.node);
             }
         }
+        let (mut norm_inner, mut norm_eps) = (HashSet::new(), HashMap::new());
+        if model.fused_norm {
+            find_norms(&graph, &graph.nodes, 0, &mut norm_inner, &mut norm_eps)?;
+        }
         Ok(Evaluator {
             graph,
             model,
             consts,
             state_inputs: state_inputs.iter().cloned().collect(),
             state_producers,
+            norm_inner,
+            norm_eps,
         })
     }
 
@@ -225,12 +236,15 @@ impl Evaluator {
                     node.name
                 ))
             };
-            let keep_f32 = self.model.f32_state && scope == 0 && self.state_producers.contains(&id);
+            let fused = self.norm_inner.contains(&(scope, id));
+            let keep_f32 =
+                fused || (self.model.f32_state && scope == 0 && self.state_producers.contains(&id));
             let out: Vec<V> = match node.op {
                 "Parameter" => vec![parameter(id, node)?],
                 "Const" => vec![
-                    self.consts
+                    self.norm_eps
                         .get(&(scope, id))
+                        .or_else(|| self.consts.get(&(scope, id)))
                         .cloned()
                         .ok_or_else(|| err("constant not decoded".into()))?,
                 ],
@@ -240,7 +254,9 @@ impl Evaluator {
                 }
                 op => {
                     let args: Vec<V> = (0..node.inputs.len()).map(arg).collect();
-                    let v = self.op(op, node, &args).map_err(|e| err(e.to_string()))?;
+                    let v = self
+                        .op(op, node, &args, fused)
+                        .map_err(|e| err(e.to_string()))?;
                     vec![if keep_f32 { v } else { self.round_val(&v) }]
                 }
             };
@@ -298,8 +314,9 @@ impl Evaluator {
             .collect()
     }
 
-    /// One op on its (already stored) arguments; the caller rounds the result.
-    fn op(&self, op: &str, node: &Node, a: &[V]) -> Result<V> {
+    /// One op on its (already stored) arguments; the caller rounds the result. `fused`: a node of a fused
+    /// normalization's statistic (a reduction then sums in f32 whatever the accumulation).
+    fn op(&self, op: &str, node: &Node, a: &[V], fused: bool) -> Result<V> {
         let attr = |k: &str| node.attr(k).unwrap_or("");
         Ok(match op {
             "Add" | "Subtract" | "Multiply" | "Divide" => {
@@ -377,6 +394,7 @@ impl Evaluator {
                     &axes,
                     attr("keep_dims") == "true",
                     op == "ReduceMean",
+                    fused,
                 )?
             }
             "SoftMax" => {
@@ -449,7 +467,7 @@ impl Evaluator {
         Ok(Val::f(shape, out))
     }
 
-    fn reduce(&self, x: &V, axes: &[usize], keep: bool, mean: bool) -> Result<V> {
+    fn reduce(&self, x: &V, axes: &[usize], keep: bool, mean: bool, fused: bool) -> Result<V> {
         let xs = x.floats()?;
         let shape = &x.shape;
         let reduced: Vec<usize> = shape
@@ -461,8 +479,9 @@ impl Evaluator {
         let st = strides(shape);
         let rst = strides(&reduced);
         let mut acc = vec![0f32; reduced.iter().product()];
-        let acc_storage =
-            self.model.accumulation == Accumulation::Storage && !self.model.is_exact_f32();
+        let acc_storage = self.model.accumulation == Accumulation::Storage
+            && !self.model.is_exact_f32()
+            && !fused;
         for (flat, &v) in xs.iter().enumerate() {
             let mut r = 0;
             for d in 0..shape.len() {
@@ -493,6 +512,61 @@ impl Evaluator {
         };
         Ok(Val::f(out_shape, acc))
     }
+}
+
+/// Finds the normalizations of `nodes` (and of Loop bodies): `Divide(x, Sqrt(Add(Reduce{Mean,Sum}(Multiply(x, x)),
+/// eps)))` with `eps` a constant, as the graph builder writes RMSNorm and the L2 norm. Records the statistic's nodes
+/// and the eps constant (decoded exactly) for a fused evaluation.
+fn find_norms(
+    graph: &Graph,
+    nodes: &[Node],
+    scope: usize,
+    inner: &mut HashSet<(usize, usize)>,
+    eps: &mut HashMap<(usize, usize), V>,
+) -> Result<()> {
+    for n in nodes {
+        if let Some(body) = &n.body {
+            find_norms(graph, &body.nodes, n as *const Node as usize, inner, eps)?;
+        }
+    }
+    let producer = |v: Value, op: &str| (nodes[v.node].op == op).then_some(v.node);
+    for div in nodes.iter().filter(|n| n.op == "Divide") {
+        let x = div.inputs[0];
+        let Some(root) = producer(div.inputs[1], "Sqrt") else {
+            continue;
+        };
+        let Some(add) = producer(nodes[root].inputs[0], "Add") else {
+            continue;
+        };
+        let (a, b) = (nodes[add].inputs[0], nodes[add].inputs[1]);
+        let (reduce, constant) = match (nodes[a.node].op, nodes[b.node].op) {
+            ("ReduceMean" | "ReduceSum", "Const") => (a.node, b.node),
+            ("Const", "ReduceMean" | "ReduceSum") => (b.node, a.node),
+            _ => continue,
+        };
+        let Some(square) = producer(nodes[reduce].inputs[0], "Multiply") else {
+            continue;
+        };
+        if nodes[square].inputs[0] != x || nodes[square].inputs[1] != x {
+            continue;
+        }
+        let c = &nodes[constant];
+        if c.outputs[0].ty != ElemType::F32 || c.outputs[0].shape.iter().product::<usize>() != 1 {
+            continue;
+        }
+        let exact = NumericModel {
+            storage: super::numeric::Storage::F32,
+            flush_subnormals: false,
+            ..NumericModel::default()
+        };
+        let mut one = HashMap::new();
+        decode_consts(graph, std::slice::from_ref(c), 0, &exact, &mut one)?;
+        if let Some(v) = one.into_values().next() {
+            eps.insert((scope, constant), v);
+        }
+        inner.extend([square, reduce, add, root].map(|id| (scope, id)));
+    }
+    Ok(())
 }
 
 /// Decodes every constant of `nodes` (scope 0: the graph; a Loop body: its node's address), rounded to storage

@@ -38,6 +38,10 @@ pub struct NumericModel {
     /// Whether the states handed between calls are kept in f32 (the ops producing them compute in f32 and their
     /// inputs are not rounded) instead of the storage format.
     pub f32_state: bool,
+    /// Whether normalizations (`x / sqrt(mean(x²) + eps)` and the L2 form) run as one fused kernel that keeps its
+    /// statistic in f32 (squares, sum, eps and root unrounded; only the normalized output is stored), as NPU
+    /// compilers fuse RMSNorm and NormalizeL2; otherwise op by op, every intermediate stored.
+    pub fused_norm: bool,
 }
 
 impl Default for NumericModel {
@@ -48,6 +52,7 @@ impl Default for NumericModel {
             flush_subnormals: true,
             accumulation: Accumulation::F32,
             f32_state: false,
+            fused_norm: false,
         }
     }
 }
@@ -61,9 +66,9 @@ impl NumericModel {
         device == DEVICE || device.starts_with(&format!("{DEVICE}:"))
     }
 
-    /// Parses `FP16SIM[:key=value,…]` with the options of a device config (`store`, `ftz`, `acc`, `state`) applied
-    /// on top. Keys: `store=f16|bf16|f32`, `ftz=on|off`, `acc=f32|f16|bf16` (`f16`/`bf16`: in the storage format),
-    /// `state=f16|f32`.
+    /// Parses `FP16SIM[:key=value,…]` with the options of a device config (`store`, `ftz`, `acc`, `state`,
+    /// `norm`) applied on top. Keys: `store=f16|bf16|f32`, `ftz=on|off`, `acc=f32|f16|bf16` (`f16`/`bf16`: in the
+    /// storage format), `state=f16|f32`, `norm=ops|fused`.
     pub fn parse(device: &str, config: &[(String, String)]) -> Result<Self> {
         let rest = device.strip_prefix(DEVICE).ok_or_else(|| {
             Error::Config(format!("`{device}` is not the {DEVICE} pseudo-device"))
@@ -74,7 +79,7 @@ impl NumericModel {
                 for item in opts.split(',').filter(|s| !s.is_empty()) {
                     let (k, v) = item.split_once('=').ok_or_else(|| {
                         Error::Config(format!(
-                            "{device}: `{item}` is not key=value (keys: store, ftz, acc, state)"
+                            "{device}: `{item}` is not key=value (keys: store, ftz, acc, state, norm)"
                         ))
                     })?;
                     pairs.push((k.trim().to_string(), v.trim().to_string()));
@@ -98,7 +103,8 @@ impl NumericModel {
                         "ftz" => "ftz is on or off",
                         "acc" => "acc is f32, or the storage format (f16, bf16)",
                         "state" => "state is f16 or f32",
-                        _ => "unknown option (store, ftz, acc, state)",
+                        "norm" => "norm is ops or fused",
+                        _ => "unknown option (store, ftz, acc, state, norm)",
                     }
                 ))
             };
@@ -117,6 +123,8 @@ impl NumericModel {
                 }
                 ("state", "f16" | "fp16" | "storage") => m.f32_state = false,
                 ("state", "f32" | "fp32") => m.f32_state = true,
+                ("norm", "ops") => m.fused_norm = false,
+                ("norm", "fused") => m.fused_norm = true,
                 _ => return Err(bad()),
             }
         }
@@ -184,6 +192,10 @@ impl NumericModel {
                 }
                 .into(),
             ),
+            (
+                "norm".into(),
+                if self.fused_norm { "fused" } else { "ops" }.into(),
+            ),
         ]
     }
 }
@@ -208,15 +220,23 @@ mod tests {
     fn options_parse_and_print_back() {
         let d = NumericModel::parse("FP16SIM", &[]).unwrap();
         assert_eq!(d, NumericModel::default());
-        assert_eq!(d.to_string(), "FP16SIM:store=f16,ftz=on,acc=f32,state=f16");
-        let m = NumericModel::parse("FP16SIM:ftz=off,acc=f16", &[("state".into(), "f32".into())])
-            .unwrap();
+        assert_eq!(
+            d.to_string(),
+            "FP16SIM:store=f16,ftz=on,acc=f32,state=f16,norm=ops"
+        );
+        let m = NumericModel::parse(
+            "FP16SIM:ftz=off,acc=f16,norm=fused",
+            &[("state".into(), "f32".into())],
+        )
+        .unwrap();
         assert!(!m.flush_subnormals && m.accumulation == Accumulation::Storage && m.f32_state);
+        assert!(m.fused_norm);
         assert_eq!(NumericModel::parse(&m.to_string(), &[]).unwrap(), m);
         for bad in [
             "FP16SIM:ftz=maybe",
             "FP16SIM:speed=fast",
             "FP16SIM:ftz",
+            "FP16SIM:norm=maybe",
             "FP16SIMX",
         ] {
             assert!(NumericModel::parse(bad, &[]).is_err(), "{bad}");

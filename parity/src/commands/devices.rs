@@ -52,7 +52,7 @@ pub fn exec(args: DevicesArgs) -> Result<Outcome> {
     }
     println!(
         "{}: pseudo-device, an fp16 accelerator's arithmetic applied to the same graphs (no runtime needed)\n  \
-         default {}; options store=f16|bf16|f32, ftz=on|off, acc=f32|f16, state=f16|f32",
+         default {}; options store=f16|bf16|f32, ftz=on|off, acc=f32|f16, state=f16|f32, norm=ops|fused",
         npu::sim::DEVICE,
         NumericModel::default()
     );
