@@ -85,7 +85,11 @@ fn bad_ir_directories_are_named() {
         std::fs::copy(testdata().join("ir/tiny-f32").join(f), dir.join(f)).unwrap();
     }
     // A manifest without a required key, and one naming a port the IR does not have.
-    std::fs::write(dir.join("manifest.json"), r#"{"inputs": {"input_ids": {"name": "input_ids"}}}"#).unwrap();
+    std::fs::write(
+        dir.join("manifest.json"),
+        r#"{"inputs": {"input_ids": {"name": "input_ids"}}}"#,
+    )
+    .unwrap();
     expect_error(
         &["compare-devices", "--ir", ir, "--device", "CPU"],
         &["manifest.json", "`outputs` is missing"],
