@@ -345,9 +345,9 @@ impl WeightStore {
     /// `[C, 1, K]` as the matrix `[C, K]` (one row per channel).
     fn quantize(&self, raw: &Raw, spec: &TensorSpec) -> Result<QuantizedMatrix> {
         let shape = spec.shape.as_slice();
-        let (rows, cols) = match shape {
-            &[rows, cols] => (rows, cols),
-            &[rows, 1, cols] => (rows, cols),
+        let (rows, cols) = match *shape {
+            [rows, cols] => (rows, cols),
+            [rows, 1, cols] => (rows, cols),
             _ => {
                 return Err(raw.err(format!(
                     "only matrices and [C, 1, K] kernels are quantised, this one has shape {shape:?}"

@@ -208,7 +208,11 @@ pub fn compressed_weights(xml: &Path, bin: &Path) -> Result<Vec<IrWeight>> {
         let rows = *layer.shape.first().unwrap_or(&0);
         let count: usize = layer.shape.iter().product();
         let scales_count: usize = scale.shape.iter().product();
-        if rows == 0 || count % rows != 0 || scales_count == 0 || scales_count % rows != 0 {
+        if rows == 0
+            || !count.is_multiple_of(rows)
+            || scales_count == 0
+            || !scales_count.is_multiple_of(rows)
+        {
             return Err(bad(format!(
                 "constant `{name}` {:?} with scales {:?}: not a per-row or per-group layout",
                 layer.shape, scale.shape
@@ -231,7 +235,7 @@ pub fn compressed_weights(xml: &Path, bin: &Path) -> Result<Vec<IrWeight>> {
             .map(|c| f16::from_le_bytes([c[0], c[1]]))
             .collect();
         let kind = match (ty, per_row) {
-            ("i4", g) if cols % g == 0 => QuantKind::Int4Sym { group: cols / g },
+            ("i4", g) if cols.is_multiple_of(g) => QuantKind::Int4Sym { group: cols / g },
             ("i8", 1) => QuantKind::Int8Sym,
             _ => {
                 return Err(bad(format!(
