@@ -1,10 +1,12 @@
-//! Building the backends a command runs: the reference, and the static graphs on an OpenVINO device, from the
-//! validated command-line options.
+//! Building the backends a command runs: the reference, the static graphs on an OpenVINO device, and an external
+//! IR (graphs made elsewhere), from the validated command-line options.
 
 use crate::options::{FormArgs, GraphArgs};
 use anyhow::{Result, bail};
 use npu::devices::{CompileOptions, InferencePrecision, device_config};
 use npu::engine::{DEFAULT_BLOCK, DecoderEngine};
+use npu::external::ExternalBackend;
+use npu::external::manifest::IrManifest;
 use npu::graphs::{Builder, DEFAULT_CONTEXT, GraphOptions};
 use npu::sim::NumericModel;
 use reference::backend::{Backend, ReferenceBackend};
@@ -12,6 +14,7 @@ use reference::config::Config;
 use reference::linear_attn::PORT_OUTPUT_SCALE;
 use reference::model::{Model, RunOptions};
 use reference::weights::WeightStore;
+use std::path::Path;
 
 /// Fails unless `device` can run here: the FP16SIM pseudo-device with valid options, or an OpenVINO device that is
 /// present (the error names the ones that are).
@@ -166,4 +169,35 @@ pub fn check_context(prompt: usize, generate: usize, context: usize) -> Result<(
         );
     }
     Ok(())
+}
+
+/// An external stateful IR (`dir`: the IR and its `manifest.json`, or optimum-intel's interface without one)
+/// compiled on an OpenVINO `device` as a backend at the logits and token level: its hidden states and its state are
+/// not exposed ([`Backend::exposes_state`] is false). `config` is the checkpoint's the IR was exported from.
+pub fn open_external(
+    dir: &Path,
+    config: &Config,
+    device: &str,
+    compile: &CompileOptions,
+) -> Result<ExternalBackend> {
+    if NumericModel::is_sim(device) {
+        bail!(
+            "{device} evaluates this project's own graphs; an external IR runs on an OpenVINO device (--ir {})",
+            dir.display()
+        );
+    }
+    let manifest = IrManifest::open(dir)?;
+    let backend = ExternalBackend::open(manifest, config.clone(), device, compile)?;
+    let record = backend.record();
+    if record.precision.as_deref() != Some(compile.precision.hint()) {
+        eprintln!(
+            "warning: {device} computed the IR in {} although {} was requested; recorded as `precision`",
+            record
+                .precision
+                .as_deref()
+                .unwrap_or("an unreported precision"),
+            compile.precision.hint()
+        );
+    }
+    Ok(backend)
 }

@@ -75,8 +75,9 @@ pub struct ModelArgs {
     #[arg(long, value_enum, default_value = "f32")]
     pub dtype: Dtype,
     /// Weights as stored: f32 (as in the checkpoint), f16, or int4 (symmetric, group 128, int8 backup; `int4:G` for
-    /// another group). The reference runs the same quantized weights, dequantized exactly.
-    #[arg(long, default_value = "f32", value_parser = parse_weights, value_name = "f32|f16|int4[:G]")]
+    /// another group); `int4-nncf[:G]` also gives the DeltaNet conv weights the int8 backup, as NNCF does to an
+    /// optimum-intel export. The reference runs the same quantized weights, dequantized exactly.
+    #[arg(long, default_value = "f32", value_parser = parse_weights, value_name = "f32|f16|int4[:G]|int4-nncf[:G]")]
     pub weights: WeightFormat,
 }
 

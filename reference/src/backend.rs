@@ -181,6 +181,14 @@ pub trait Backend {
     /// of every token, not only the last one's.
     fn forward(&mut self, ids: &[u32], all_logits: bool) -> Result<Forward>;
 
+    /// Whether [`Backend::snapshot`] and [`Backend::restore`] reach the backend's state. A stateful graph made
+    /// elsewhere keeps its caches inside the runtime: it says `false`, its `snapshot` fails, and [`greedy`] and
+    /// [`teacher_forced`] hand out an `after_prompt` with no tensors (comparisons then report the states as not
+    /// exposed rather than compare nothing).
+    fn exposes_state(&self) -> bool {
+        true
+    }
+
     /// The current state.
     fn snapshot(&self) -> Result<Snapshot>;
 
@@ -193,7 +201,7 @@ pub trait Backend {
 pub struct Generation {
     /// The prompt's forward call (its logits of every position when asked for, and its taps).
     pub prompt: Forward,
-    /// The state right after the prompt.
+    /// The state right after the prompt (no tensors when the backend does not expose its state).
     pub after_prompt: Snapshot,
     /// The chosen tokens.
     pub tokens: Vec<u32>,
@@ -227,7 +235,7 @@ pub fn greedy(
     let start = Instant::now();
     let first = backend.forward(prompt, all_logits)?;
     let prompt_seconds = start.elapsed().as_secs_f64();
-    let after_prompt = backend.snapshot()?;
+    let after_prompt = state_after(backend, prompt.len())?;
     let rows = first.logits.dim(0)?;
     let mut logits = first.logits.get(rows - 1)?;
     let mut tokens = Vec::with_capacity(max_new);
@@ -264,6 +272,18 @@ pub fn greedy(
     })
 }
 
+/// The backend's state after `position` tokens: its snapshot, or no tensors when it does not expose its state.
+fn state_after(backend: &dyn Backend, position: usize) -> Result<Snapshot> {
+    if backend.exposes_state() {
+        backend.snapshot()
+    } else {
+        Ok(Snapshot {
+            position,
+            tensors: BTreeMap::new(),
+        })
+    }
+}
+
 /// A teacher-forced run: the logits and taps of every position, and the state after the prompt.
 #[derive(Debug, Clone)]
 pub struct Forced {
@@ -288,7 +308,7 @@ pub fn teacher_forced(
     backend.config().check_token_ids(continuation)?;
     backend.reset()?;
     let first = backend.forward(prompt, true)?;
-    let after_prompt = backend.snapshot()?;
+    let after_prompt = state_after(backend, prompt.len())?;
     let mut logits = vec![first.logits];
     let mut taps: BTreeMap<String, Vec<Tensor>> =
         first.taps.into_iter().map(|(k, v)| (k, vec![v])).collect();

@@ -44,9 +44,13 @@
 //!   precision (int8_sym) for such weights, as the project's rule. It arises on the tiny test models; for a real
 //!   checkpoint [`WeightFormat::storage`] shows which projections, if any, fall back.
 //! * **Other layers.** NNCF also compresses Convolution / GroupConvolution weights (to the backup precision) when
-//!   the graph it compresses contains such an op. Here conv weights, norm weights, `A_log` and `dt_bias` stay f32
-//!   under int4, as the project's rule; a graph that expressed the DeltaNet short convolution as a GroupConvolution
-//!   and ran NNCF over it would get int8_sym conv weights instead.
+//!   the graph it compresses contains such an op. Under [`WeightFormat::Int4Sym`] conv weights, norm weights,
+//!   `A_log` and `dt_bias` stay f32, as the project's rule (its graphs compute the short convolution without a
+//!   convolution op). optimum-intel's export of Qwen3.5 holds the DeltaNet short convolution as a `GroupConvolution`
+//!   (weight `[C, 1, 1, K]`), and NNCF gives it the INT8 backup, one scale per channel over its `K` taps (seen in
+//!   `testdata/ir/tiny-int4`, made by `scripts/make_optimum_export.py`). [`WeightFormat::Int4Nncf`] is that rule:
+//!   the same as `Int4Sym` plus INT8 conv weights, so the reference runs exactly the weights such an export holds
+//!   (`npu/tests/external.rs` reads every code and scale back from the IR and compares them).
 //!
 //! # Checked against NNCF itself
 //!
@@ -103,6 +107,12 @@ pub enum WeightFormat {
         /// Inputs sharing one scale (128 in the exports).
         group: usize,
     },
+    /// [`WeightFormat::Int4Sym`] as NNCF applies it to an optimum-intel export, where the DeltaNet short
+    /// convolution is a `GroupConvolution`: its weights get the INT8 backup too (per channel, over the `K` taps).
+    Int4Nncf {
+        /// Inputs sharing one scale.
+        group: usize,
+    },
 }
 
 impl Default for WeightFormat {
@@ -113,50 +123,67 @@ impl Default for WeightFormat {
 }
 
 impl WeightFormat {
-    /// `f32`, `f16`, `int4` (group 128) or `int4:G`: the form [`WeightFormat::parse`] reads.
+    /// `f32`, `f16`, `int4` (group 128), `int4:G`, `int4-nncf` (group 128) or `int4-nncf:G`: the form
+    /// [`WeightFormat::parse`] reads.
     pub fn name(&self) -> String {
         match self {
             WeightFormat::F32 => "f32".into(),
             WeightFormat::F16 => "f16".into(),
             WeightFormat::Int4Sym { group } if *group == DEFAULT_GROUP => "int4".into(),
             WeightFormat::Int4Sym { group } => format!("int4:{group}"),
+            WeightFormat::Int4Nncf { group } if *group == DEFAULT_GROUP => "int4-nncf".into(),
+            WeightFormat::Int4Nncf { group } => format!("int4-nncf:{group}"),
         }
     }
 
-    /// Reads `f32`, `f16`, `int4` (INT4 symmetric, group 128) or `int4:G` (group `G` ≥ 1).
+    /// Reads `f32`, `f16`, `int4` (INT4 symmetric, group 128), `int4:G` (group `G` ≥ 1), or `int4-nncf` /
+    /// `int4-nncf:G` (the same with INT8 conv weights, as NNCF compresses an optimum-intel export).
     pub fn parse(text: &str) -> Result<Self> {
         let bad = |why: &str| {
             Error::Input(format!(
-                "weight format `{text}`: {why} (expected f32, f16, int4 or int4:GROUP)"
+                "weight format `{text}`: {why} (expected f32, f16, int4, int4:GROUP, int4-nncf or \
+                 int4-nncf:GROUP)"
             ))
         };
-        match text.trim() {
-            "f32" => Ok(WeightFormat::F32),
-            "f16" => Ok(WeightFormat::F16),
-            "int4" => Ok(WeightFormat::Int4Sym {
-                group: DEFAULT_GROUP,
-            }),
-            other => {
-                let Some(group) = other.strip_prefix("int4:") else {
-                    return Err(bad("unknown format"));
-                };
-                let group: usize = group
-                    .parse()
-                    .map_err(|_| bad("the group size is not a whole number"))?;
-                if group == 0 {
-                    return Err(bad("the group size must be at least 1"));
-                }
-                Ok(WeightFormat::Int4Sym { group })
+        let group_of = |g: Option<&str>| -> Result<usize> {
+            let Some(g) = g else {
+                return Ok(DEFAULT_GROUP);
+            };
+            let group: usize = g
+                .parse()
+                .map_err(|_| bad("the group size is not a whole number"))?;
+            if group == 0 {
+                return Err(bad("the group size must be at least 1"));
             }
+            Ok(group)
+        };
+        let text = text.trim();
+        let (kind, group) = match text.split_once(':') {
+            Some((kind, group)) => (kind, Some(group)),
+            None => (text, None),
+        };
+        match (kind, group) {
+            ("f32", None) => Ok(WeightFormat::F32),
+            ("f16", None) => Ok(WeightFormat::F16),
+            ("int4", g) => Ok(WeightFormat::Int4Sym {
+                group: group_of(g)?,
+            }),
+            ("int4-nncf", g) => Ok(WeightFormat::Int4Nncf {
+                group: group_of(g)?,
+            }),
+            _ => Err(bad("unknown format")),
         }
     }
 
     /// Checks the parameters (an INT4 group size of at least 1).
     pub fn validate(&self) -> Result<()> {
         match self {
-            WeightFormat::Int4Sym { group: 0 } => Err(Error::Input(
-                "weight format int4: the group size must be at least 1".into(),
-            )),
+            WeightFormat::Int4Sym { group: 0 } | WeightFormat::Int4Nncf { group: 0 } => {
+                Err(Error::Input(format!(
+                    "weight format {}: the group size must be at least 1",
+                    self.name()
+                )))
+            }
             _ => Ok(()),
         }
     }
@@ -165,20 +192,26 @@ impl WeightFormat {
     ///
     /// Under [`WeightFormat::Int4Sym`]: projections (`[out, in]`) are INT4 when their input width is a multiple of
     /// the group, INT8 otherwise; the token embedding and the LM head are INT8; everything else (norm weights,
-    /// `A_log`, `dt_bias`, conv weights) stays float. Under [`WeightFormat::F16`] every tensor is rounded to f16;
-    /// under [`WeightFormat::F32`] nothing changes.
+    /// `A_log`, `dt_bias`, conv weights) stays float. [`WeightFormat::Int4Nncf`] is the same except that the conv
+    /// weights `[C, 1, K]` are INT8 (one scale per channel). Under [`WeightFormat::F16`] every tensor is rounded to
+    /// f16; under [`WeightFormat::F32`] nothing changes.
     pub fn storage(&self, role: Role, shape: &[usize]) -> Storage {
         match self {
             WeightFormat::F32 => Storage::Float,
             WeightFormat::F16 => Storage::F16,
-            WeightFormat::Int4Sym { group } => match (role, shape) {
-                (Role::Embedding | Role::LmHead, [_, _]) => Storage::Int8Sym,
-                (Role::Projection, [_, cols]) if *group > 0 && cols.is_multiple_of(*group) => {
-                    Storage::Int4Sym { group: *group }
+            WeightFormat::Int4Nncf { .. } if matches!((role, shape), (Role::Conv, [_, 1, _])) => {
+                Storage::Int8Sym
+            }
+            WeightFormat::Int4Sym { group } | WeightFormat::Int4Nncf { group } => {
+                match (role, shape) {
+                    (Role::Embedding | Role::LmHead, [_, _]) => Storage::Int8Sym,
+                    (Role::Projection, [_, cols]) if *group > 0 && cols.is_multiple_of(*group) => {
+                        Storage::Int4Sym { group: *group }
+                    }
+                    (Role::Projection, [_, _]) => Storage::Int8Sym,
+                    _ => Storage::Float,
                 }
-                (Role::Projection, [_, _]) => Storage::Int8Sym,
-                _ => Storage::Float,
-            },
+            }
         }
     }
 }

@@ -341,13 +341,18 @@ impl WeightStore {
         Ok(tensor)
     }
 
-    /// Quantises a 2-D tensor as the store's format prescribes for it.
+    /// Quantises a tensor as the store's format prescribes for it: a matrix `[out, in]`, or a conv kernel
+    /// `[C, 1, K]` as the matrix `[C, K]` (one row per channel).
     fn quantize(&self, raw: &Raw, spec: &TensorSpec) -> Result<QuantizedMatrix> {
         let shape = spec.shape.as_slice();
-        let &[rows, cols] = shape else {
-            return Err(raw.err(format!(
-                "only 2-D matrices are quantised, this one has shape {shape:?}"
-            )));
+        let (rows, cols) = match *shape {
+            [rows, cols] => (rows, cols),
+            [rows, 1, cols] => (rows, cols),
+            _ => {
+                return Err(raw.err(format!(
+                    "only matrices and [C, 1, K] kernels are quantised, this one has shape {shape:?}"
+                )));
+            }
         };
         let w = raw.values_f32()?;
         let q = match self.storage(spec) {

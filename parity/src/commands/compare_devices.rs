@@ -2,12 +2,13 @@
 //! by layer and state by state, with a verdict against thresholds.
 
 use crate::backends::{
-    DeviceSettings, available_devices, check_context, check_device, open_device, open_reference,
+    DeviceSettings, available_devices, check_context, check_device, open_device, open_external,
+    open_reference,
 };
 use crate::commands::Outcome;
 use crate::compare::{
     DeviceReport, Distribution, Position, PositionClass, ReferenceRun, Thresholds, compare_prompt,
-    continuation, rows,
+    compare_prompt_logits, continuation, rows,
 };
 use crate::metrics::{TensorError, TokenAgreement};
 use crate::options::{ChatPrompt, FormArgs, GraphArgs, ModelArgs, PromptArgs};
@@ -32,8 +33,14 @@ pub struct CompareArgs {
     model: ModelArgs,
     /// Devices to compare with the reference, comma separated: OpenVINO devices, or FP16SIM[:options] (an fp16
     /// accelerator's arithmetic applied to the same graphs). Default: every OpenVINO device present.
-    #[arg(long, value_name = "CPU,NPU,FP16SIM")]
+    #[arg(long, alias = "device", value_name = "CPU,NPU,FP16SIM")]
     devices: Option<String>,
+    /// Compare an external stateful IR (graphs made elsewhere, e.g. optimum-intel's export) instead of this
+    /// project's graphs: DIR holds the IR and a manifest.json of its ports (optimum-intel's names without one).
+    /// Tokens and logits only; its hidden states and states are not exposed. Give --weights as the IR holds them
+    /// (its manifest's `reference_weights`, e.g. int4-nncf:32 for NNCF's INT4 export).
+    #[arg(long, value_name = "DIR")]
+    ir: Option<PathBuf>,
     #[command(flatten)]
     prompt: PromptArgs,
     /// A prompt set, one JSON object per line: {"prompt": …, "system"?: …, "think"?: bool, "label"?: …} or
@@ -255,6 +262,9 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
     if args.tokens == 0 {
         bail!("--tokens must be at least 1");
     }
+    if let Some(ir) = args.ir.clone() {
+        return exec_external(args, &ir);
+    }
     let (dir, config, store) = args.model.open()?;
     let devices = devices(args.devices.as_deref())?;
     // --precision is asked of the OpenVINO devices; FP16SIM's arithmetic comes from its options.
@@ -317,6 +327,122 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
     }
     progress.finish();
 
+    let report = CompareReport {
+        command: "compare-devices".into(),
+        machine: Machine::detect(),
+        inputs: Inputs {
+            model: dir.display().to_string(),
+            weights: store.format().name(),
+            prompts: set.iter().map(|p| (p.label.clone(), p.ids.len())).collect(),
+            tokens: args.tokens,
+            reference: reference::backend::Backend::record(&reference).clone(),
+        },
+        quantization,
+        devices: reports,
+    };
+    report.emit(&args.report)?;
+    Ok(if report.passed() {
+        Outcome::Pass
+    } else {
+        Outcome::Fail
+    })
+}
+
+/// `compare-devices --ir DIR`: the external IR on each device against the reference, tokens and logits only.
+fn exec_external(args: CompareArgs, ir: &Path) -> Result<Outcome> {
+    let f = &args.form;
+    let not_here = [
+        ("--chunk", f.chunk.is_some()),
+        ("--inverse", f.inverse.is_some()),
+        ("--decode-form", f.decode_form.is_some()),
+        ("--prefill-block", f.prefill_block.is_some()),
+        ("--output-scale", f.output_scale.is_some()),
+        ("--block", args.graph.block.is_some()),
+        ("--context", args.graph.context.is_some()),
+    ];
+    if let Some((flag, _)) = not_here.iter().find(|(_, given)| *given) {
+        bail!(
+            "{flag} applies to this project's graphs, not to an external IR (--ir {})",
+            ir.display()
+        );
+    }
+    let manifest = npu::external::manifest::IrManifest::open(ir)?;
+    // The checkpoint: --model, else the one the manifest names, else the bundled model.
+    let model = ModelArgs {
+        model: args.model.model.clone().or_else(|| {
+            manifest
+                .model
+                .clone()
+                .filter(|m| m.join("config.json").exists())
+        }),
+        ..args.model.clone()
+    };
+    let (dir, config, store) = model.open()?;
+    if let Some(w) = &manifest.reference_weights
+        && WeightFormat::parse(w).ok() != Some(store.format())
+    {
+        eprintln!(
+            "warning: {} says the IR holds the weights of `--weights {w}`; the reference runs `--weights {}`",
+            manifest.source,
+            store.format()
+        );
+    }
+    let devices = match args.devices.as_deref() {
+        Some(list) => split_devices(list),
+        None => available_devices()?,
+    };
+    if devices.is_empty() {
+        bail!("--devices: no device given");
+    }
+    let compile = npu::devices::CompileOptions {
+        precision: args
+            .graph
+            .precision
+            .unwrap_or(npu::devices::InferencePrecision::F32),
+        device_config: npu::devices::device_config(args.graph.device_config.as_deref())?,
+    };
+    let set = prompts(&args.prompt, args.prompts.as_deref(), &dir, &config)?;
+    args.report.check()?;
+    let eos = eos_ids(&dir, &config);
+    let progress = Progress::new(set.len() * (1 + devices.len()));
+    let mut reference = open_reference(&config, &store, RunOptions::default(), false)?;
+    let mut runs = Vec::with_capacity(set.len());
+    for p in &set {
+        progress.step(&format!("reference: {}", p.label));
+        runs.push(ReferenceRun::new(
+            &mut reference,
+            &p.label,
+            &p.ids,
+            args.tokens,
+        )?);
+    }
+    let quantization = if store.format() == WeightFormat::F32 {
+        None
+    } else {
+        Some(quantization_error(&dir, &config, &runs, &eos, &model)?)
+    };
+    let ir_name = ir.file_name().map_or_else(
+        || ir.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    let why = npu::external::STATE_NOT_EXPOSED;
+    let mut reports = Vec::with_capacity(devices.len());
+    for device in &devices {
+        progress.message(&format!("{device}: compiling {ir_name}"));
+        let mut backend = open_external(ir, &config, device, &compile)
+            .with_context(|| format!("--ir {}", ir.display()))?;
+        let mut compared = Vec::with_capacity(runs.len());
+        for run in &runs {
+            progress.step(&format!("{device}: {}", run.label));
+            compared.push(compare_prompt_logits(run, &mut backend, &eos, why)?);
+        }
+        let record = reference::backend::Backend::record(&backend).clone();
+        let precision = record.precision.clone().unwrap_or_else(|| "f32".into());
+        let thresholds = args.thresholds.resolve(&precision);
+        let label = format!("{device} IR {ir_name}");
+        reports.push(DeviceReport::new(&label, record, thresholds, compared));
+    }
+    progress.finish();
     let report = CompareReport {
         command: "compare-devices".into(),
         machine: Machine::detect(),

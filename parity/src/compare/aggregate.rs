@@ -113,8 +113,12 @@ pub struct DeviceReport {
     pub logits: TensorError,
     /// Per layer, the worst over the prompts.
     pub layers: Vec<LayerTrace>,
-    /// The final norm, the worst over the prompts.
-    pub final_norm: TensorError,
+    /// The final norm, the worst over the prompts (`None` when not available).
+    pub final_norm: Option<TensorError>,
+    /// Why the layers, the final norm and the states were not compared (see
+    /// [`PromptComparison::not_available`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub not_available: Option<String>,
     /// Per state, the worst over the prompts.
     pub states: Vec<Row>,
     /// Largest logits difference between the graphs with taps and as deployed.
@@ -174,7 +178,10 @@ impl DeviceReport {
                 acc.error = worse(acc.error, s.error);
             }
             logits = worse(logits, p.logits);
-            final_norm = worse(final_norm, p.final_norm);
+            final_norm = match (final_norm, p.final_norm) {
+                (Some(a), Some(b)) => Some(worse(a, b)),
+                (a, b) => a.or(b),
+            };
         }
         // Positions along the run: the first prompt's trace (the per-prompt traces are in `prompts`).
         let layer_over = layers
@@ -219,6 +226,7 @@ impl DeviceReport {
             layers,
             final_norm,
             states,
+            not_available: prompts.iter().find_map(|p| p.not_available.clone()),
             tapped_vs_deployed: prompts
                 .iter()
                 .map(|p| p.tapped_vs_deployed)

@@ -194,10 +194,14 @@ pub struct PromptComparison {
     pub logits: TensorError,
     /// Per layer, from the run with taps.
     pub layers: Vec<LayerTrace>,
-    /// The final norm's output.
-    pub final_norm: TensorError,
+    /// The final norm's output (`None` when the backend exposes no hidden state).
+    pub final_norm: Option<TensorError>,
     /// The states after the prompt.
     pub states: Vec<Row>,
+    /// Why the layers, the final norm and the states were not compared (a backend that exposes neither, such as
+    /// an external IR); `None` when they were.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub not_available: Option<String>,
     /// Largest difference between the logits of the graphs with taps and as deployed (0: the taps changed
     /// nothing).
     pub tapped_vs_deployed: f64,
@@ -247,6 +251,44 @@ pub fn compare_prompt(
     Ok(c)
 }
 
+/// Compares a backend that exposes neither hidden states nor its state (an external IR: `why` says so) with the
+/// reference on one prompt, at the logits and token level: free-running greedy, and teacher-forced on the reference's
+/// tokens.
+pub fn compare_prompt_logits(
+    reference: &ReferenceRun,
+    device: &mut dyn Backend,
+    eos: &[u32],
+    why: &str,
+) -> Result<PromptComparison> {
+    let n = reference.tokens.len();
+    let free = greedy(device, &reference.prompt, n, &[], false, |_| Ok(()))?;
+    let forced = teacher_forced(device, &reference.prompt, continuation(&reference.tokens))?;
+    let none = BTreeMap::new();
+    let mut c = compare_tokens(
+        &reference.label,
+        Side {
+            prompt_tokens: reference.prompt.len(),
+            tokens: &reference.tokens,
+            logits: &reference.forced.run.logits,
+            taps: &none,
+            states: &none,
+        },
+        Side {
+            prompt_tokens: reference.prompt.len(),
+            tokens: &free.tokens,
+            logits: &forced.run.logits,
+            taps: &none,
+            states: &none,
+        },
+        eos,
+    )?;
+    c.not_available = Some(why.to_string());
+    c.greedy.device_nan_at = free.nan_at;
+    c.prompt_seconds = free.prompt_seconds;
+    c.decode_seconds = free.decode_seconds;
+    Ok(c)
+}
+
 /// One side of a comparison: what a run produced, under the dump's names.
 #[derive(Clone, Copy)]
 pub struct Side<'a> {
@@ -267,6 +309,59 @@ pub struct Side<'a> {
 pub fn compare_runs(
     label: &str,
     kinds: &[LayerKind],
+    reference: Side,
+    device: Side,
+    eos: &[u32],
+) -> Result<PromptComparison> {
+    let mut c = compare_tokens(label, reference, device, eos)?;
+    let tap = |name: &str| -> Result<(&Tensor, &Tensor)> {
+        Ok((
+            device
+                .taps
+                .get(name)
+                .with_context(|| format!("the device run has no tap `{name}`"))?,
+            reference
+                .taps
+                .get(name)
+                .with_context(|| format!("the reference run has no tap `{name}`"))?,
+        ))
+    };
+    let error = |name: &str| -> Result<TensorError> {
+        let (a, b) = tap(name)?;
+        TensorError::of(a, b).with_context(|| format!("`{name}`"))
+    };
+    for (layer, kind) in kinds.iter().enumerate() {
+        let output = names::layer(layer, names::OUTPUT);
+        let (a, b) = tap(&output)?;
+        c.layers.push(LayerTrace {
+            layer,
+            kind: kind.name(),
+            output: error(&output)?,
+            mixer: error(&names::layer(layer, names::MIXER_OUTPUT))?,
+            mlp: error(&names::layer(layer, names::MLP_OUTPUT))?,
+            nrmse_by_position: per_slice(a, b, 0)?.iter().map(|e| e.nrmse).collect(),
+        });
+    }
+    for (layer, &kind) in kinds.iter().enumerate() {
+        for name in state_names(layer, kind) {
+            let (Some(a), Some(b)) = (device.states.get(&name), reference.states.get(&name)) else {
+                continue;
+            };
+            c.states.push(Row {
+                error: TensorError::of(a, b).with_context(|| format!("state `{name}`"))?,
+                name,
+                layer: Some(layer),
+            });
+        }
+    }
+    c.final_norm = Some(error(names::FINAL_NORM)?);
+    Ok(c)
+}
+
+/// The token-level part of [`compare_runs`]: greedy agreement, every teacher-forced position and the logits (no
+/// layers, final norm or states).
+pub fn compare_tokens(
+    label: &str,
     reference: Side,
     device: Side,
     eos: &[u32],
@@ -321,57 +416,16 @@ pub fn compare_runs(
         })
         .collect();
 
-    let tap = |name: &str| -> Result<(&Tensor, &Tensor)> {
-        Ok((
-            device
-                .taps
-                .get(name)
-                .with_context(|| format!("the device run has no tap `{name}`"))?,
-            reference
-                .taps
-                .get(name)
-                .with_context(|| format!("the reference run has no tap `{name}`"))?,
-        ))
-    };
-    let error = |name: &str| -> Result<TensorError> {
-        let (a, b) = tap(name)?;
-        TensorError::of(a, b).with_context(|| format!("`{name}`"))
-    };
-    let mut layers = Vec::with_capacity(kinds.len());
-    for (layer, kind) in kinds.iter().enumerate() {
-        let output = names::layer(layer, names::OUTPUT);
-        let (a, b) = tap(&output)?;
-        layers.push(LayerTrace {
-            layer,
-            kind: kind.name(),
-            output: error(&output)?,
-            mixer: error(&names::layer(layer, names::MIXER_OUTPUT))?,
-            mlp: error(&names::layer(layer, names::MLP_OUTPUT))?,
-            nrmse_by_position: per_slice(a, b, 0)?.iter().map(|e| e.nrmse).collect(),
-        });
-    }
-    let mut states = Vec::new();
-    for (layer, &kind) in kinds.iter().enumerate() {
-        for name in state_names(layer, kind) {
-            let (Some(a), Some(b)) = (device.states.get(&name), reference.states.get(&name)) else {
-                continue;
-            };
-            states.push(Row {
-                error: TensorError::of(a, b).with_context(|| format!("state `{name}`"))?,
-                name,
-                layer: Some(layer),
-            });
-        }
-    }
     Ok(PromptComparison {
         label: label.to_string(),
         prompt_tokens: t,
         greedy,
         positions,
         logits: TensorError::of(device.logits, reference.logits)?,
-        layers,
-        final_norm: error(names::FINAL_NORM)?,
-        states,
+        layers: Vec::new(),
+        final_norm: None,
+        states: Vec::new(),
+        not_available: None,
         tapped_vs_deployed: 0.0,
         prompt_seconds: 0.0,
         decode_seconds: 0.0,

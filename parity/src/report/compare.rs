@@ -10,8 +10,10 @@
 //! `confident` ({`positions`, `same_top1`, `top5_overlap`, `kl_mean`, `kl_p99`, `kl_max`, `delta_p_mean`,
 //! `delta_p_rms`, `near_tie_flips`, `confident_flips`, `eos_drift_max`, `eos_drift_mean`}; KL is
 //! `KL(P_ref ‖ P_device)` in nats), `logits`, `final_norm` (tensor errors: `max_abs`, `nmse`, `nrmse`, `rel_l2`,
-//! `cosine`, `nan`, `inf`, `count`), `layers` ([{`layer`, `kind`, `output`, `mixer`, `mlp`, `nrmse_by_position`}]),
-//! `states` ([{`name`, `layer`, `error`}]), `tapped_vs_deployed`, `first_divergence` {`layer`, `position`,
+//! `cosine`, `nan`, `inf`, `count`; `final_norm` is null when not available), `layers` ([{`layer`, `kind`,
+//! `output`, `mixer`, `mlp`, `nrmse_by_position`}]), `states` ([{`name`, `layer`, `error`}]), `not_available`
+//! (present only when the backend exposes no hidden state nor state, e.g. an external IR: why `layers`, `states` and
+//! `final_norm` are empty), `tapped_vs_deployed`, `first_divergence` {`layer`, `position`,
 //! `token`}, `prompt_tokens_per_s`, `decode_tokens_per_s` and `prompts` (every prompt's own comparison, with every
 //! teacher-forced position).
 
@@ -166,7 +168,7 @@ impl CompareReport {
             };
             let _ = writeln!(
                 s,
-                "{:<w$} {:>7} {:>7.1}% {:>6} {:>9.2e} {:>9.2e} {:>10.2e} {:>18} {:>9.2e}  {verdict}",
+                "{:<w$} {:>7} {:>7.1}% {:>6} {:>9.2e} {:>9.2e} {:>10.2e} {:>18} {:>9}  {verdict}",
                 label,
                 format!("{}/{}", d.greedy_matched, d.greedy_total),
                 100.0 * d.all.same_top1,
@@ -174,15 +176,23 @@ impl CompareReport {
                 d.all.kl_mean,
                 d.all.kl_p99,
                 d.logits.nmse,
-                worst.map_or("-".into(), |l| format!(
-                    "{:.2e} (L{})",
-                    l.output.nrmse, l.layer
-                )),
-                state,
+                match (&d.not_available, worst) {
+                    (Some(_), _) => "n/a".into(),
+                    (None, None) => "-".into(),
+                    (None, Some(l)) => format!("{:.2e} (L{})", l.output.nrmse, l.layer),
+                },
+                if d.not_available.is_some() {
+                    "n/a".to_string()
+                } else {
+                    format!("{state:.2e}")
+                },
             );
         }
         for d in &self.devices {
             let _ = writeln!(s, "{}: {}", d.device, first_divergence_line(d));
+            if let Some(why) = &d.not_available {
+                let _ = writeln!(s, "  layers and states: {why}");
+            }
             for f in &d.failures {
                 let _ = writeln!(s, "  {} {f}", paint("✗", "31", color));
             }
@@ -326,15 +336,23 @@ impl CompareReport {
             if let Some(e) = &rec.execution_devices {
                 let _ = writeln!(s, "| execution devices | {e} |");
             }
-            let _ = writeln!(
-                s,
-                "| graphs | {}; decode {}; block {}; context {}; output scale {} |",
-                rec.deltanet_prefill,
-                rec.deltanet_decode,
-                rec.block.unwrap_or(0),
-                rec.context.unwrap_or(0),
-                rec.output_scale
-            );
+            if rec.block.is_some() {
+                let _ = writeln!(
+                    s,
+                    "| graphs | {}; decode {}; block {}; context {}; output scale {} |",
+                    rec.deltanet_prefill,
+                    rec.deltanet_decode,
+                    rec.block.unwrap_or(0),
+                    rec.context.unwrap_or(0),
+                    rec.output_scale
+                );
+            } else {
+                let _ = writeln!(
+                    s,
+                    "| graphs | {} ({}; weights {}) |",
+                    rec.backend, rec.deltanet_prefill, rec.weights
+                );
+            }
             for (k, v) in &rec.properties {
                 let _ = writeln!(s, "| property `{k}` | {v} |");
             }
@@ -346,11 +364,13 @@ impl CompareReport {
                 d.prompt_tokens_per_s,
                 d.decode_tokens_per_s
             );
-            let _ = writeln!(
-                s,
-                "| taps | hidden states from a second set of graphs with every tap as an output; their logits differ from the deployed graphs' by {:.2e} |",
-                d.tapped_vs_deployed
-            );
+            if d.not_available.is_none() {
+                let _ = writeln!(
+                    s,
+                    "| taps | hidden states from a second set of graphs with every tap as an output; their logits differ from the deployed graphs' by {:.2e} |",
+                    d.tapped_vs_deployed
+                );
+            }
             let _ = writeln!(s, "\n### Tokens and distributions\n");
             let _ = writeln!(
                 s,
@@ -401,53 +421,14 @@ impl CompareReport {
                 d.logits.nmse_db(),
                 d.logits.cosine
             );
-            let _ = writeln!(
-                s,
-                "\n### Layers (hidden state along the run, worst prompt)\n"
-            );
-            let _ = writeln!(
-                s,
-                "| layer | kind | output NRMSE | output NMSE | output cosine | mixer NRMSE | MLP NRMSE | worst position NRMSE |"
-            );
-            let _ = writeln!(s, "|---|---|---|---|---|---|---|---|");
-            for (l, trace) in d.layers.iter().enumerate() {
-                let worst_pos = d
-                    .prompts
-                    .iter()
-                    .flat_map(|p| p.layers[l].nrmse_by_position.iter().copied())
-                    .fold(0.0, f64::max);
+            if let Some(why) = &d.not_available {
                 let _ = writeln!(
                     s,
-                    "| {} | {} | {:.2e} | {:.2e} | {:.8} | {:.2e} | {:.2e} | {:.2e} |",
-                    trace.layer,
-                    trace.kind,
-                    trace.output.nrmse,
-                    trace.output.nmse,
-                    trace.output.cosine,
-                    trace.mixer.nrmse,
-                    trace.mlp.nrmse,
-                    worst_pos
+                    "\n### Layers and states\n\nNot available: hidden states and states are {why}. Only tokens \
+                     and logits are compared."
                 );
-            }
-            let _ = writeln!(
-                s,
-                "| final norm | | {:.2e} | {:.2e} | {:.8} | | | |",
-                d.final_norm.nrmse, d.final_norm.nmse, d.final_norm.cosine
-            );
-            let _ = writeln!(s, "\n### States after the prompt (worst prompt)\n");
-            let _ = writeln!(s, "| state | NRMSE | NMSE | max abs | NaN/Inf |");
-            let _ = writeln!(s, "|---|---|---|---|---|");
-            for st in &d.states {
-                let _ = writeln!(
-                    s,
-                    "| `{}` | {:.2e} | {:.2e} | {:.2e} | {}/{} |",
-                    st.name,
-                    st.error.nrmse,
-                    st.error.nmse,
-                    st.error.max_abs,
-                    st.error.nan,
-                    st.error.inf
-                );
+            } else {
+                hidden_sections(&mut s, d);
             }
             let _ = writeln!(s, "\n### Prompts\n");
             let _ = writeln!(
@@ -513,12 +494,70 @@ impl CompareReport {
     }
 }
 
+/// The Markdown sections of the hidden states along the run and the states after the prompt.
+fn hidden_sections(s: &mut String, d: &DeviceReport) {
+    let _ = writeln!(
+        s,
+        "\n### Layers (hidden state along the run, worst prompt)\n"
+    );
+    let _ = writeln!(
+        s,
+        "| layer | kind | output NRMSE | output NMSE | output cosine | mixer NRMSE | MLP NRMSE | worst position NRMSE |"
+    );
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|");
+    for (l, trace) in d.layers.iter().enumerate() {
+        let worst_pos = d
+            .prompts
+            .iter()
+            .flat_map(|p| p.layers[l].nrmse_by_position.iter().copied())
+            .fold(0.0, f64::max);
+        let _ = writeln!(
+            s,
+            "| {} | {} | {:.2e} | {:.2e} | {:.8} | {:.2e} | {:.2e} | {:.2e} |",
+            trace.layer,
+            trace.kind,
+            trace.output.nrmse,
+            trace.output.nmse,
+            trace.output.cosine,
+            trace.mixer.nrmse,
+            trace.mlp.nrmse,
+            worst_pos
+        );
+    }
+    if let Some(f) = &d.final_norm {
+        let _ = writeln!(
+            s,
+            "| final norm | | {:.2e} | {:.2e} | {:.8} | | | |",
+            f.nrmse, f.nmse, f.cosine
+        );
+    }
+    let _ = writeln!(s, "\n### States after the prompt (worst prompt)\n");
+    let _ = writeln!(s, "| state | NRMSE | NMSE | max abs | NaN/Inf |");
+    let _ = writeln!(s, "|---|---|---|---|---|");
+    for st in &d.states {
+        let _ = writeln!(
+            s,
+            "| `{}` | {:.2e} | {:.2e} | {:.2e} | {}/{} |",
+            st.name, st.error.nrmse, st.error.nmse, st.error.max_abs, st.error.nan, st.error.inf
+        );
+    }
+}
+
 /// The line naming the first divergence at every level.
 pub fn first_divergence_line(d: &DeviceReport) -> String {
     let f = &d.first_divergence;
     let layer = f.layer.map_or("no layer over threshold".into(), |(l, e)| {
         format!("first layer over threshold: {l} (NRMSE {e:.2e})")
     });
+    if d.not_available.is_some() {
+        let token = f
+            .token
+            .as_ref()
+            .map_or("no token differs".into(), |(label, i)| {
+                format!("first differing token: {i} of prompt `{label}`")
+            });
+        return format!("layers not compared; {token}");
+    }
     let position = f
         .position
         .map_or("no position over threshold".into(), |(p, l)| {

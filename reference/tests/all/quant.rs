@@ -241,14 +241,52 @@ fn format_names_parse_back() {
         ("f16", WeightFormat::F16),
         ("int4", WeightFormat::Int4Sym { group: 128 }),
         ("int4:32", WeightFormat::Int4Sym { group: 32 }),
+        ("int4-nncf", WeightFormat::Int4Nncf { group: 128 }),
+        ("int4-nncf:32", WeightFormat::Int4Nncf { group: 32 }),
     ] {
         assert_eq!(WeightFormat::parse(text).unwrap(), format);
         assert_eq!(format.name(), text);
         assert_eq!(text.parse::<WeightFormat>().unwrap(), format);
     }
     assert_eq!(WeightFormat::parse("int4:128").unwrap().name(), "int4");
-    for bad in ["bf16", "int4:0", "int4:x", "int4:", "int8"] {
+    for bad in [
+        "bf16",
+        "int4:0",
+        "int4:x",
+        "int4:",
+        "int8",
+        "f32:8",
+        "int4-nncf:0",
+        "int4nncf",
+    ] {
         let e = WeightFormat::parse(bad).unwrap_err().to_string();
         assert!(e.contains(bad), "{e}");
     }
+}
+
+#[test]
+fn the_nncf_rule_adds_int8_conv_weights_and_nothing_else() {
+    use reference::quant::Storage;
+    use reference::schema::Role;
+    let (plain, nncf) = (
+        WeightFormat::Int4Sym { group: 32 },
+        WeightFormat::Int4Nncf { group: 32 },
+    );
+    let cases: [(Role, &[usize]); 7] = [
+        (Role::Conv, &[160, 1, 4]),
+        (Role::Projection, &[96, 64]),
+        (Role::Projection, &[96, 48]),
+        (Role::Embedding, &[512, 64]),
+        (Role::LmHead, &[512, 64]),
+        (Role::Norm, &[64]),
+        (Role::Decay, &[4]),
+    ];
+    for (role, shape) in cases {
+        let expected = match role {
+            Role::Conv => Storage::Int8Sym,
+            _ => plain.storage(role, shape),
+        };
+        assert_eq!(nncf.storage(role, shape), expected, "{role:?} {shape:?}");
+    }
+    assert_eq!(plain.storage(Role::Conv, &[160, 1, 4]), Storage::Float);
 }

@@ -1,0 +1,361 @@
+#!/usr/bin/env python3
+"""The optimum-intel export of a tiny testdata model: the OpenVINO IR that people deploy Qwen3.5 with, made by the
+exporter itself, so that `qwen35 compare-devices --ir` is tested on a graph this project did not write.
+
+Run with the interpreter of a venv made from scripts/requirements-optimum.txt (optimum-intel, transformers 5.2, torch,
+OpenVINO, NNCF), after scripts/make_testdata.py (it reads testdata/models/tiny):
+
+    scripts/.venv-optimum/bin/python scripts/make_optimum_export.py
+
+It runs `optimum-cli export openvino` twice on testdata/models/tiny, as a stateful text-generation model with its
+cache:
+
+- `testdata/ir/tiny-f32/`: `--weight-format fp32` (every constant f32).
+- `testdata/ir/tiny-int4/`: the port's INT4 flags (`--weight-format int4 --sym --ratio 1.0 --backup-precision
+  int8_sym`) with `--group-size 32 --group-size-fallback ignore`. The port's group of 128 does not divide tiny's
+  widths (64 and 96): with the default fallback NNCF refuses the export (InvalidGroupSizeError); 32 divides every
+  projection's input width. `ignore` matters for one MatMul only, RoPE's `inv_freq` product (its "input width" is
+  1): it stays float. With `--group-size-fallback adjust` NNCF would store `inv_freq` as INT8 instead.
+
+Each directory gets `openvino_model.xml` and `.bin` (the tokenizer IRs the exporter also writes are not kept) and a
+`manifest.json` that `qwen35` reads (`npu::external`): the files, the reference weight format that holds the same
+weights, the interface (every input and output by role, name, element type and shape, and what it means), the
+exact command and versions, and what the export holds (ops, state variables, every compressed weight). The script
+then checks each IR on OpenVINO's CPU device (f32 inference, f32 KV cache) against transformers (f32, eager) on the
+golden prompt of testdata/goldens/tiny.safetensors, greedy for NUM_GENERATED tokens, and stops unless the f32 export
+matches within F32_MAX_NMSE with the same tokens. The figures go to the manifests. The manifest of testdata/ gets the
+files and an `optimum_exports` section.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TESTDATA = REPO / "testdata"
+MODEL = TESTDATA / "models" / "tiny"
+GOLDEN = TESTDATA / "goldens" / "tiny.safetensors"
+OUT = TESTDATA / "ir"
+
+NUM_GENERATED = 8
+F32_MAX_NMSE = 1e-8  # the f32 export against transformers, prompt and decode logits
+MAX_IR_BYTES = 3_000_000  # both exports together
+
+COMMON_FLAGS = ["--task", "text-generation-with-past"]
+EXPORTS = {
+    "tiny-f32": {
+        "flags": ["--weight-format", "fp32"],
+        "reference_weights": "f32",
+    },
+    "tiny-int4": {
+        "flags": [
+            "--weight-format", "int4", "--sym", "--group-size", "32", "--group-size-fallback", "ignore",
+            "--ratio", "1.0", "--backup-precision", "int8_sym",
+        ],
+        "reference_weights": "int4-nncf:32",
+    },
+}
+
+# The interface of optimum-intel's stateful decoder export, by the roles `npu::external` knows. Shapes are symbolic:
+# `batch` (1 here), `tokens` (this call's), `past+tokens` (every token so far), `vocab`.
+INTERFACE = {
+    "inputs": {
+        "input_ids": {"shape": ["batch", "tokens"], "meaning": "the token ids of this call"},
+        "attention_mask": {
+            "shape": ["batch", "past+tokens"],
+            "meaning": "1 for every token so far (the past ones and this call's), 0 for padding",
+        },
+        "position_ids": {
+            "shape": ["batch", "tokens"],
+            "meaning": "the text positions of this call's tokens (past .. past+tokens-1); for qwen3_5_text the "
+            "export declares it but no op reads it: positions come from the KV-cache length",
+        },
+        "beam_idx": {
+            "shape": ["batch"],
+            "meaning": "which beam's cache each row continues (0 for a single sequence); the export gathers every "
+            "state variable by it",
+        },
+    },
+    "outputs": {"logits": {"shape": ["batch", "tokens", "vocab"], "meaning": "the logits of every token of the call"}},
+}
+
+OV_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
+
+
+def log(msg: str) -> None:
+    print(f"[make_optimum_export] {msg}", flush=True)
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def versions() -> dict:
+    names = ["optimum-intel", "optimum", "transformers", "torch", "openvino", "nncf", "openvino-tokenizers",
+             "numpy", "safetensors"]
+    out = {"python": platform.python_version()}
+    for n in names:
+        out[n] = importlib.metadata.version(n)
+    import openvino
+
+    out["openvino_build"] = openvino.get_version()
+    return out
+
+
+def export(name: str, spec: dict) -> tuple[Path, list[str]]:
+    cli = Path(sys.executable).parent / "optimum-cli"
+    tmp = Path(tempfile.mkdtemp(prefix=f"optimum-{name}-"))
+    args = ["export", "openvino", "--model", MODEL.relative_to(REPO).as_posix(), *COMMON_FLAGS, *spec["flags"]]
+    log(f"{name}: optimum-cli {' '.join(args)} OUT")
+    r = subprocess.run([str(cli), *args, str(tmp)], cwd=REPO, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.stderr.write(r.stdout[-4000:] + r.stderr[-4000:])
+        raise SystemExit(f"{name}: optimum-cli failed ({r.returncode})")
+    out = OUT / name
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    for f in ("openvino_model.xml", "openvino_model.bin"):
+        shutil.copyfile(tmp / f, out / f)
+    shutil.rmtree(tmp)
+    return out, ["optimum-cli", *args, f"testdata/ir/{name}"]
+
+
+def describe(xml: Path) -> dict:
+    """What the export holds: ports, state variables, op counts, which parameters nothing reads, and every
+    compressed weight with its decompression chain and consumer."""
+    import openvino as ov
+
+    model = ov.Core().read_model(xml)
+    ports = lambda ps: [  # noqa: E731
+        {"name": p.get_any_name(), "type": p.get_element_type().get_type_name(), "shape": str(p.get_partial_shape())}
+        for p in ps
+    ]
+    variables = sorted(
+        (
+            {
+                "id": v.get_info().variable_id,
+                "type": v.get_info().data_type.get_type_name(),
+                "shape": str(v.get_info().data_shape),
+            }
+            for v in model.get_variables()
+        ),
+        key=lambda v: v["id"],
+    )
+    ops = Counter(op.get_type_name() for op in model.get_ordered_ops())
+    unread = [p.get_friendly_name() for p in model.get_parameters() if not p.output(0).get_target_inputs()]
+    compressed = {}
+    for op in model.get_ordered_ops():
+        if op.get_type_name() != "Constant" or op.get_element_type().get_type_name() not in ("i4", "u4", "i8", "u8"):
+            continue
+        chain, node = [], op
+        consumer = None
+        for _ in range(6):
+            targets = list(node.output(0).get_target_inputs())
+            if len(targets) != 1:
+                break
+            node = targets[0].get_node()
+            if node.get_type_name() in ("MatMul", "Gather", "GroupConvolution", "Convolution"):
+                consumer = node
+                break
+            chain.append(node.get_type_name())
+        scale = None
+        for n in [t.get_node() for t in op.output(0).get_target_inputs()]:
+            for t in n.output(0).get_target_inputs():
+                mul = t.get_node()
+                if mul.get_type_name() == "Multiply":
+                    s = mul.input_value(1).get_node()
+                    scale = {"type": s.get_element_type().get_type_name(), "shape": list(s.get_output_shape(0))}
+        compressed[op.get_friendly_name()] = {
+            "type": op.get_element_type().get_type_name(),
+            "shape": list(op.get_output_shape(0)),
+            "scale": scale,
+            "chain": chain,
+            "consumer": f"{consumer.get_type_name()} {consumer.get_friendly_name()}" if consumer else None,
+        }
+    kinds = Counter(
+        ("int4" if c["type"] in ("i4", "u4") else "int8") + " " + (c["consumer"] or "?").split(" ")[0]
+        for c in compressed.values()
+    )
+    return {
+        "inputs": ports(model.inputs),
+        "outputs": ports(model.outputs),
+        "state_variables": variables,
+        "ops": dict(sorted(ops.items())),
+        "parameters_nothing_reads": unread,
+        "compressed_weights": dict(sorted(compressed.items())),
+        "compressed_summary": dict(sorted(kinds.items())),
+    }
+
+
+def golden_prompt() -> list[int]:
+    from safetensors.numpy import load_file
+
+    return [int(x) for x in load_file(GOLDEN)["token_ids"]]
+
+
+def transformers_run(prompt: list[int]) -> tuple[list, list[int]]:
+    """transformers f32 eager: the prompt's logits, then greedy tokens with the cache (each step's logits)."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(1)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        MODEL, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        logits = [out.logits[0].numpy()]
+        cache = out.past_key_values
+        tokens = []
+        for _ in range(NUM_GENERATED):
+            nxt = int(logits[-1][-1].argmax())
+            tokens.append(nxt)
+            out = model(torch.tensor([[nxt]]), past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            logits.append(out.logits[0].numpy())
+    return logits, tokens
+
+
+def openvino_run(xml: Path, prompt: list[int]) -> tuple[list, list[int]]:
+    """The IR on CPU (f32): the prompt in one call, then greedy single-token calls on the same request."""
+    import numpy as np
+    import openvino as ov
+
+    core = ov.Core()
+    compiled = core.compile_model(core.read_model(xml), "CPU", OV_CONFIG)
+    request = compiled.create_infer_request()
+    past = 0
+
+    def call(ids: list[int]):
+        nonlocal past
+        t = len(ids)
+        feed = {
+            "input_ids": np.array([ids], dtype=np.int64),
+            "attention_mask": np.ones((1, past + t), dtype=np.int64),
+            "position_ids": np.arange(past, past + t, dtype=np.int64)[None, :],
+            "beam_idx": np.zeros(1, dtype=np.int32),
+        }
+        request.infer(feed)
+        past += t
+        return request.get_tensor("logits").data[0].copy()
+
+    logits = [call(prompt)]
+    tokens = []
+    for _ in range(NUM_GENERATED):
+        nxt = int(logits[-1][-1].argmax())
+        tokens.append(nxt)
+        logits.append(call([nxt]))
+    return logits, tokens
+
+
+def nmse(a, b) -> float:
+    import numpy as np
+
+    a, b = np.concatenate(a).astype(np.float64), np.concatenate(b).astype(np.float64)
+    return float(((a - b) ** 2).sum() / (b**2).sum())
+
+
+def update_manifest(section: dict, paths: list[Path]) -> None:
+    manifest_path = TESTDATA / "manifest.json"
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    rels = {p.relative_to(REPO).as_posix() for p in paths}
+    files = [f for f in manifest["files"] if f["path"] not in rels and not f["path"].startswith("testdata/ir/")]
+    for p in paths:
+        files.append({"path": p.relative_to(REPO).as_posix(), "bytes": p.stat().st_size, "sha256": sha256(p)})
+    manifest["files"] = sorted(files, key=lambda f: f["path"].split("/"))
+    manifest["total_bytes"] = sum(f["bytes"] for f in manifest["files"])
+    manifest["optimum_exports"] = section
+    later = sorted(k for k in manifest if k.endswith("_goldens") or k == "optimum_exports")
+    manifest = {**{k: v for k, v in manifest.items() if k not in later}, **{k: manifest[k] for k in later}}
+    manifest_path.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def main() -> None:
+    v = versions()
+    log("versions: " + ", ".join(f"{k} {x}" for k, x in v.items()))
+    prompt = golden_prompt()
+    hf_logits, hf_tokens = transformers_run(prompt)
+    log(f"transformers: {len(prompt)} prompt tokens, greedy {hf_tokens}")
+    shutil.rmtree(OUT, ignore_errors=True)
+    written: list[Path] = []
+    section = {
+        "generator": "scripts/make_optimum_export.py",
+        "requirements": "scripts/requirements-optimum.txt",
+        "versions": v,
+        "model": MODEL.relative_to(REPO).as_posix(),
+        "exports": {},
+    }
+    for name, spec in EXPORTS.items():
+        out, command = export(name, spec)
+        xml = out / "openvino_model.xml"
+        held = describe(xml)
+        ov_logits, ov_tokens = openvino_run(xml, prompt)
+        check = {
+            "prompt": "goldens/tiny.safetensors token_ids",
+            "prompt_tokens": len(prompt),
+            "generated": NUM_GENERATED,
+            "openvino_config": OV_CONFIG,
+            "device": "CPU",
+            "transformers_tokens": hf_tokens,
+            "openvino_tokens": ov_tokens,
+            "logits_nmse_vs_transformers_f32": nmse(ov_logits, hf_logits),
+        }
+        log(f"{name}: tokens {ov_tokens}, logits NMSE vs transformers f32 {check['logits_nmse_vs_transformers_f32']:.3e}")
+        if spec["reference_weights"] == "f32":
+            assert ov_tokens == hf_tokens, f"{name}: greedy tokens differ from transformers"
+            assert check["logits_nmse_vs_transformers_f32"] < F32_MAX_NMSE, f"{name}: logits differ"
+        manifest = {
+            "format": "qwen35-external-ir",
+            "version": 1,
+            "xml": "openvino_model.xml",
+            "bin": "openvino_model.bin",
+            "model": "../../models/tiny",
+            "reference_weights": spec["reference_weights"],
+            "stateful": True,
+            "inputs": {
+                role: {
+                    "name": role,
+                    "type": next(p["type"] for p in held["inputs"] if p["name"] == role),
+                    **port,
+                }
+                for role, port in INTERFACE["inputs"].items()
+            },
+            "outputs": {
+                role: {
+                    "name": role,
+                    "type": next(p["type"] for p in held["outputs"] if p["name"] == role),
+                    **port,
+                }
+                for role, port in INTERFACE["outputs"].items()
+            },
+            "export": {"command": command, "versions": v},
+            "holds": held,
+            "check": check,
+        }
+        (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        files = sorted(out.iterdir())
+        written.extend(files)
+        section["exports"][name] = {
+            "command": " ".join(command),
+            "reference_weights": spec["reference_weights"],
+            "compressed_summary": held["compressed_summary"],
+            "logits_nmse_vs_transformers_f32": check["logits_nmse_vs_transformers_f32"],
+            "tokens_equal_transformers": ov_tokens == hf_tokens,
+        }
+    total = sum(p.stat().st_size for p in written)
+    assert total < MAX_IR_BYTES, f"the exports take {total} bytes"
+    update_manifest(section, written)
+    log(f"wrote {len(written)} files, {total / 1e6:.2f} MB")
+
+
+if __name__ == "__main__":
+    main()
