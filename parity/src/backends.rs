@@ -69,20 +69,7 @@ impl DeviceSettings {
                 npu::sim::DEVICE
             );
         }
-        let sim = NumericModel::is_sim(device);
-        if sim && dev.cache_dir.is_some() {
-            bail!("--cache-dir applies to OpenVINO devices; {device} compiles nothing");
-        }
-        let cache_dir = match (&dev.cache_dir, dev.no_cache) {
-            (_, true) => None,
-            (Some(dir), false) => Some(dir.clone()),
-            (None, false) if !sim && npu::devices::caches_by_default(device) => Some(
-                crate::bundled::cache_root()
-                    .join("qwen35-parity")
-                    .join("ov-cache"),
-            ),
-            (None, false) => None,
-        };
+        let cache_dir = cache_dir(device, dev)?;
         let compile = CompileOptions {
             precision: dev.precision.unwrap_or(InferencePrecision::F32),
             device_config: device_config(dev.device_config.as_deref())?,
@@ -100,6 +87,25 @@ impl DeviceSettings {
             compile,
         })
     }
+}
+
+/// The model cache directory for `device`: `--cache-dir`, none with `--no-cache`, else the default one for devices
+/// that cache by default (NPU), else none. FP16SIM compiles nothing: `--cache-dir` is refused for it.
+pub fn cache_dir(device: &str, dev: &GraphArgs) -> Result<Option<std::path::PathBuf>> {
+    let sim = NumericModel::is_sim(device);
+    if sim && dev.cache_dir.is_some() {
+        bail!("--cache-dir applies to OpenVINO devices; {device} compiles nothing");
+    }
+    Ok(match (&dev.cache_dir, dev.no_cache) {
+        (_, true) => None,
+        (Some(dir), false) => Some(dir.clone()),
+        (None, false) if !sim && npu::devices::caches_by_default(device) => Some(
+            crate::bundled::cache_root()
+                .join("qwen35-parity")
+                .join("ov-cache"),
+        ),
+        (None, false) => None,
+    })
 }
 
 /// Builds and compiles the decoder graphs on the device: a backend. `taps` builds the graphs with every tap as an

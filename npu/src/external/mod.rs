@@ -120,6 +120,12 @@ impl ExternalBackend {
             context: None,
             taps: false,
             compile_seconds: Some(info.compile_seconds),
+            cache_dir: info.cache_dir.as_ref().map(|d| d.display().to_string()),
+            from_cache: info
+                .loaded_from_cache
+                .map(|hit| (info.graph.clone(), hit))
+                .into_iter()
+                .collect(),
         };
         Ok(ExternalBackend {
             compiled: model,

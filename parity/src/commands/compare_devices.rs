@@ -394,12 +394,15 @@ fn exec_external(args: CompareArgs, ir: &Path) -> Result<Outcome> {
     if devices.is_empty() {
         bail!("--devices: no device given");
     }
-    let compile = npu::devices::CompileOptions {
-        precision: args
-            .graph
-            .precision
-            .unwrap_or(npu::devices::InferencePrecision::F32),
-        device_config: npu::devices::device_config(args.graph.device_config.as_deref())?,
+    let compile = |device: &str| -> Result<npu::devices::CompileOptions> {
+        Ok(npu::devices::CompileOptions {
+            precision: args
+                .graph
+                .precision
+                .unwrap_or(npu::devices::InferencePrecision::F32),
+            device_config: npu::devices::device_config(args.graph.device_config.as_deref())?,
+            cache_dir: crate::backends::cache_dir(device, &args.graph)?,
+        })
     };
     let set = prompts(&args.prompt, args.prompts.as_deref(), &dir, &config)?;
     args.report.check()?;
@@ -429,7 +432,7 @@ fn exec_external(args: CompareArgs, ir: &Path) -> Result<Outcome> {
     let mut reports = Vec::with_capacity(devices.len());
     for device in &devices {
         progress.message(&format!("{device}: compiling {ir_name}"));
-        let mut backend = open_external(ir, &config, device, &compile)
+        let mut backend = open_external(ir, &config, device, &compile(device)?)
             .with_context(|| format!("--ir {}", ir.display()))?;
         let mut compared = Vec::with_capacity(runs.len());
         for run in &runs {
