@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Regenerate everything under testdata/: a small byte-level BPE tokenizer, four tiny random Qwen3.5 checkpoints,
+"""Regenerate everything under testdata/: a small byte-level BPE tokenizer, five tiny random Qwen3.5 checkpoints,
 Hugging Face transformers goldens (f32 and f64) for each, an fla naive-kernel golden, and testdata/manifest.json.
 
 Run from anywhere with the interpreter of a venv made from scripts/requirements.txt:
@@ -225,6 +225,19 @@ PROMPTS = {
         ],
         "chat_template_kwargs": {"enable_thinking": False},
     },
+    "tiny-corr": {
+        "messages": [
+            {"role": "system", "content": "You are a calm guide on a coast train."},
+            {
+                "role": "user",
+                "content": (
+                    "The morning train to the south is late again, and the rain makes the sea look grey from the "
+                    "window. Should we wait for it, or take the bus?"
+                ),
+            },
+        ],
+        "chat_template_kwargs": {"enable_thinking": False},
+    },
 }
 PROMPT_LEN_RANGE = (100, 160)
 NUM_GENERATED = 16
@@ -366,6 +379,49 @@ MODEL_SPECS = {
             tie_word_embeddings=False,
         ),
     },
+    # Correlated keys, weak decay, a nearly constant write strength (see `correlate_keys`): the matrix N =
+    # tril(beta k k^T * decay) of a 64-token block is then coherent enough that the series (I - N)(I + N^2)... for
+    # (I + N)^-1 passes through entries of about 1.5e3 before it cancels down to entries below 0.3: fp16 cannot carry
+    # that cancellation, f32 can; block doubling never forms such terms. The real head dims
+    # (Dk = Dv = 128); to keep the goldens small: one key and one value head, three layers [L L F], two query heads;
+    # bf16.
+    "tiny-corr": {
+        "format": "text",
+        "seed": 7000,
+        "weights_dtype": "bfloat16",
+        "correlated_keys": dict(
+            constant_channel=0,  # the residual stream's channel that is the same for every token
+            constant_value=4.0,  # its value (every embedding has it; no layer writes to it)
+            key_shared_gain=3.0,  # the shared key direction's weight on that channel (other weights N(0, 1/fan_in))
+            decay_centre=1.0e-3,  # -g = exp(A_log) softplus(a + dt_bias) centred here: exp(g) about 0.999
+            growth_block=64,  # the block whose series is measured (the first 64 prompt tokens)
+            growth_target=1.5e3,  # largest entry of any intermediate of the series (I - N)(I + N^2)... at that block
+            growth_accept=(1.2e3, 1.9e3),  # after bf16 rounding and with the final weights
+        ),
+        "text": dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            layer_types=["linear_attention", "linear_attention", "full_attention"],
+            linear_num_key_heads=1,
+            linear_num_value_heads=1,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=64,
+            rope_parameters=dict(
+                rope_type="default",
+                rope_theta=10000000.0,
+                partial_rotary_factor=0.25,
+                mrope_section=[3, 3, 2],
+                mrope_interleaved=True,
+            ),
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
+    },
 }
 COMMON_TEXT = dict(hidden_act="silu", max_position_embeddings=2048, attention_bias=False, use_cache=True)
 
@@ -400,6 +456,8 @@ MAX_TESTDATA_BYTES = 16_000_000  # what this script writes (the later scripts' g
 # within CALIBRATION_TOL (relative) of its target.
 CALIBRATION_PASSES = 8
 CALIBRATION_TOL = 0.01
+# The prompt block over which every model's series figures are measured (the NPU port's block).
+SERIES_BLOCK = 64
 # fp16: smallest normal 2^-14 (about 6.1e-5) and smallest subnormal 2^-24 (about 6.0e-8; half of it rounds to zero)
 FP16_MIN_NORMAL = 2.0**-14
 FP16_MIN_SUBNORMAL = 2.0**-24
@@ -777,6 +835,147 @@ def round_params_to_bf16(model) -> None:
             p.copy_(p.to(torch.bfloat16).to(p.dtype))
 
 
+def l2norm64(x: torch.Tensor) -> torch.Tensor:
+    """The kernel's q/k l2 norm (fixed eps 1e-6), in float64."""
+    x = x.double()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+@torch.no_grad()
+def layer_series(key: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, block: int) -> list[dict]:
+    """Per value head of one DeltaNet layer, in float64 from the kernel inputs (`key` [T, Hk, Dk] before the l2 norm,
+    `g`, `beta` [T, Hv]) of the first `block` tokens: the strictly lower N = diag(beta) [exp(G_t - G_j) k_t.k_j]_{j<t}
+    of that block, its largest entry, the keys' cosines k_t.k_j (j < t), beta and exp(g) over the block, the largest
+    entry of (I + N)^-1, and the largest entry of any intermediate of the series (I - N)(I + N^2)(I + N^4)... as the
+    graphs evaluate it (every power N^(2^m) and every partial product): the factor by which the series amplifies
+    rounding errors, while its result, (I + N)^-1, stays small."""
+    hv = g.shape[1]
+    k = l2norm64(key[:block]).repeat_interleave(hv // key.shape[1], dim=1)  # [T, Hv, Dk]
+    g, beta = g[:block].double(), beta[:block].double()
+    n_tok = k.shape[0]
+    eye = torch.eye(n_tok, dtype=torch.float64)
+    strict = torch.ones(n_tok, n_tok, dtype=torch.bool).tril(-1)
+    rows = []
+    for h in range(hv):
+        kk = k[:, h] @ k[:, h].T
+        big_g = torch.cumsum(g[:, h], 0)
+        decay = torch.exp((big_g[:, None] - big_g[None, :]).masked_fill(~strict, 0.0)) * strict
+        n = beta[:, h, None] * kk * decay
+        prod, power, covered = eye - n, n, 2
+        largest = prod.abs().max().item()
+        while covered < n_tok:
+            power = power @ power
+            prod = prod @ (eye + power)
+            largest = max(largest, power.abs().max().item(), prod.abs().max().item())
+            covered *= 2
+        inverse = torch.linalg.solve_triangular(eye + n, eye, upper=False, unitriangular=True)
+        assert (prod - inverse).abs().max().item() <= 1e-10 * max(largest, 1.0), h  # exact in f64
+        cos = kk[strict]
+        rows.append({
+            "head": h,
+            "tokens": n_tok,
+            "series_largest_intermediate": largest,
+            "n_max": n.abs().max().item(),
+            "inverse_offdiag_max_abs": (inverse * strict).abs().max().item(),
+            "key_cosine_mean": cos.mean().item(),
+            "key_cosine_min": cos.min().item(),
+            "beta_min": beta[:, h].min().item(),
+            "beta_max": beta[:, h].max().item(),
+            "decay_exp_g_min": torch.exp(g[:, h]).min().item(),
+        })
+    return rows
+
+
+def series_figures(config, t: dict, block: int) -> list[dict]:
+    """`layer_series` for every DeltaNet layer of a run's tensors, one row per (layer, value head)."""
+    tc = text_config_of(config)
+    return [
+        dict(layer=i, **row)
+        for i, kind in enumerate(tc.layer_types)
+        if kind == "linear_attention"
+        for row in layer_series(*(t[f"layers.{i}.linear_attn.{n}"] for n in ("key", "g", "beta")), block)
+    ]
+
+
+@torch.no_grad()
+def correlate_keys(model, config, ids: torch.Tensor, seed: int, cspec: dict) -> dict:
+    """Make the chunked delta rule's N large on purpose, by construction of the weights (tiny-corr):
+
+    - one residual-stream channel is a constant: every token's embedding holds `constant_value` there, and the rows
+      of out_proj, o_proj and down_proj that would write to it are zero, so it reaches every layer unchanged (a
+      stand-in for the massive, nearly constant activations of trained LLMs);
+    - keys: the in_proj_qkv key rows read that channel with weight `key_shared_gain` times a fixed random direction
+      u (per key head), on top of their usual N(0, 1/fan_in) weights: after the conv, SiLU and l2 norm every key is
+      nearly the same vector, so k_t.k_j is close to 1;
+    - decay: A_log set so that -g = exp(A_log) softplus(a + dt_bias) is centred on `decay_centre` (exp(g) about
+      0.999): the decay ratios exp(G_t - G_j) stay near 1 across the block (and g stays an fp16 normal);
+    - write strength: in_proj_b reads only that channel (b = gamma x_const), so beta = sigmoid(b) is nearly the same
+      for every token; gamma is set per (layer, value head) so that the largest intermediate of the series over the
+      first `growth_block` tokens is `growth_target` (a few forward passes, since each layer's beta changes the next
+      layer's input). beta comes out near 0.2: with k.k ~ 1 and decay ~ 1, a beta near 1 makes the series' terms
+      grow like binomial coefficients (about 2^63 at 64 tokens), beyond what even f32 can cancel.
+    """
+    tc = text_config_of(config)
+    dec = decoder_of(model)
+    ch, const = cspec["constant_channel"], cspec["constant_value"]
+    hk, hv, dk = tc.linear_num_key_heads, tc.linear_num_value_heads, tc.linear_key_head_dim
+    gen = torch.Generator().manual_seed(seed + 500)  # its own stream: the usual init is unchanged
+    dec.embed_tokens.weight[:, ch] = const
+    for i, layer in enumerate(dec.layers):
+        out = layer.linear_attn.out_proj if tc.layer_types[i] == "linear_attention" else layer.self_attn.o_proj
+        out.weight[ch] = 0.0
+        layer.mlp.down_proj.weight[ch] = 0.0
+        assert 1.0 + layer.input_layernorm.weight[ch].item() > 0.1, "the constant channel's norm weight flips it"
+    heads = linear_heads(config)
+    for i in sorted({i for i, _ in heads}):
+        la = dec.layers[i].linear_attn
+        for j in range(hk):
+            u = torch.randn(dk, generator=gen)
+            rows = slice(hk * dk + j * dk, hk * dk + (j + 1) * dk)  # channels [Q | K | V]: key head j
+            la.in_proj_qkv.weight[rows, ch] = cspec["key_shared_gain"] * u
+        for h in range(hv):
+            la.A_log[h] = math.log(cspec["decay_centre"] / F.softplus(la.dt_bias[h].double()).item())
+        la.in_proj_b.weight.zero_()
+        la.in_proj_b.weight[:, ch] = -0.5  # a start: beta = sigmoid(-0.5 x_const), calibrated below
+
+    target = cspec["growth_target"]
+    block = cspec["growth_block"]
+    for passes in range(1, CALIBRATION_PASSES + 1):
+        with Recorder(model, config) as rec:
+            rec.active = True
+            model(input_ids=ids, use_cache=False)
+            rec.active = False
+        figures = {(r["layer"], r["head"]): r for r in series_figures(config, rec.t, block)}
+        worst = max(abs(math.log(figures[ih]["series_largest_intermediate"] / target)) for ih in heads)
+        if worst <= math.log(1.0 + CALIBRATION_TOL):
+            break
+        for i, h in heads:
+            # b = gamma x_const exactly, so scaling gamma by r scales every token's b by r: find r by bisection
+            # on the recorded inputs (the growth falls as |b| grows, since b < 0)
+            p = f"layers.{i}.linear_attn."
+            b = torch.logit(rec.t[p + "beta"].double())
+            assert (b < 0).all(), (i, h)
+
+            def growth(r: float) -> float:
+                rows = layer_series(rec.t[p + "key"], rec.t[p + "g"], torch.sigmoid(b * r), block)
+                return rows[h]["series_largest_intermediate"]
+
+            lo, hi = 1e-3, 1e3
+            assert growth(lo) > target > growth(hi), (i, h, growth(lo), growth(hi))
+            for _ in range(40):
+                mid = math.sqrt(lo * hi)
+                lo, hi = (mid, hi) if growth(mid) > target else (lo, mid)
+            dec.layers[i].linear_attn.in_proj_b.weight[h, ch] *= math.sqrt(lo * hi)
+    else:
+        raise RuntimeError(f"series growth calibration did not converge: worst log gap {worst:.3g}")
+    return {
+        "passes": passes,
+        "b_weights": [{"layer": i, "head": h, "gamma": dec.layers[i].linear_attn.in_proj_b.weight[h, ch].item()}
+                      for i, h in heads],
+        "key_directions_seed": seed + 500,
+    }
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # 7. Capturing goldens
 # ------------------------------------------------------------------------------------------------------------------
@@ -1013,6 +1212,7 @@ def diagnostics(config, res: dict) -> dict:
         "min_margin_greedy": greedy_margin,
         "logit_std": t["logits"].std().item(),
         "distinct_generated": len(set(t["generated"].tolist())),
+        "series": series_figures(config, t, SERIES_BLOCK),
     }
 
 
@@ -1054,6 +1254,14 @@ def fp16_product_shares(config, t: dict) -> list[dict]:
 
 def acceptable(diag: dict, spec: dict) -> list[str]:
     bad = []
+    cspec = spec.get("correlated_keys")
+    if cspec is not None:
+        assert cspec["growth_block"] == SERIES_BLOCK
+        lo, hi = cspec["growth_accept"]
+        for row in diag["series"]:
+            if not lo <= row["series_largest_intermediate"] <= hi:
+                bad.append(f"layer {row['layer']} head {row['head']} series growth "
+                           f"{row['series_largest_intermediate']:.3g} outside {lo:g}..{hi:g}")
     rms_spec = spec.get("core_output_rms")
     if rms_spec is not None:
         rms = [x for row in diag["core_output_rms"] for x in row["rms"]]
@@ -1084,6 +1292,11 @@ def print_diag(name: str, diag: dict) -> None:
     for row in diag["core_output_rms"]:
         log(f"[{name}]   layer {row['layer']} core_output RMS per value head: "
             + " ".join(f"{x:.3e}" for x in row["rms"]))
+    for row in diag["series"]:
+        log(f"[{name}]   layer {row['layer']} head {row['head']} first {row['tokens']} tokens: largest series "
+            f"intermediate {row['series_largest_intermediate']:.3g}, max N {row['n_max']:.3f}, key cosine mean "
+            f"{row['key_cosine_mean']:.3f} min {row['key_cosine_min']:.3f}, beta {row['beta_min']:.3f}.."
+            f"{row['beta_max']:.3f}, exp(g) min {row['decay_exp_g_min']:.6f}")
     log(f"[{name}] min top1-top2 margin: prompt {diag['min_margin_prompt']:.4f}  greedy "
         f"{diag['min_margin_greedy']:.4f}   logits std {diag['logit_std']:.2f}")
 
@@ -1241,6 +1454,8 @@ def make_model(name: str, spec: dict, tok_info: dict, hf_tok) -> dict:
         init_info = reinit(model, config, seed, spec.get("init"))
         if "core_output_rms" in spec:
             init_info.update(calibrate_core_output(model, config, ids, seed, spec["core_output_rms"]))
+        if "correlated_keys" in spec:
+            init_info.update(correlate_keys(model, config, ids, seed, spec["correlated_keys"]))
         if weights_dtype_of(spec) == "bfloat16":
             round_params_to_bf16(model)  # evaluate exactly what the bf16 checkpoint will hold
         res = run_f32(model, config, ids, pad_id)
@@ -1393,6 +1608,18 @@ def make_model(name: str, spec: dict, tok_info: dict, hf_tok) -> dict:
             passes=init_info["passes"],
             targets=init_info["targets"],
             value_row_gains=init_info["value_row_gains"],
+        )
+    if "correlated_keys" in spec:
+        # per (layer, value head), over the first SERIES_BLOCK prompt tokens: N of the chunked form and how far the
+        # series (I - N)(I + N^2)... for its inverse grows before it cancels (layer_series)
+        entry["series"] = diag["series"]
+        entry["correlated_keys"] = dict(
+            spec["correlated_keys"],
+            acceptance="the other models' seed checks apply unchanged (margins, residual ratios, distinct greedy "
+                       "tokens); the series growth check comes on top",
+            passes=init_info["passes"],
+            b_weights=init_info["b_weights"],
+            key_directions_seed=init_info["key_directions_seed"],
         )
     return entry
 
