@@ -112,6 +112,23 @@ fn check_fits(
     context: usize,
     max_length: usize,
 ) -> Result<()> {
+    for &b in &args.blocks {
+        if b == 0 {
+            bail!("--blocks: a block must hold at least 1 token");
+        }
+        if b > context {
+            bail!(
+                "--blocks: a block of {b} tokens does not fit the static context of {context} (--context)"
+            );
+        }
+    }
+    if max_length + 1 > context {
+        bail!(
+            "--max-length {max_length}: a prompt of {max_length} tokens and one decode step need {} cache slots, but \
+             the static context holds {context} (--context)",
+            max_length + 1
+        );
+    }
     for p in set {
         check_context(p.ids.len(), args.tokens, context)
             .with_context(|| format!("prompt `{}` (--tokens)", p.label))?;
@@ -132,23 +149,6 @@ fn check_fits(
             turn1.label, follow.label
         )
     })?;
-    for &b in &args.blocks {
-        if b == 0 {
-            bail!("--blocks: a block must hold at least 1 token");
-        }
-        if b > context {
-            bail!(
-                "--blocks: a block of {b} tokens does not fit the static context of {context} (--context)"
-            );
-        }
-    }
-    if max_length + 1 > context {
-        bail!(
-            "--max-length {max_length}: a prompt of {max_length} tokens and one decode step need {} cache slots, but \
-             the static context holds {context} (--context)",
-            max_length + 1
-        );
-    }
     Ok(())
 }
 

@@ -204,8 +204,17 @@ impl ValidateReport {
             };
             // The verdict is 4 characters; pad after the colour codes.
             let _ = writeln!(s, "{:<w$}  {verdict}     {}", c.id.name(), c.figure);
-            for f in &c.failures {
+            // At most three reasons per check on the terminal; the Markdown and JSON have every one.
+            for f in c.failures.iter().take(3) {
                 let _ = writeln!(s, "{:<w$}    {} {f}", "", paint("✗", "31", color));
+            }
+            if c.failures.len() > 3 {
+                let _ = writeln!(
+                    s,
+                    "{:<w$}    … and {} more (--report, --json)",
+                    "",
+                    c.failures.len() - 3
+                );
             }
             if !c.passed {
                 let _ = writeln!(s, "{:<w$}    next: {}", "", c.next);

@@ -21,10 +21,10 @@ use serde::Serialize;
 
 /// ` (N at near ties)` when some runs diverged at a near tie.
 fn ties_text(ties: usize) -> String {
-    if ties == 0 {
-        String::new()
-    } else {
-        format!(" ({ties} diverge at near ties)")
+    match ties {
+        0 => String::new(),
+        1 => " (1 diverges at a near tie)".into(),
+        n => format!(" ({n} diverge at near ties)"),
     }
 }
 
