@@ -15,8 +15,9 @@
 //! `first_divergence`, `logits` (a tensor error)}, state differences {`worst`, `nrmse`, `max_abs`, `finite`},
 //! prompt lookup's `proposed`, `accepted`, `acceptance`, `speedup` and per prompt its calls and seconds, the length
 //! check's `points` [{`length`, `bisection`, `passed`, `logits`, `flips`, `confident_flips`, `state`}],
-//! `first_failing` and `bisection_between`); `compare` (the compare-devices report, as its own JSON documents it,
-//! or null) and `probe` (the probe report, or null).
+//! `first_failing` and `bisection_between`; null for `compare` and `probe`, whose whole reports follow); `compare`
+//! (the compare-devices report, as its own JSON documents it, or null when the check could not run) and `probe`
+//! (the probe report, or null).
 
 use super::probe::ProbeReport;
 use super::{CompareReport, Machine, ReportArgs, paint, short_model, stamped, write};
@@ -265,7 +266,7 @@ impl ValidateReport {
             .collect();
         let _ = writeln!(
             s,
-            "| prompts | {} ; {} greedy tokens each |",
+            "| prompts | {}; {} greedy tokens each |",
             prompts.join(", "),
             i.tokens
         );
@@ -312,7 +313,7 @@ impl ValidateReport {
                 s,
                 "| {} | {verdict} | {} | {} |",
                 c.id.name(),
-                c.figure,
+                cell(&c.figure),
                 if c.passed { "" } else { c.next }
             );
         }
@@ -419,6 +420,11 @@ impl ValidateReport {
             );
         }
     }
+}
+
+/// Text for a Markdown table cell (a `|` would end the cell).
+fn cell(text: &str) -> String {
+    text.replace('|', "\\|")
 }
 
 /// A Markdown document's headings two levels deeper (to sit under a second-level heading of the report that
