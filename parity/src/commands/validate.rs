@@ -14,7 +14,7 @@ use crate::report::validate::{ValidateInputs, ValidateReport};
 use crate::report::{CompareReport, Inputs, Machine, ReportArgs};
 use crate::validate::fault::Fault;
 use crate::validate::setup::{self, DeviceSection};
-use crate::validate::{Check, CheckId, Context, Finding, GraphInfo, equivalence, length};
+use crate::validate::{Check, CheckId, Context, Finding, GraphInfo, equivalence, length, lookup};
 use anyhow::{Context as _, Result, bail};
 use reference::backend::{Backend, LookupOptions};
 use reference::model::RunOptions;
@@ -345,12 +345,12 @@ pub fn exec(args: ValidateArgs) -> Result<Outcome> {
     checks.push(Check::run(CheckId::PrefixReuse, &progress, || {
         equivalence::prefix_reuse(&ctx, &mut deployed, &mut plain_reference)
     }));
-    let lookup = LookupOptions {
+    let lookup_opts = LookupOptions {
         max_ngram: args.lookup_ngram,
         max_draft: args.lookup_draft,
     };
     checks.push(Check::run(CheckId::PromptLookup, &progress, || {
-        equivalence::lookup(&ctx, &mut deployed, lookup, args.lookup_tokens)
+        lookup::lookup(&ctx, &mut deployed, lookup_opts, args.lookup_tokens)
     }));
     checks.push(Check::run(CheckId::BackToBack, &progress, || {
         equivalence::back_to_back(&ctx, &mut deployed)

@@ -16,6 +16,7 @@
 pub mod equivalence;
 pub mod fault;
 pub mod length;
+pub mod lookup;
 pub mod setup;
 
 use crate::backends::{DeviceSettings, compile_device};
@@ -27,7 +28,7 @@ use anyhow::{Context as _, Result, bail};
 use candle_core::Tensor;
 use fault::{Fault, Faulty};
 use npu::engine::DecoderEngine;
-use reference::backend::Snapshot;
+use reference::backend::{Backend, Generation, Snapshot, greedy};
 use reference::config::Config;
 use reference::weights::WeightStore;
 use serde::Serialize;
@@ -475,6 +476,33 @@ impl StateDiff {
         }
         Ok(diff)
     }
+}
+
+/// ` (N at near ties)` when some runs diverged at a near tie.
+pub(crate) fn ties_text(ties: usize) -> String {
+    match ties {
+        0 => String::new(),
+        1 => " (1 diverges at a near tie)".into(),
+        n => format!(" ({n} diverge at near ties)"),
+    }
+}
+
+/// Greedy on `dev`, its NaN (if any) recorded in `failures` under `what`.
+pub(crate) fn run(
+    dev: &mut dyn Backend,
+    ids: &[u32],
+    tokens: usize,
+    all_logits: bool,
+    what: &str,
+    failures: &mut Vec<String>,
+) -> Result<Generation> {
+    let g = greedy(dev, ids, tokens, &[], all_logits, |_| Ok(()))?;
+    if let Some(i) = g.nan_at {
+        failures.push(format!(
+            "{what}: the logits hold a NaN at generated token {i}"
+        ));
+    }
+    Ok(g)
 }
 
 /// Serializes check details (never fails for the plain structs of this module).
