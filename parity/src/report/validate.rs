@@ -136,7 +136,10 @@ impl ValidateReport {
             i.context,
             i.prompts.len(),
             i.tokens
-        )
+        ) + &i
+            .fault
+            .as_ref()
+            .map_or(String::new(), |f| format!("; injected fault {f}"))
     }
 
     fn verdict_line(&self) -> String {
