@@ -39,6 +39,7 @@ pub fn available_devices() -> Result<Vec<String>> {
 }
 
 /// Graph and compile settings resolved from the command line.
+#[derive(Debug, Clone)]
 pub struct DeviceSettings {
     /// Device name.
     pub device: String,
@@ -109,27 +110,15 @@ pub fn cache_dir(device: &str, dev: &GraphArgs) -> Result<Option<std::path::Path
 }
 
 /// Builds and compiles the decoder graphs on the device: a backend. `taps` builds the graphs with every tap as an
-/// output (for dumps and hidden-state comparisons) or with logits and states only (as deployed).
+/// output (for dumps and hidden-state comparisons) or with logits and states only (as deployed). Warns when the
+/// device computes in another precision than the one requested.
 pub fn open_device(
     config: &Config,
     store: &WeightStore,
     settings: &DeviceSettings,
     taps: bool,
 ) -> Result<DecoderEngine> {
-    if !NumericModel::is_sim(&settings.device) {
-        npu::runtime::load()?;
-    }
-    let graph = GraphOptions {
-        taps,
-        ..settings.graph
-    };
-    let builder = Builder::new(config, store, graph)?;
-    let engine = DecoderEngine::new(
-        &builder,
-        settings.block,
-        &settings.device,
-        &settings.compile,
-    )?;
+    let engine = compile_device(config, store, settings, taps)?;
     let record = engine.record();
     if !NumericModel::is_sim(&settings.device)
         && record.precision.as_deref() != Some(settings.compile.precision.hint())
@@ -146,6 +135,29 @@ pub fn open_device(
         );
     }
     Ok(engine)
+}
+
+/// [`open_device`] without the warning (for a caller that reports the precision itself).
+pub fn compile_device(
+    config: &Config,
+    store: &WeightStore,
+    settings: &DeviceSettings,
+    taps: bool,
+) -> Result<DecoderEngine> {
+    if !NumericModel::is_sim(&settings.device) {
+        npu::runtime::load()?;
+    }
+    let graph = GraphOptions {
+        taps,
+        ..settings.graph
+    };
+    let builder = Builder::new(config, store, graph)?;
+    Ok(DecoderEngine::new(
+        &builder,
+        settings.block,
+        &settings.device,
+        &settings.compile,
+    )?)
 }
 
 /// The reference on the store's weights (the very weights a device runs, dequantized exactly).

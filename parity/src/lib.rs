@@ -14,3 +14,4 @@ pub mod probe;
 pub mod progress;
 pub mod ranges;
 pub mod report;
+pub mod validate;

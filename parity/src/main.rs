@@ -38,6 +38,9 @@ enum Command {
     /// What of the reference's numbers an fp16 (or bf16) device cannot hold: overflows, values below the smallest
     /// normal, constants that do not survive the cast, and the first overflow.
     Ranges(commands::ranges::RangesArgs),
+    /// Every check a new NPU needs on one device (where it ran, its precision, compare-devices, the probe, the port's
+    /// equivalences, length), one report (exit 1 when a check fails).
+    Validate(commands::validate::ValidateArgs),
     /// Write the static OpenVINO graphs of a checkpoint (decoder and per-layer) and a manifest of their interfaces.
     ExportIr(commands::export_ir::ExportArgs),
 }
@@ -53,6 +56,7 @@ fn main() -> ExitCode {
         Command::Diff(a) => commands::diff::exec(a),
         Command::Ranges(a) => commands::ranges::exec(a),
         Command::ExportIr(a) => commands::export_ir::exec(a),
+        Command::Validate(a) => commands::validate::exec(a),
     };
     match result {
         Ok(Outcome::Pass) => ExitCode::SUCCESS,

@@ -341,6 +341,10 @@ impl Backend for ExternalBackend {
         false
     }
 
+    fn position(&self) -> reference::Result<usize> {
+        Ok(self.position)
+    }
+
     /// Fails: the state is inside OpenVINO ([`STATE_NOT_EXPOSED`]).
     fn snapshot(&self) -> reference::Result<Snapshot> {
         Err(reference::Error::Backend(format!(

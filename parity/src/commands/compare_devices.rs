@@ -16,7 +16,7 @@ use crate::progress::Progress;
 use crate::report::{CompareReport, Inputs, Machine, QuantizationError, ReportArgs};
 use anyhow::{Context, Result, bail};
 use npu::sim::NumericModel;
-use reference::backend::teacher_forced;
+use reference::backend::{Backend, teacher_forced};
 use reference::model::RunOptions;
 use reference::quant::WeightFormat;
 use reference::tokenizer::ChatTokenizer;
@@ -294,16 +294,7 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
 
     let progress = Progress::new(set.len() * (1 + devices.len()));
     let mut reference = open_reference(&config, &store, RunOptions::default(), true)?;
-    let mut runs = Vec::with_capacity(set.len());
-    for p in &set {
-        progress.step(&format!("reference: {}", p.label));
-        runs.push(ReferenceRun::new(
-            &mut reference,
-            &p.label,
-            &p.ids,
-            args.tokens,
-        )?);
-    }
+    let runs = reference_runs(&mut reference, &set, args.tokens, &progress)?;
     let quantization = if store.format() == WeightFormat::F32 {
         None
     } else {
@@ -315,15 +306,15 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
         progress.message(&format!("{device}: compiling"));
         let mut deployed = open_device(&config, &store, settings, false)?;
         let mut tapped = open_device(&config, &store, settings, true)?;
-        let mut compared = Vec::with_capacity(runs.len());
-        for run in &runs {
-            progress.step(&format!("{device}: {}", run.label));
-            compared.push(compare_prompt(run, &mut deployed, &mut tapped, &eos)?);
-        }
-        let record = reference::backend::Backend::record(&deployed).clone();
-        let precision = record.precision.clone().unwrap_or_else(|| "f32".into());
-        let thresholds = args.thresholds.resolve(&precision);
-        reports.push(DeviceReport::new(device, record, thresholds, compared));
+        reports.push(compare_device(
+            device,
+            &runs,
+            &mut deployed,
+            &mut tapped,
+            &eos,
+            &args.thresholds,
+            &progress,
+        )?);
     }
     progress.finish();
 
@@ -465,6 +456,48 @@ fn exec_external(args: CompareArgs, ir: &Path) -> Result<Outcome> {
     } else {
         Outcome::Fail
     })
+}
+
+/// The reference's side of every prompt of `set` (a backend recording taps): its greedy tokens, then
+/// teacher-forced on them with every tap.
+pub fn reference_runs(
+    reference: &mut dyn Backend,
+    set: &[LabelledPrompt],
+    tokens: usize,
+    progress: &Progress,
+) -> Result<Vec<ReferenceRun>> {
+    let mut runs = Vec::with_capacity(set.len());
+    for p in set {
+        progress.step(&format!("reference: {}", p.label));
+        runs.push(ReferenceRun::new(reference, &p.label, &p.ids, tokens)?);
+    }
+    Ok(runs)
+}
+
+/// One device against the reference's runs: every prompt compared on the graphs as deployed and with taps, then
+/// aggregated and judged by the thresholds for the precision the deployed graphs read back.
+pub fn compare_device(
+    device: &str,
+    runs: &[ReferenceRun],
+    deployed: &mut dyn Backend,
+    tapped: &mut dyn Backend,
+    eos: &[u32],
+    thresholds: &ThresholdArgs,
+    progress: &Progress,
+) -> Result<DeviceReport> {
+    let mut compared = Vec::with_capacity(runs.len());
+    for run in runs {
+        progress.step(&format!("{device}: {}", run.label));
+        compared.push(compare_prompt(run, deployed, tapped, eos)?);
+    }
+    let record = deployed.record().clone();
+    let precision = record.precision.clone().unwrap_or_else(|| "f32".into());
+    Ok(DeviceReport::new(
+        device,
+        record,
+        thresholds.resolve(&precision),
+        compared,
+    ))
 }
 
 /// How far the compression itself moves the reference: the reference on the original weights against the

@@ -8,6 +8,7 @@ pub mod export_ir;
 pub mod probe;
 pub mod ranges;
 pub mod run;
+pub mod validate;
 
 /// What a command concluded: exit code 0 when every check passed, 1 when one failed (errors are 2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

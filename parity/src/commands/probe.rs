@@ -3,7 +3,7 @@
 
 use crate::backends::{DeviceSettings, check_device, open_reference};
 use crate::commands::Outcome;
-use crate::commands::compare_devices::prompts;
+use crate::commands::compare_devices::{LabelledPrompt, prompts};
 use crate::options::{FormArgs, GraphArgs, ModelArgs, PromptArgs};
 use crate::probe::{
     Mode, OpenVinoLayers, ProbeThresholds, ReferenceTrace, drill_down, probe, thresholds_from,
@@ -12,7 +12,10 @@ use crate::report::probe::{Baseline, ProbeInputs, ProbeReport};
 use crate::report::{Machine, ReportArgs};
 use anyhow::{Context, Result, bail};
 use npu::graphs::{Builder, GraphOptions};
+use reference::config::Config;
 use reference::model::RunOptions;
+use reference::weights::WeightStore;
+use std::path::Path;
 
 /// Arguments of `qwen35 probe`.
 #[derive(clap::Args)]
@@ -91,11 +94,64 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
         None => None,
     };
     let (dir, config, store) = args.model.open()?;
+    let set = prompts(&args.prompt, None, &dir, &config)?;
+    let prompt = set.into_iter().next().context("no prompt")?;
+    args.report.check()?;
+    check_device(&args.device).context("--device")?;
+    let report = run_probe(ProbeRequest {
+        dir: &dir,
+        config: &config,
+        store: &store,
+        settings: &settings,
+        prompt: &prompt,
+        layers: &args.layers,
+        mode: args.mode,
+        max_nrmse: args.max_nrmse,
+        max_state_nrmse: args.max_state_nrmse,
+        baseline: baseline_settings.as_ref().map(|b| (b, args.factor)),
+    })?;
+    report.emit(&args.report)?;
+    Ok(if report.passed() {
+        Outcome::Pass
+    } else {
+        Outcome::Fail
+    })
+}
+
+/// One probe of a device, as `qwen35 probe` runs it.
+pub struct ProbeRequest<'a> {
+    /// The checkpoint directory.
+    pub dir: &'a Path,
+    /// Its config.
+    pub config: &'a Config,
+    /// Its weights, in the format both sides run.
+    pub store: &'a WeightStore,
+    /// The device and its graph and compile settings.
+    pub settings: &'a DeviceSettings,
+    /// The prompt.
+    pub prompt: &'a LabelledPrompt,
+    /// The layers to probe (empty: all).
+    pub layers: &'a [usize],
+    /// Isolated or chained.
+    pub mode: Mode,
+    /// `--max-nrmse` (default: for the precision read back).
+    pub max_nrmse: Option<f64>,
+    /// `--max-state-nrmse` (default: for the precision read back).
+    pub max_state_nrmse: Option<f64>,
+    /// A baseline device per-layer thresholds come from, and the factor over its error.
+    pub baseline: Option<(&'a DeviceSettings, f64)>,
+}
+
+/// Runs the probe of a device: the reference's trace of the prompt in the device's blocks, the per-layer graphs
+/// compiled and fed, each layer judged (by the thresholds, or by the baseline's error times the factor), and the
+/// drill-down of the first layer over threshold.
+pub fn run_probe(req: ProbeRequest) -> Result<ProbeReport> {
+    let (config, store, settings, prompt) = (req.config, req.store, req.settings, req.prompt);
     let n = config.num_layers();
-    let mut layers = if args.layers.is_empty() {
+    let mut layers = if req.layers.is_empty() {
         (0..n).collect()
     } else {
-        args.layers.clone()
+        req.layers.to_vec()
     };
     layers.sort_unstable();
     layers.dedup();
@@ -105,8 +161,6 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
             n - 1
         );
     }
-    let set = prompts(&args.prompt, None, &dir, &config)?;
-    let prompt = set.into_iter().next().context("no prompt")?;
     if prompt.ids.len() > settings.graph.context {
         bail!(
             "the prompt has {} tokens but the static context holds {} (--context)",
@@ -114,20 +168,17 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
             settings.graph.context
         );
     }
-    args.report.check()?;
-    check_device(&args.device).context("--device")?;
-
-    let mut reference = open_reference(&config, &store, RunOptions::default(), true)?;
+    let mut reference = open_reference(config, store, RunOptions::default(), true)?;
     let trace = ReferenceTrace::new(&mut reference, &prompt.ids, settings.block)?;
     let builder = Builder::new(
-        &config,
-        &store,
+        config,
+        store,
         GraphOptions {
             taps: true,
             ..settings.graph
         },
     )?;
-    let compiled: Vec<usize> = match args.mode {
+    let compiled: Vec<usize> = match req.mode {
         Mode::Isolated => layers.clone(),
         Mode::Chained => (0..=*layers.last().context("no layer")?).collect(),
     };
@@ -135,37 +186,37 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
         &builder,
         &compiled,
         settings.block,
-        &args.device,
+        &settings.device,
         &settings.compile,
     )?;
     let record = crate::probe::LayerDevice::record(&device);
     let precision = record.precision.clone().unwrap_or_else(|| "f32".into());
     let defaults = ProbeThresholds::for_precision(&precision);
     let thresholds = ProbeThresholds {
-        max_nrmse: args.max_nrmse.unwrap_or(defaults.max_nrmse),
-        max_state_nrmse: args.max_state_nrmse.unwrap_or(defaults.max_state_nrmse),
+        max_nrmse: req.max_nrmse.unwrap_or(defaults.max_nrmse),
+        max_state_nrmse: req.max_state_nrmse.unwrap_or(defaults.max_state_nrmse),
     };
-    let mut probed = probe(&config, &trace, &mut device, &layers, args.mode, thresholds)?;
-    let baseline = match &baseline_settings {
-        Some(b) => {
+    let mut probed = probe(config, &trace, &mut device, &layers, req.mode, thresholds)?;
+    let baseline = match req.baseline {
+        Some((b, factor)) => {
             let mut base_device =
                 OpenVinoLayers::new(&builder, &compiled, b.block, &b.device, &b.compile)?;
             let base = probe(
-                &config,
+                config,
                 &trace,
                 &mut base_device,
                 &layers,
-                args.mode,
+                req.mode,
                 thresholds,
             )?;
             let floor = ProbeThresholds::for_precision("f32");
-            let per_layer = thresholds_from(&base, args.factor, floor);
+            let per_layer = thresholds_from(&base, factor, floor);
             for l in &mut probed {
                 l.judge(per_layer[&l.layer]);
             }
             Some(Baseline {
                 device: b.device.clone(),
-                factor: args.factor,
+                factor,
                 layers: base
                     .iter()
                     .map(|l| {
@@ -177,14 +228,14 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
         }
         None => None,
     };
-    let report = ProbeReport {
+    Ok(ProbeReport {
         machine: Machine::detect(),
         inputs: ProbeInputs {
-            model: dir.display().to_string(),
+            model: req.dir.display().to_string(),
             weights: store.format().name(),
-            prompt: prompt.label,
+            prompt: prompt.label.clone(),
             prompt_tokens: prompt.ids.len(),
-            mode: args.mode,
+            mode: req.mode,
             block: settings.block,
         },
         record,
@@ -192,11 +243,5 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
         baseline,
         drill_down: drill_down(&probed),
         layers: probed,
-    };
-    report.emit(&args.report)?;
-    Ok(if report.passed() {
-        Outcome::Pass
-    } else {
-        Outcome::Fail
     })
 }

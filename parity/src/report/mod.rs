@@ -4,6 +4,7 @@
 
 pub mod compare;
 pub mod probe;
+pub mod validate;
 
 pub use compare::{CompareReport, Inputs, QuantizationError};
 

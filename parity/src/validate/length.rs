@@ -1,0 +1,337 @@
+//! Length: agreement with the reference against prompt length, up to the static context, and a prompt longer than
+//! the context refused.
+//!
+//! The prompts are prefixes of one sequence (the prompt set's tokens, concatenated and repeated). At each length
+//! `L` the device runs the prompt of `L` tokens from a fresh state, then one decode step on the sequence's next
+//! token; both rows of logits and the state after the prompt are compared with the reference's. Probe points halve
+//! from the longest length down; the first failing length is then found by bisection between the last passing
+//! point below it and it, which assumes that a device once broken at some length stays broken at every longer one
+//! (recurrent-state and cache-position failures do); the report says when a longer point passed after a failure.
+//!
+//! The reference runs the sequence incrementally (its state at a shorter length carried on), which is exact: the
+//! reference computes a prompt fed in pieces as it computes it whole.
+
+use super::{Context, Device, Finding, StateDiff, details};
+use crate::backends::check_context;
+use crate::metrics::{TensorError, TokenAgreement, exceeds, values};
+use anyhow::{Result, bail};
+use candle_core::Tensor;
+use reference::backend::{Backend, Snapshot, greedy};
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// The first `n` tokens of the set's prompts concatenated and repeated.
+pub fn pattern(set: &[crate::commands::compare_devices::LabelledPrompt], n: usize) -> Vec<u32> {
+    set.iter()
+        .flat_map(|p| p.ids.iter().copied())
+        .cycle()
+        .take(n)
+        .collect()
+}
+
+/// The probe points: `max`, halved while at least 4.
+pub fn probe_points(max: usize) -> Vec<usize> {
+    let mut points = Vec::new();
+    let mut l = max;
+    while l >= 4 || points.is_empty() {
+        points.push(l);
+        if l < 2 {
+            break;
+        }
+        l /= 2;
+    }
+    points.reverse();
+    points
+}
+
+/// One length compared.
+#[derive(Debug, Clone, Serialize)]
+pub struct LengthPoint {
+    /// Prompt tokens.
+    pub length: usize,
+    /// Whether bisection chose it (else a probe point).
+    pub bisection: bool,
+    /// Whether it passed.
+    pub passed: bool,
+    /// The last prompt position's and the decode step's logits against the reference's.
+    pub logits: TensorError,
+    /// Rows (of the two) where the device's top token differs from the reference's.
+    pub flips: usize,
+    /// Of those, the ones where the reference's top-two margin exceeds twice the logit error there.
+    pub confident_flips: usize,
+    /// The state after the prompt against the reference's.
+    pub state: StateDiff,
+}
+
+/// The reference's side of the sequence, fed incrementally from the nearest shorter state kept.
+struct ReferenceSide<'a> {
+    backend: &'a mut dyn Backend,
+    sequence: &'a [u32],
+    kept: BTreeMap<usize, Snapshot>,
+}
+
+impl ReferenceSide<'_> {
+    /// The two rows of logits and the state after the prompt of `len` tokens.
+    fn at(&mut self, len: usize) -> Result<(Tensor, Snapshot)> {
+        match self.kept.range(..len).next_back() {
+            Some((_, s)) => self.backend.restore(s)?,
+            None => self.backend.reset()?,
+        }
+        let start = self.kept.range(..len).next_back().map_or(0, |(&l, _)| l);
+        let last = self
+            .backend
+            .forward(&self.sequence[start..len], false)?
+            .logits;
+        let state = self.backend.snapshot()?;
+        let step = self.backend.forward(&[self.sequence[len]], false)?.logits;
+        self.kept.insert(len, state.clone());
+        Ok((Tensor::cat(&[last, step], 0)?, state))
+    }
+
+    /// Forgets the states kept at lengths other than `keep`.
+    fn keep_only(&mut self, keep: usize) {
+        self.kept.retain(|&l, _| l == keep);
+    }
+}
+
+/// Compares the device with the reference at one length.
+fn compare_at(
+    ctx: &Context,
+    device: &mut Device,
+    reference: &mut ReferenceSide,
+    len: usize,
+    bisection: bool,
+) -> Result<LengthPoint> {
+    let (ref_rows, ref_state) = reference.at(len)?;
+    let sequence = reference.sequence;
+    device.reset()?;
+    let last = device.forward(&sequence[..len], false)?.logits;
+    let state = device.snapshot()?;
+    let step = device.forward(&[sequence[len]], false)?.logits;
+    let rows = Tensor::cat(&[last, step], 0)?;
+    let logits = TensorError::of(&rows, &ref_rows)?;
+    let (mut flips, mut confident_flips) = (0, 0);
+    for r in 0..2 {
+        let d = values(&rows.get(r)?)?;
+        let e = values(&ref_rows.get(r)?)?;
+        let a = TokenAgreement::of(&d, &e, ctx.eos);
+        if !a.same_top() {
+            flips += 1;
+            let max_abs = d
+                .iter()
+                .zip(&e)
+                .fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+            if a.ref_margin > 2.0 * max_abs {
+                confident_flips += 1;
+            }
+        }
+    }
+    let state = StateDiff::of(&state, &ref_state)?;
+    let t = &ctx.thresholds;
+    let passed = !exceeds(logits.nmse, t.max_logits_nmse)
+        && logits.finite()
+        && confident_flips == 0
+        && !exceeds(state.nrmse, t.max_state_nrmse)
+        && state.finite;
+    Ok(LengthPoint {
+        length: len,
+        bisection,
+        passed,
+        logits,
+        flips,
+        confident_flips,
+        state,
+    })
+}
+
+/// Agreement against prompt length from the shortest probe point to `max_length` (each prompt and one decode step
+/// must fit the static context), and the first failing length by bisection.
+pub fn length(
+    ctx: &Context,
+    device: &mut Device,
+    reference: &mut dyn Backend,
+    max_length: usize,
+) -> Result<Finding> {
+    let sequence = pattern(ctx.set, max_length + 1);
+    let mut reference = ReferenceSide {
+        backend: reference,
+        sequence: &sequence,
+        kept: BTreeMap::new(),
+    };
+    let mut points: Vec<LengthPoint> = Vec::new();
+    for len in probe_points(max_length) {
+        points.push(compare_at(ctx, device, &mut reference, len, false)?);
+    }
+    let first_fail = points.iter().find(|p| !p.passed).map(|p| p.length);
+    let mut first_failing = None;
+    let mut bracket = None;
+    let mut notes = Vec::new();
+    if let Some(fail) = first_fail {
+        let mut lo = points
+            .iter()
+            .filter(|p| p.passed && p.length < fail)
+            .map(|p| p.length)
+            .max()
+            .unwrap_or(0);
+        let mut hi = fail;
+        bracket = Some((lo, hi));
+        reference.keep_only(lo);
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            let p = compare_at(ctx, device, &mut reference, mid, true)?;
+            if p.passed {
+                lo = mid;
+                reference.keep_only(lo);
+            } else {
+                hi = mid;
+            }
+            points.push(p);
+        }
+        first_failing = Some(hi);
+        let later: Vec<String> = points
+            .iter()
+            .filter(|p| !p.bisection && p.passed && p.length > fail)
+            .map(|p| p.length.to_string())
+            .collect();
+        if !later.is_empty() {
+            notes.push(format!(
+                "not monotonic: length(s) {} passed after {fail} failed; the bisection assumes a failure persists",
+                later.join(", ")
+            ));
+        }
+    }
+    points.sort_by_key(|p| p.length);
+    let worst_logits = points
+        .iter()
+        .max_by(|a, b| a.logits.nmse.total_cmp(&b.logits.nmse))
+        .map(|p| (p.length, p.logits.nmse));
+    let worst_state = points
+        .iter()
+        .max_by(|a, b| a.state.nrmse.total_cmp(&b.state.nrmse))
+        .map(|p| (p.length, p.state.nrmse));
+    let probed = points.iter().filter(|p| !p.bisection).count();
+    let mut failures = Vec::new();
+    let figure = match (first_failing, bracket) {
+        (Some(first), Some((lo, hi))) => {
+            let p = points.iter().find(|p| p.length == first);
+            failures.push(format!(
+                "the device leaves the thresholds from a prompt of {first} tokens on (bisection between {lo} and \
+                 {hi}){}",
+                p.map_or(String::new(), |p| format!(
+                    ": logits NMSE {:.2e}, {} confident flip(s), state NRMSE {:.2e} ({})",
+                    p.logits.nmse, p.confident_flips, p.state.nrmse, p.state.worst
+                ))
+            ));
+            format!(
+                "first failing length {first} (bisection between {lo} and {hi}); {} of {probed} probe points pass",
+                points.iter().filter(|p| !p.bisection && p.passed).count()
+            )
+        }
+        _ => format!(
+            "lengths {}…{max_length} ({probed} points) pass; worst logits NMSE {:.1e} (L={}), state NRMSE {:.1e} \
+             (L={})",
+            points.first().map_or(0, |p| p.length),
+            worst_logits.map_or(0.0, |w| w.1),
+            worst_logits.map_or(0, |w| w.0),
+            worst_state.map_or(0.0, |w| w.1),
+            worst_state.map_or(0, |w| w.0),
+        ),
+    };
+    notes.push(format!(
+        "each length: a fresh prompt on the device, then one decode step; the context holds {}",
+        ctx.settings.graph.context
+    ));
+    #[derive(Serialize)]
+    struct Detail {
+        max_length: usize,
+        context: usize,
+        first_failing: Option<usize>,
+        bisection_between: Option<(usize, usize)>,
+        points: Vec<LengthPoint>,
+    }
+    Ok(Finding {
+        figure,
+        failures,
+        notes,
+        details: details(&Detail {
+            max_length,
+            context: ctx.settings.graph.context,
+            first_failing,
+            bisection_between: bracket,
+            points,
+        }),
+        ..Finding::default()
+    })
+}
+
+/// A prompt one token longer than the static context is refused, with an error naming the context, by the
+/// commands' check and by the device itself (never cut to fit).
+pub fn over_long(ctx: &Context, device: &mut Device) -> Result<Finding> {
+    let context = ctx.settings.graph.context;
+    let ids = pattern(ctx.set, context + 1);
+    let command = match check_context(ids.len(), 1, context) {
+        Ok(()) => bail!("the commands' context check accepted {} tokens", ids.len()),
+        Err(e) => format!("{e:#}"),
+    };
+    let mut failures = Vec::new();
+    let refused = match greedy(device, &ids, 1, &[], false, |_| Ok(())) {
+        Ok(g) => {
+            failures.push(format!(
+                "the device ran a prompt of {} tokens on a static context of {context} (and chose token {:?}): \
+                 cut or overflowed, silently",
+                ids.len(),
+                g.tokens.first()
+            ));
+            None
+        }
+        Err(e) => {
+            let message = e.to_string();
+            if !message.contains("context") {
+                failures.push(format!(
+                    "the device refused the prompt, but its error does not name the context: {message}"
+                ));
+            }
+            Some(message)
+        }
+    };
+    device.reset()?;
+    #[derive(Serialize)]
+    struct Detail {
+        prompt_tokens: usize,
+        context: usize,
+        command_error: String,
+        device_error: Option<String>,
+    }
+    Ok(Finding {
+        figure: format!(
+            "{} tokens on a context of {context}: {}",
+            ids.len(),
+            if refused.is_some() { "refused" } else { "RUN" }
+        ),
+        notes: vec![format!("the commands say: {command}")]
+            .into_iter()
+            .chain(refused.iter().map(|m| format!("the device says: {m}")))
+            .collect(),
+        failures,
+        details: details(&Detail {
+            prompt_tokens: ids.len(),
+            context,
+            command_error: command,
+            device_error: refused,
+        }),
+        ..Finding::default()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probe_points_halve_from_the_longest() {
+        assert_eq!(probe_points(1023), vec![7, 15, 31, 63, 127, 255, 511, 1023]);
+        assert_eq!(probe_points(96), vec![6, 12, 24, 48, 96]);
+        assert_eq!(probe_points(3), vec![3]);
+        assert_eq!(probe_points(1), vec![1]);
+    }
+}

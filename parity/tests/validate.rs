@@ -1,0 +1,414 @@
+//! `qwen35 validate` on the bundled tiny model: every check passes on the CPU device at f32 (exit 0) and is in the
+//! JSON; FP16SIM runs; an injected fault fails the check that looks for it (and the bisection finds the length
+//! where it starts); a precision the device substitutes fails unless allowed; bad input is a clear error.
+
+use serde_json::Value;
+use std::path::Path;
+
+mod common;
+use common::{expect_error, qwen35, stderr};
+
+/// Every check, in the report's order.
+const CHECKS: [&str; 11] = [
+    "execution-devices",
+    "precision",
+    "compare",
+    "probe",
+    "blocks",
+    "padding",
+    "prefix-reuse",
+    "prompt-lookup",
+    "back-to-back",
+    "length",
+    "over-long",
+];
+
+/// Runs `validate` with `args` and `--json` into `dir`; the exit code and the JSON.
+fn validate(dir: &Path, name: &str, args: &[&str]) -> (Option<i32>, Value) {
+    let j = dir.join(format!("{name}.json"));
+    let mut all = vec!["validate", "--json", j.to_str().unwrap()];
+    all.extend_from_slice(args);
+    let o = qwen35(&all);
+    assert!(
+        j.exists(),
+        "{args:?} wrote no report: {}\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        stderr(&o)
+    );
+    assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
+    let v = serde_json::from_str(&std::fs::read_to_string(&j).unwrap()).unwrap();
+    (o.status.code(), v)
+}
+
+fn check<'a>(v: &'a Value, id: &str) -> &'a Value {
+    v["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["id"] == id)
+        .unwrap_or_else(|| panic!("no check `{id}`"))
+}
+
+fn failed(v: &Value) -> Vec<String> {
+    v["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["passed"] == false)
+        .map(|c| c["id"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Small runs for the fault and precision tests: two prompts, few tokens, blocks of 1 and 16.
+fn small(dir: &Path) -> Vec<String> {
+    let prompts = dir.join("two.jsonl");
+    std::fs::write(
+        &prompts,
+        "{\"label\": \"river\", \"prompt\": \"Why does the river rise in spring?\"}\n\
+         {\"label\": \"ids\", \"token_ids\": [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 122, 133, 144, 155, 166, 177, \
+         188, 199, 211]}\n",
+    )
+    .unwrap();
+    [
+        "--device",
+        "CPU",
+        "--context",
+        "128",
+        "--tokens",
+        "4",
+        "--lookup-tokens",
+        "12",
+        "--blocks",
+        "1,16",
+        "--prompts",
+        prompts.to_str().unwrap(),
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+#[test]
+fn validate_passes_on_the_cpu_at_f32_with_every_check_in_the_report() {
+    let tmp = tempfile::tempdir().unwrap();
+    let md = tmp.path().join("r.md");
+    let (code, v) = validate(
+        tmp.path(),
+        "cpu",
+        &[
+            "--device",
+            "CPU",
+            "--context",
+            "128",
+            "--lookup-tokens",
+            "48",
+            "--report",
+            md.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(code, Some(0), "failed: {:?}", failed(&v));
+    assert_eq!(v["schema_version"], 1);
+    assert_eq!(v["passed"], true);
+    let ids: Vec<&str> = v["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, CHECKS);
+    for c in v["checks"].as_array().unwrap() {
+        assert_eq!(c["passed"], true, "{c}");
+        assert!(c["skipped"].is_null(), "{c}");
+        assert!(!c["figure"].as_str().unwrap().is_empty());
+        assert!(c["failures"].as_array().unwrap().is_empty());
+    }
+    // Where and how it ran: every graph on the CPU, in f32; no model cache unless asked for on a CPU.
+    let d = &v["device"];
+    assert_eq!(d["precision_requested"], "f32");
+    let graphs = d["graphs"].as_array().unwrap();
+    assert!(graphs.len() >= 8, "{graphs:?}");
+    for g in graphs {
+        assert_eq!(g["execution_devices"], "CPU", "{g}");
+        assert_eq!(g["precision"], "f32", "{g}");
+        assert!(g.get("loaded_from_cache").is_some_and(Value::is_null));
+    }
+    // At f32 on the CPU the equivalences hold exactly or to rounding.
+    let blocks = &check(&v, "blocks")["details"];
+    assert_eq!(blocks["blocks"], serde_json::json!([1, 16, 64]));
+    for r in blocks["runs"].as_array().unwrap() {
+        assert!(r["against_first"]["first_divergence"].is_null(), "{r}");
+        assert!(r["against_first"]["logits"]["nmse"].as_f64().unwrap() < 1e-10);
+    }
+    let b2b = &check(&v, "back-to-back")["details"];
+    assert_eq!(b2b["prompt_logits"]["max_abs"], 0.0);
+    assert_eq!(b2b["state"]["max_abs"], 0.0);
+    assert_eq!(b2b["generated"]["logits"]["max_abs"], 0.0);
+    let pad = &check(&v, "padding")["details"];
+    assert!(pad["padded_slots"].as_u64().unwrap() > 0);
+    assert!(pad["state"]["nrmse"].as_f64().unwrap() < 1e-5);
+    assert!(check(&v, "prefix-reuse")["details"]["agreement"]["first_divergence"].is_null());
+    // Prompt lookup: greedy's tokens, and on this random model a few drafts hit (the repeated prompt's).
+    let lookup = &check(&v, "prompt-lookup")["details"];
+    assert!(lookup["proposed"].as_u64().unwrap() > 0);
+    assert!(lookup["accepted"].as_u64().unwrap() > 0, "{lookup}");
+    assert!(lookup["speedup"].as_f64().unwrap() > 0.0);
+    for r in lookup["runs"].as_array().unwrap() {
+        assert!(r["agreement"]["first_divergence"].is_null(), "{r}");
+    }
+    let length = &check(&v, "length")["details"];
+    assert_eq!(length["max_length"], 127);
+    assert!(length["first_failing"].is_null());
+    let lengths: Vec<u64> = length["points"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["length"].as_u64().unwrap())
+        .collect();
+    assert_eq!(lengths, [7, 15, 31, 63, 127]);
+    let over = &check(&v, "over-long")["details"];
+    assert_eq!(over["prompt_tokens"], 129);
+    assert!(
+        over["device_error"]
+            .as_str()
+            .unwrap()
+            .contains("static context")
+    );
+    // The compare-devices report the compare check made, in full.
+    let cmp = &v["compare"]["devices"][0];
+    assert_eq!(cmp["greedy_matched"], cmp["greedy_total"]);
+    assert_eq!(v["probe"]["layers"].as_array().unwrap().len(), 4);
+
+    let report = std::fs::read_to_string(&md).unwrap();
+    for needle in [
+        "# qwen35 validate report",
+        "**PASS**",
+        "| check | verdict | key figure | on failure, look at |",
+        "| back-to-back | PASS |",
+        "model cache",
+        "| graph | compiled for | precision | execution devices |",
+        "## Appendix: the compare-devices report",
+        "## Appendix: the probe report",
+    ] {
+        assert!(report.contains(needle), "the Markdown has no `{needle}`");
+    }
+}
+
+#[test]
+fn validate_runs_on_fp16sim() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (code, v) = validate(
+        tmp.path(),
+        "sim",
+        &[
+            "--device",
+            "FP16SIM",
+            "--context",
+            "96",
+            "--tokens",
+            "3",
+            "--lookup-tokens",
+            "8",
+            "--blocks",
+            "1,16",
+            "--max-length",
+            "40",
+        ],
+    );
+    assert!(matches!(code, Some(0 | 1)), "{v}");
+    assert_eq!(v["passed"], code == Some(0));
+    assert_eq!(v["checks"].as_array().unwrap().len(), CHECKS.len());
+    let d = &v["device"];
+    assert_eq!(d["precision"], "f16");
+    assert_eq!(
+        d["graphs"][0]["execution_devices"],
+        "FP16SIM:store=f16,ftz=on,acc=f32,state=f16,norm=ops"
+    );
+    // Ran where asked, in what it asked; deterministic; refuses an over-long prompt.
+    for id in [
+        "execution-devices",
+        "precision",
+        "back-to-back",
+        "over-long",
+    ] {
+        assert_eq!(check(&v, id)["passed"], true, "{}", check(&v, id));
+    }
+    // The length check ran its probe points and, if one failed, bisected to a first failing length.
+    let length = &check(&v, "length")["details"];
+    if let Some(first) = length["first_failing"].as_u64() {
+        let (lo, hi) = (
+            length["bisection_between"][0].as_u64().unwrap(),
+            length["bisection_between"][1].as_u64().unwrap(),
+        );
+        assert!(lo < first && first <= hi, "{length}");
+    }
+}
+
+#[test]
+fn injected_faults_fail_the_checks_that_look_for_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let small = small(tmp.path());
+    let with = |fault: &'static str| -> Vec<&str> {
+        let mut args: Vec<&str> = small.iter().map(String::as_str).collect();
+        args.extend(["--inject-fault", fault]);
+        args
+    };
+
+    // A device that keeps its recurrent state between sequences.
+    let (code, v) = validate(tmp.path(), "leak", &with("leak-state"));
+    assert_eq!(code, Some(1));
+    let b2b = check(&v, "back-to-back");
+    assert_eq!(b2b["passed"], false);
+    assert!(b2b["details"]["state"]["max_abs"].as_f64().unwrap() > 0.0);
+    assert!(
+        b2b["failures"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|f| f.as_str().unwrap().contains("bit-identical expected"))
+    );
+    assert_eq!(check(&v, "over-long")["passed"], true);
+
+    // A device that cannot go back to a snapshot.
+    let (code, v) = validate(tmp.path(), "restore", &with("ignore-restore"));
+    assert_eq!(code, Some(1));
+    let f = failed(&v);
+    assert!(f.contains(&"prefix-reuse".to_string()), "{f:?}");
+    assert!(
+        check(&v, "prefix-reuse")["failures"][0]
+            .as_str()
+            .unwrap()
+            .contains("position")
+    );
+    // Nothing else restores a state: compare, blocks, padding and back-to-back still pass.
+    for id in ["compare", "blocks", "padding", "back-to-back", "length"] {
+        assert_eq!(check(&v, id)["passed"], true, "{}", check(&v, id));
+    }
+
+    // A device whose logits go wrong from position 40 on: the length check's bisection finds exactly 40 (the prompt
+    // of 40 tokens is the first whose decode step, at position 40, is wrong).
+    let (code, v) = validate(tmp.path(), "late", &with("logits-from=40"));
+    assert_eq!(code, Some(1));
+    let length = check(&v, "length");
+    assert_eq!(length["passed"], false);
+    assert_eq!(length["details"]["first_failing"], 40, "{length}");
+    assert_eq!(
+        length["details"]["bisection_between"],
+        serde_json::json!([31, 63])
+    );
+    let points = length["details"]["points"].as_array().unwrap();
+    let at = |l: u64| points.iter().find(|p| p["length"] == l).unwrap()["passed"].clone();
+    assert_eq!(at(39), true);
+    assert_eq!(at(40), false);
+    assert_eq!(v["inputs"]["fault"], "logits-from=40");
+}
+
+#[test]
+fn a_substituted_precision_fails_unless_allowed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let small = small(tmp.path());
+    let mut args: Vec<&str> = small.iter().map(String::as_str).collect();
+    args.extend(["--precision", "f16"]);
+    let (code, v) = validate(tmp.path(), "f16", &args);
+    let p = check(&v, "precision");
+    // This machine's CPU computes bf16 when asked for f16; a CPU with f16 arithmetic would pass here.
+    if v["device"]["precision"] == "bf16" {
+        assert_eq!(code, Some(1));
+        assert_eq!(p["passed"], false);
+        let why = p["failures"][0].as_str().unwrap();
+        assert!(
+            why.contains("bf16") && why.contains("--allow-precision bf16"),
+            "{why}"
+        );
+        args.extend(["--allow-precision", "bf16"]);
+        let (_, v) = validate(tmp.path(), "allowed", &args);
+        let p = check(&v, "precision");
+        assert_eq!(p["passed"], true, "{p}");
+        assert!(p["notes"][0].as_str().unwrap().contains("accepted"));
+    } else {
+        assert_eq!(p["passed"], true, "{p}");
+    }
+}
+
+#[test]
+fn validate_errors_are_clear() {
+    expect_error(
+        &[
+            "validate",
+            "--device",
+            "CPU",
+            "--context",
+            "128",
+            "--max-length",
+            "128",
+        ],
+        &["--max-length 128", "--context"],
+    );
+    expect_error(
+        &[
+            "validate",
+            "--device",
+            "CPU",
+            "--context",
+            "32",
+            "--token-ids",
+            "1,2,3",
+        ],
+        &["--blocks", "64", "32"],
+    );
+    expect_error(
+        &[
+            "validate",
+            "--device",
+            "CPU",
+            "--context",
+            "64",
+            "--blocks",
+            "1,16",
+            "--tokens",
+            "40",
+        ],
+        &["static context", "--context", "--tokens"],
+    );
+    expect_error(
+        &["validate", "--device", "CPU", "--inject-fault", "gremlins"],
+        &["--inject-fault", "gremlins"],
+    );
+    expect_error(
+        &["validate", "--device", "CPU", "--lookup-draft", "0"],
+        &["--lookup-draft"],
+    );
+    expect_error(
+        &["validate", "--device", "NO_SUCH_DEVICE"],
+        &["--device", "NO_SUCH_DEVICE"],
+    );
+    expect_error(
+        &["validate", "--device", "FP16SIM", "--precision", "f16"],
+        &["--precision", "FP16SIM"],
+    );
+    expect_error(&["validate"], &["--device"]);
+}
+
+#[test]
+fn a_second_validate_loads_every_graph_from_the_model_cache() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path().join("ov-cache");
+    let mut args = small(tmp.path());
+    args.extend(["--cache-dir".to_string(), cache.display().to_string()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let flags = |v: &Value| -> Vec<Option<bool>> {
+        v["device"]["graphs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| g["loaded_from_cache"].as_bool())
+            .collect()
+    };
+    let (code, first) = validate(tmp.path(), "first", &args);
+    assert_eq!(code, Some(0), "failed: {:?}", failed(&first));
+    assert_eq!(first["device"]["cache_dir"], cache.display().to_string());
+    // The first graph is compiled and stored (later ones of the same run may already come from the cache).
+    assert_eq!(flags(&first)[0], Some(false), "{:?}", flags(&first));
+    let (code, second) = validate(tmp.path(), "second", &args);
+    assert_eq!(code, Some(0), "failed: {:?}", failed(&second));
+    let second = flags(&second);
+    assert!(second.iter().all(|&f| f == Some(true)), "{second:?}");
+}
