@@ -293,10 +293,10 @@ pub fn terminal(r: &BenchReport) -> String {
         None => format!("{} {}", r.record.backend, r.record.dtype),
     };
     out += &format!(
-        "qwen35 bench: {} ({} layers, {:.2} B parameters), {what}, weights {}, {} threads\n",
+        "qwen35 bench: {} ({} layers, {} parameters), {what}, weights {}, {} threads\n",
         r.model,
         r.layers,
-        r.parameters as f64 / 1e9,
+        crate::commands::synth::count(r.parameters),
         r.record.weights,
         r.threads
     );

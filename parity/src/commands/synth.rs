@@ -111,7 +111,7 @@ pub fn size(bytes: u64) -> String {
 }
 
 /// A parameter count (`2.90 B`, `1.2 M`, `640`).
-fn count(n: u64) -> String {
+pub fn count(n: u64) -> String {
     let x = n as f64;
     if x >= 1e9 {
         format!("{:.2} B", x / 1e9)

@@ -15,7 +15,7 @@
 //! - the embedding `N(0, 1)` and the LM head `N(0, 1/H)` (logits of standard deviation about 1);
 //! - zero-centred RMSNorm weights (scale `1 + w`) `N(0, 0.1²)`, the gated norm's plain weight `1 + N(0, 0.1²)`;
 //! - the depthwise conv kernel `N(0, 1/K)`;
-//! - decays as Mamba-2 and Qwen3-Next initialise them: `A = exp(A_log)` uniform in `[1, 16]`, and `dt_bias` the
+//! - decays as Mamba-2 initialises them: `A = exp(A_log)` uniform in `[1, 16]`, and `dt_bias` the
 //!   inverse softplus of a `dt` log-uniform in `[1e-3, 1e-1]`, so the per-token decay `exp(−A·softplus(a + dt_bias))`
 //!   sits between about 0.2 and 0.999 per head;
 //! - the vision tower and the MTP head: weights `N(0, 1/fan_in)`, biases `N(0, 0.02²)`, LayerNorm weights
