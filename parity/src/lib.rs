@@ -9,6 +9,7 @@ pub mod compare;
 pub mod dump;
 pub mod metrics;
 pub mod options;
+pub mod perf;
 pub mod plot;
 pub mod probe;
 pub mod progress;

@@ -43,6 +43,12 @@ enum Command {
     Validate(commands::validate::ValidateArgs),
     /// Write the static OpenVINO graphs of a checkpoint (decoder and per-layer) and a manifest of their interfaces.
     ExportIr(commands::export_ir::ExportArgs),
+    /// Write a random checkpoint with the real Qwen3.5-9B shapes and layout (nested config, sharded bf16
+    /// safetensors), seeded and deterministic.
+    Synth(commands::synth::SynthArgs),
+    /// Time loading, a prompt and greedy decoding on a checkpoint: tokens/s, achieved GFLOP/s, peak memory, beside
+    /// the machine's measured f32 matrix-product rate and memory bandwidth.
+    Bench(commands::bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -57,6 +63,8 @@ fn main() -> ExitCode {
         Command::Ranges(a) => commands::ranges::exec(a),
         Command::ExportIr(a) => commands::export_ir::exec(a),
         Command::Validate(a) => commands::validate::exec(a),
+        Command::Synth(a) => commands::synth::exec(a),
+        Command::Bench(a) => commands::bench::exec(a),
     };
     match result {
         Ok(Outcome::Pass) => ExitCode::SUCCESS,

@@ -25,6 +25,7 @@ pub mod ops;
 pub mod quant;
 pub mod rope;
 pub mod schema;
+pub mod synth;
 pub mod synthetic;
 pub mod taps;
 pub mod tokenizer;

@@ -1,5 +1,6 @@
 //! One module per `qwen35` subcommand: its arguments and what it does. `main.rs` only parses and dispatches.
 
+pub mod bench;
 pub mod compare_devices;
 pub mod devices;
 pub mod diff;
@@ -8,6 +9,7 @@ pub mod export_ir;
 pub mod probe;
 pub mod ranges;
 pub mod run;
+pub mod synth;
 pub mod validate;
 
 /// What a command concluded: exit code 0 when every check passed, 1 when one failed (errors are 2).

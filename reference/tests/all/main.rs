@@ -12,3 +12,4 @@ mod precision;
 mod quant;
 mod rope;
 mod store;
+mod synth;

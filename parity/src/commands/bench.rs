@@ -1,0 +1,359 @@
+//! `qwen35 bench`: load time, prompt and decode speed, achieved GFLOP/s and peak memory of a backend on a
+//! checkpoint, beside the machine's own f32 matrix-product rate and memory bandwidth. See [`crate::perf`] for how
+//! each figure is counted and [`BenchReport`] for the JSON.
+
+use crate::backends::{DeviceSettings, check_context, open_device, open_reference};
+use crate::commands::Outcome;
+use crate::options::{Backend, DeviceArgs, Dtype, FormArgs, ModelArgs};
+use crate::perf::flops::{self, Flops, RunShape};
+use crate::perf::machine::{self, Machine};
+use crate::perf::memory::{self, Sampler};
+use anyhow::{Result, bail};
+use npu::graphs::DeltaNetGraphForm;
+use reference::backend::{RunRecord, greedy};
+use reference::config::Config;
+use reference::deltanet::Form;
+use reference::quant::WeightFormat;
+use reference::schema::{Role, Schema};
+use reference::synthetic::Rng;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// Arguments of `qwen35 bench`.
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Prompt length: this many token ids drawn uniformly from the vocabulary with `--seed`.
+    #[arg(long, default_value_t = 256, value_name = "N")]
+    prompt_tokens: usize,
+    /// Greedy tokens decoded after the prompt (single-token forward calls).
+    #[arg(long, default_value_t = 16, value_name = "N")]
+    decode_tokens: usize,
+    /// The seed of the prompt's token ids.
+    #[arg(long, default_value_t = 0, value_name = "S")]
+    seed: u64,
+    /// Write every figure as JSON to this file.
+    #[arg(long, value_name = "FILE.json")]
+    json: Option<PathBuf>,
+    /// Skip measuring the machine's matrix-product rate and memory bandwidth.
+    #[arg(long)]
+    no_machine: bool,
+    #[command(flatten)]
+    form: FormArgs,
+    #[command(flatten)]
+    device: DeviceArgs,
+}
+
+/// Everything `qwen35 bench` measured (`schema_version` 1). Rates are per second of wall time; FLOPs follow
+/// [`crate::perf::flops`]; memory follows [`crate::perf::memory`].
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BenchReport {
+    /// The JSON layout's version.
+    pub schema_version: u32,
+    /// The checkpoint directory.
+    pub model: String,
+    /// Decoder layers.
+    pub layers: usize,
+    /// Decoder parameters (embedding, layers, final norm, LM head).
+    pub parameters: u64,
+    /// What ran (backend, device, forms, precision).
+    pub record: RunRecord,
+    /// Threads (candle's count for the reference: `RAYON_NUM_THREADS`, else every core).
+    pub threads: usize,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Decode steps (single-token forward calls).
+    pub decode_tokens: usize,
+    /// Seconds to read the config, open the weights and build the model (or the graphs, compiled).
+    pub load_seconds: f64,
+    /// Seconds of the prompt's forward call(s).
+    pub prompt_seconds: f64,
+    /// Seconds of the decode steps, greedy choice included.
+    pub decode_seconds: f64,
+    /// Prompt tokens per second.
+    pub prompt_tokens_per_s: f64,
+    /// Decode tokens per second.
+    pub decode_tokens_per_s: f64,
+    /// FLOPs of the prompt by kind.
+    pub prompt_flops: Flops,
+    /// FLOPs of all decode steps by kind.
+    pub decode_flops: Flops,
+    /// Achieved prompt GFLOP/s.
+    pub prompt_gflops_per_s: f64,
+    /// Achieved decode GFLOP/s.
+    pub decode_gflops_per_s: f64,
+    /// Bytes of weights a decode step reads (projections and LM head at the precision they are held in), if known.
+    pub decode_weight_bytes_per_token: Option<u64>,
+    /// Those bytes times decode tokens per second, GB/s.
+    pub decode_weight_gb_per_s: Option<f64>,
+    /// The process's peak resident set (`VmHWM`: anonymous memory and resident pages of the mapped checkpoint).
+    pub peak_rss_bytes: u64,
+    /// The largest anonymous resident memory (`RssAnon`) sampled every 10 ms over load and run.
+    pub peak_anon_bytes: u64,
+    /// The machine's own limits, measured after the run (absent with `--no-machine`).
+    pub machine: Option<Machine>,
+    /// The prompt's token ids.
+    pub prompt_ids: Vec<u32>,
+    /// The greedy tokens chosen (the first from the prompt's logits).
+    pub generated_ids: Vec<u32>,
+}
+
+/// What a benchmark runs, validated before any work.
+enum Plan {
+    Reference(reference::model::RunOptions),
+    OpenVino(DeviceSettings),
+}
+
+/// The prompt: `n` ids drawn uniformly from a vocabulary of `vocab` with `seed`.
+pub fn prompt_ids(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut rng = Rng::new(seed);
+    (0..n)
+        .map(|_| (rng.next_u64() % vocab as u64) as u32)
+        .collect()
+}
+
+/// Parameters a decode step reads from memory: every projection and the LM head (one row of the embedding aside).
+fn decode_weight_parameters(c: &Config) -> u64 {
+    let s = Schema::new(c);
+    let layers: u64 = (0..c.num_layers())
+        .flat_map(|i| s.layer_tensors(i))
+        .filter(|t| t.role() == Role::Projection)
+        .map(|t| t.shape.iter().product::<usize>() as u64)
+        .sum();
+    layers + (c.vocab_size * c.hidden_size) as u64
+}
+
+/// Runs `qwen35 bench`.
+pub fn exec(args: BenchArgs) -> Result<Outcome> {
+    if args.prompt_tokens == 0 {
+        bail!("--prompt-tokens must be at least 1");
+    }
+    if args.decode_tokens == 0 {
+        bail!("--decode-tokens must be at least 1");
+    }
+    let plan = match args.device.backend {
+        Backend::Reference => {
+            args.device.check_reference()?;
+            Plan::Reference(args.form.run_options()?)
+        }
+        Backend::Openvino => {
+            if args.model.dtype != Dtype::F32 {
+                bail!(
+                    "--dtype f64 applies to the reference; OpenVINO graphs compute in f32 or f16 (--precision)"
+                );
+            }
+            let device = args.device.device.as_deref().unwrap_or("CPU");
+            let settings = DeviceSettings::resolve(device, &args.device.graph, &args.form)?;
+            check_context(
+                args.prompt_tokens,
+                args.decode_tokens + 1,
+                settings.graph.context,
+            )?;
+            Plan::OpenVino(settings)
+        }
+    };
+    if let Some(path) = &args.json
+        && let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty())
+        && !parent.is_dir()
+    {
+        bail!(
+            "--json {}: the directory {} does not exist",
+            path.display(),
+            parent.display()
+        );
+    }
+
+    let sampler = Sampler::start(Duration::from_millis(10));
+    let start = Instant::now();
+    let (dir, config, store) = args.model.open()?;
+    let ids = prompt_ids(args.prompt_tokens, config.vocab_size, args.seed);
+    let (mut backend, shape, bytes_per_weight): (
+        Box<dyn reference::backend::Backend>,
+        RunShape,
+        Option<u64>,
+    ) = match &plan {
+        Plan::Reference(opts) => {
+            let b = open_reference(&config, &store, *opts, false)?;
+            let shape = RunShape {
+                prefill: opts.prefill,
+                decode: opts.decode,
+                piece: opts.prefill_block,
+            };
+            let bytes = if args.model.dtype == Dtype::F64 { 8 } else { 4 };
+            (Box::new(b), shape, Some(bytes))
+        }
+        Plan::OpenVino(settings) => {
+            let b = open_device(&config, &store, settings, false)?;
+            let prefill = match settings.graph.form {
+                DeltaNetGraphForm::Matrix => Form::Matrix,
+                DeltaNetGraphForm::Loop => Form::Sequential,
+                DeltaNetGraphForm::Chunked(inverse) => Form::Chunked {
+                    block: settings.block,
+                    inverse,
+                },
+            };
+            let shape = RunShape {
+                prefill,
+                decode: Form::Matrix,
+                piece: Some(settings.block),
+            };
+            let bytes = match (args.model.weights, settings.compile.precision.hint()) {
+                (WeightFormat::F32, "f32") => Some(4),
+                _ => None,
+            };
+            (Box::new(b), shape, bytes)
+        }
+    };
+    let load_seconds = start.elapsed().as_secs_f64();
+    sampler.sample();
+    let generation = greedy(
+        backend.as_mut(),
+        &ids,
+        args.decode_tokens + 1,
+        &[],
+        false,
+        |_| Ok(()),
+    )?;
+    sampler.sample();
+    if let Some(at) = generation.nan_at {
+        bail!(
+            "the logits held a NaN at decode step {at}: the backend's output is not usable for timing"
+        );
+    }
+    let record = backend.record().clone();
+    drop(backend);
+    let peak_rss_bytes = memory::status().map_or(0, |s| s.peak_rss);
+    let (peak_anon_bytes, _) = sampler.stop();
+    drop(store);
+
+    let machine = if args.no_machine {
+        None
+    } else {
+        Some(machine::measure(2048, 512 << 20, 5)?)
+    };
+    let prompt_flops = flops::prompt(&config, &shape, ids.len());
+    let decode_flops = flops::decode(&config, &shape, ids.len(), args.decode_tokens);
+    let decode_tokens_per_s = args.decode_tokens as f64 / generation.decode_seconds.max(1e-12);
+    let decode_weight_bytes_per_token =
+        bytes_per_weight.map(|b| b * decode_weight_parameters(&config));
+    let report = BenchReport {
+        schema_version: 1,
+        model: dir.display().to_string(),
+        layers: config.num_layers(),
+        parameters: Schema::new(&config)
+            .tensors()
+            .iter()
+            .map(|t| t.shape.iter().product::<usize>() as u64)
+            .sum(),
+        record,
+        threads: candle_core::utils::get_num_threads(),
+        prompt_tokens: ids.len(),
+        decode_tokens: args.decode_tokens,
+        load_seconds,
+        prompt_seconds: generation.prompt_seconds,
+        decode_seconds: generation.decode_seconds,
+        prompt_tokens_per_s: ids.len() as f64 / generation.prompt_seconds.max(1e-12),
+        decode_tokens_per_s,
+        prompt_gflops_per_s: prompt_flops.total() / 1e9 / generation.prompt_seconds.max(1e-12),
+        decode_gflops_per_s: decode_flops.total() / 1e9 / generation.decode_seconds.max(1e-12),
+        prompt_flops,
+        decode_flops,
+        decode_weight_bytes_per_token,
+        decode_weight_gb_per_s: decode_weight_bytes_per_token
+            .map(|b| b as f64 * decode_tokens_per_s / 1e9),
+        peak_rss_bytes,
+        peak_anon_bytes,
+        machine,
+        prompt_ids: ids,
+        generated_ids: generation.tokens,
+    };
+    print!("{}", terminal(&report));
+    if let Some(path) = &args.json {
+        let text = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, text + "\n")
+            .map_err(|e| anyhow::anyhow!("--json {}: {e}", path.display()))?;
+    }
+    Ok(Outcome::Pass)
+}
+
+/// The report as a table for the terminal.
+pub fn terminal(r: &BenchReport) -> String {
+    use crate::commands::synth::size;
+    let mut out = String::new();
+    let what = match &r.record.device {
+        Some(d) => format!(
+            "{} on {d} ({})",
+            r.record.backend,
+            r.record
+                .precision
+                .as_deref()
+                .unwrap_or("precision not reported")
+        ),
+        None => format!("{} {}", r.record.backend, r.record.dtype),
+    };
+    out += &format!(
+        "qwen35 bench: {} ({} layers, {} parameters), {what}, weights {}, {} threads\n",
+        r.model,
+        r.layers,
+        crate::commands::synth::count(r.parameters),
+        r.record.weights,
+        r.threads
+    );
+    out += &format!(
+        "  DeltaNet: prompt {}, decode {}\n",
+        r.record.deltanet_prefill, r.record.deltanet_decode
+    );
+    out += &format!("  load     {:>9.2} s\n", r.load_seconds);
+    let gflop = |f: &Flops, n: usize| f.total() / 1e9 / n as f64;
+    out += &format!(
+        "  prompt   {:>9.2} s  {:>5} tokens  {:>9.2} tok/s  {:>8.1} GFLOP/s  ({:.2} GFLOP/token)\n",
+        r.prompt_seconds,
+        r.prompt_tokens,
+        r.prompt_tokens_per_s,
+        r.prompt_gflops_per_s,
+        gflop(&r.prompt_flops, r.prompt_tokens)
+    );
+    out += &format!(
+        "  decode   {:>9.2} s  {:>5} tokens  {:>9.2} tok/s  {:>8.1} GFLOP/s  ({:.2} GFLOP/token)\n",
+        r.decode_seconds,
+        r.decode_tokens,
+        r.decode_tokens_per_s,
+        r.decode_gflops_per_s,
+        gflop(&r.decode_flops, r.decode_tokens)
+    );
+    if let (Some(b), Some(rate)) = (r.decode_weight_bytes_per_token, r.decode_weight_gb_per_s) {
+        out += &format!(
+            "  decode reads {} of weights per token: {rate:.2} GB/s\n",
+            size(b)
+        );
+    }
+    out += &format!(
+        "  memory   peak resident {} (VmHWM), peak anonymous {} (RssAnon sampled every 10 ms)\n",
+        size(r.peak_rss_bytes),
+        size(r.peak_anon_bytes)
+    );
+    if let Some(m) = &r.machine {
+        out += &format!(
+            "  machine  f32 GEMM {:.1} GFLOP/s ({n}x{n}x{n}, candle), copy {:.1} GB/s (read + write, {}), best of {}, {} threads\n",
+            m.gemm_gflops_per_s,
+            m.copy_gb_per_s,
+            size(m.copy_bytes as u64),
+            m.repeats,
+            m.threads,
+            n = m.gemm_size
+        );
+        out += &format!(
+            "  share    prompt at {:.0}% of the GEMM rate",
+            100.0 * r.prompt_gflops_per_s / m.gemm_gflops_per_s
+        );
+        if let Some(rate) = r.decode_weight_gb_per_s {
+            out += &format!(
+                "; decode streams weights at {:.0}% of the copy bandwidth",
+                100.0 * rate / m.copy_gb_per_s
+            );
+        }
+        out += "\n";
+    }
+    out
+}

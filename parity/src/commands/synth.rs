@@ -1,0 +1,123 @@
+//! `qwen35 synth`: a random checkpoint with the real Qwen3.5-9B shapes, in the real layout (see
+//! `reference::synth`), written tensor by tensor.
+
+use crate::commands::Outcome;
+use crate::perf::memory;
+use anyhow::{Result, bail};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use reference::synth::{DEFAULT_SHARD_BYTES, Shape, SynthOptions, write_checkpoint};
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Arguments of `qwen35 synth`.
+#[derive(clap::Args)]
+pub struct SynthArgs {
+    /// The directory to write (created; it must not exist yet or be empty).
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+    /// Decoder layers, in the real pattern (three linear-attention layers, then a full-attention one, repeated; the
+    /// real model has 32).
+    #[arg(long, value_name = "N")]
+    layers: usize,
+    /// The seed of every value (the same seed gives byte-identical files).
+    #[arg(long, default_value_t = 0, value_name = "S")]
+    seed: u64,
+    /// The dimensions: qwen3.5-9b (the real ones) or tiny (toy sizes, for tests).
+    #[arg(long, default_value = "qwen3.5-9b", hide = true)]
+    shape: String,
+    /// The largest shard in bytes (default 5 GB).
+    #[arg(long, value_name = "BYTES", hide = true)]
+    shard_bytes: Option<u64>,
+}
+
+/// Runs `qwen35 synth`.
+pub fn exec(args: SynthArgs) -> Result<Outcome> {
+    if args.layers == 0 {
+        bail!("--layers must be at least 1");
+    }
+    let shape = Shape::parse(&args.shape).map_err(|e| anyhow::anyhow!("--shape: {e}"))?;
+    let shard_bytes = args.shard_bytes.unwrap_or(DEFAULT_SHARD_BYTES);
+    if shard_bytes == 0 {
+        bail!("--shard-bytes must be positive");
+    }
+    if args.out.exists() {
+        if !args.out.is_dir() {
+            bail!(
+                "--out {}: exists and is not a directory",
+                args.out.display()
+            );
+        }
+        if std::fs::read_dir(&args.out)?.next().is_some() {
+            bail!(
+                "--out {}: the directory is not empty (synth writes into a new or empty directory)",
+                args.out.display()
+            );
+        }
+    }
+    let opts = SynthOptions {
+        shape,
+        layers: args.layers,
+        seed: args.seed,
+        shard_bytes,
+    };
+    let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
+    if let Ok(style) = ProgressStyle::with_template(
+        "{elapsed:>4} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec}",
+    ) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    let start = Instant::now();
+    let summary = write_checkpoint(&args.out, &opts, &mut |done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+    })?;
+    bar.finish_and_clear();
+    let seconds = start.elapsed().as_secs_f64();
+    println!(
+        "wrote {}: {} ({} layers), seed {}, {} tensors, {} parameters ({} in the decoder), bf16",
+        args.out.display(),
+        shape.name(),
+        args.layers,
+        args.seed,
+        summary.tensors,
+        count(summary.parameters),
+        count(summary.decoder_parameters)
+    );
+    for (file, bytes) in &summary.files {
+        println!("  {file:<40} {:>10}", size(*bytes));
+    }
+    let peak = memory::status().map_or("unknown".to_string(), |s| size(s.peak_rss));
+    println!(
+        "  {} in {seconds:.1} s ({}/s); peak resident memory {peak}",
+        size(summary.bytes()),
+        size((summary.bytes() as f64 / seconds.max(1e-9)) as u64)
+    );
+    println!(
+        "  no tokenizer (the real vocabulary has no small tokenizer to go with it): give prompts as --token-ids"
+    );
+    Ok(Outcome::Pass)
+}
+
+/// A byte count in decimal units (`5.80 GB`, `12.3 MB`, `1.2 kB`).
+pub fn size(bytes: u64) -> String {
+    let b = bytes as f64;
+    if b >= 1e9 {
+        format!("{:.2} GB", b / 1e9)
+    } else if b >= 1e6 {
+        format!("{:.1} MB", b / 1e6)
+    } else {
+        format!("{:.1} kB", b / 1e3)
+    }
+}
+
+/// A parameter count (`2.90 B`, `1.2 M`, `640`).
+pub fn count(n: u64) -> String {
+    let x = n as f64;
+    if x >= 1e9 {
+        format!("{:.2} B", x / 1e9)
+    } else if x >= 1e6 {
+        format!("{:.1} M", x / 1e6)
+    } else {
+        n.to_string()
+    }
+}

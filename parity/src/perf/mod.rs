@@ -1,0 +1,5 @@
+//! Measuring speed and memory: FLOP counts from the config, the process's memory, the machine's own limits.
+
+pub mod flops;
+pub mod machine;
+pub mod memory;

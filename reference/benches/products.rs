@@ -1,0 +1,59 @@
+//! The matrix-vector (T = 1, a decode step) and matrix-matrix (a prompt of T tokens) products at Qwen3.5-9B's real
+//! projection shapes, through the reference's own `linear` (`x Wᵀ`, weights `[out, in]` in f32 as the reference holds
+//! them).
+//!
+//! Names are `linear/{weight}_{out}x{in}/T{T}`. The LM head (`[248320, 4096]`, 4 GB in f32) is timed at T = 1 only:
+//! a prompt computes the logits of its last position alone. Throughput is given in FLOPs (`2·T·out·in`), which
+//! criterion prints as elements per second.
+//!
+//! `cargo bench -p reference --bench products [-- FILTER]`.
+
+use candle_core::{Device, Tensor};
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use reference::ops::linear;
+use std::time::Duration;
+
+/// (name, out, in) of every distinct projection shape of a layer.
+const SHAPES: [(&str, usize, usize); 7] = [
+    ("in_proj_qkv", 8192, 4096),
+    ("in_proj_z", 4096, 4096),
+    ("in_proj_a", 32, 4096),
+    ("k_proj", 1024, 4096),
+    ("gate_proj", 12288, 4096),
+    ("down_proj", 4096, 12288),
+    ("q_proj", 8192, 4096),
+];
+
+fn products(c: &mut Criterion) {
+    let mut group = c.benchmark_group("linear");
+    group
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
+    let dev = Device::Cpu;
+    for (name, out, inp) in SHAPES {
+        let w = Tensor::randn(0f32, 1.0 / (inp as f32).sqrt(), (out, inp), &dev).unwrap();
+        for t in [1, 16, 128, 512, 2048] {
+            let x = Tensor::randn(0f32, 1.0, (t, inp), &dev).unwrap();
+            group.throughput(Throughput::Elements((2 * t * out * inp) as u64));
+            group.bench_with_input(
+                BenchmarkId::new(format!("{name}_{out}x{inp}"), format!("T{t}")),
+                &t,
+                |b, _| b.iter(|| linear(&x, &w).unwrap()),
+            );
+        }
+    }
+    let (vocab, hidden) = (248320, 4096);
+    let w = Tensor::randn(0f32, 1.0 / (hidden as f32).sqrt(), (vocab, hidden), &dev).unwrap();
+    let x = Tensor::randn(0f32, 1.0, (1, hidden), &dev).unwrap();
+    group.throughput(Throughput::Elements((2 * vocab * hidden) as u64));
+    group.bench_with_input(
+        BenchmarkId::new(format!("lm_head_{vocab}x{hidden}"), "T1"),
+        &1,
+        |b, _| b.iter(|| linear(&x, &w).unwrap()),
+    );
+    group.finish();
+}
+
+criterion_group!(benches, products);
+criterion_main!(benches);

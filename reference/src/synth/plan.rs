@@ -1,0 +1,433 @@
+//! What a synthetic checkpoint holds: its config and every tensor's name, shape and initialisation.
+
+use crate::config::{Config, LayerKind};
+use crate::error::{Error, Result};
+use crate::schema::{Param, Role, Schema};
+use serde_json::{Value, json};
+
+/// The dimensions of a synthetic checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shape {
+    /// Qwen3.5-9B's real dimensions (SPEC), with the vision tower transformers' `Qwen3_5VisionConfig` defaults to
+    /// (27 blocks of width 1152).
+    Qwen35_9b,
+    /// The same structure at toy sizes (hidden 64, vocabulary 512), for tests.
+    Tiny,
+}
+
+/// The sizes behind a [`Shape`].
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    hidden: usize,
+    intermediate: usize,
+    vocab: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    linear_key_heads: usize,
+    linear_value_heads: usize,
+    linear_key_dim: usize,
+    linear_value_dim: usize,
+    conv_kernel: usize,
+    mrope_section: [usize; 3],
+    eos: usize,
+    vision: VisionDims,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct VisionDims {
+    depth: usize,
+    hidden: usize,
+    intermediate: usize,
+    heads: usize,
+    patch: usize,
+    temporal_patch: usize,
+    merge: usize,
+    in_channels: usize,
+    positions: usize,
+}
+
+impl Shape {
+    /// The command-line name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Shape::Qwen35_9b => "qwen3.5-9b",
+            Shape::Tiny => "tiny",
+        }
+    }
+
+    /// The shape of a command-line name.
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "qwen3.5-9b" => Ok(Shape::Qwen35_9b),
+            "tiny" => Ok(Shape::Tiny),
+            other => Err(Error::Input(format!(
+                "unknown shape `{other}` (expected `qwen3.5-9b` or `tiny`)"
+            ))),
+        }
+    }
+
+    fn dims(self) -> Dims {
+        match self {
+            Shape::Qwen35_9b => Dims {
+                hidden: 4096,
+                intermediate: 12288,
+                vocab: 248320,
+                heads: 16,
+                kv_heads: 4,
+                head_dim: 256,
+                linear_key_heads: 16,
+                linear_value_heads: 32,
+                linear_key_dim: 128,
+                linear_value_dim: 128,
+                conv_kernel: 4,
+                mrope_section: [11, 11, 10],
+                eos: 248044,
+                vision: VisionDims {
+                    depth: 27,
+                    hidden: 1152,
+                    intermediate: 4304,
+                    heads: 16,
+                    patch: 16,
+                    temporal_patch: 2,
+                    merge: 2,
+                    in_channels: 3,
+                    positions: 2304,
+                },
+            },
+            Shape::Tiny => Dims {
+                hidden: 64,
+                intermediate: 128,
+                vocab: 512,
+                heads: 4,
+                kv_heads: 1,
+                head_dim: 32,
+                linear_key_heads: 2,
+                linear_value_heads: 4,
+                linear_key_dim: 16,
+                linear_value_dim: 16,
+                conv_kernel: 4,
+                mrope_section: [2, 1, 1],
+                eos: 511,
+                vision: VisionDims {
+                    depth: 1,
+                    hidden: 32,
+                    intermediate: 64,
+                    heads: 2,
+                    patch: 4,
+                    temporal_patch: 2,
+                    merge: 2,
+                    in_channels: 3,
+                    positions: 16,
+                },
+            },
+        }
+    }
+}
+
+/// The layer kinds of the real pattern: every fourth layer is full attention.
+fn layer_types(layers: usize) -> Vec<&'static str> {
+    (0..layers)
+        .map(|i| {
+            if (i + 1) % 4 == 0 {
+                LayerKind::Full.name()
+            } else {
+                LayerKind::Linear.name()
+            }
+        })
+        .collect()
+}
+
+/// The nested `config.json` of a checkpoint of `shape` with `layers` decoder layers, with the fields the real
+/// repository's has (and a `synthetic` object saying what made it and from which seed).
+pub fn config_json(shape: Shape, layers: usize, seed: u64) -> Result<Value> {
+    if layers == 0 {
+        return Err(Error::Input("a checkpoint needs at least one layer".into()));
+    }
+    let d = shape.dims();
+    let v = d.vision;
+    Ok(json!({
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "image_token_id": 248056,
+        "model_type": "qwen3_5",
+        "synthetic": {"generator": "qwen35 synth", "shape": shape.name(), "seed": seed},
+        "text_config": {
+            "attention_bias": false,
+            "attention_dropout": 0.0,
+            "attn_output_gate": true,
+            "bos_token_id": null,
+            "dtype": "bfloat16",
+            "eos_token_id": d.eos,
+            "full_attention_interval": 4,
+            "head_dim": d.head_dim,
+            "hidden_act": "silu",
+            "hidden_size": d.hidden,
+            "initializer_range": 0.02,
+            "intermediate_size": d.intermediate,
+            "layer_types": layer_types(layers),
+            "linear_conv_kernel_dim": d.conv_kernel,
+            "linear_key_head_dim": d.linear_key_dim,
+            "linear_num_key_heads": d.linear_key_heads,
+            "linear_num_value_heads": d.linear_value_heads,
+            "linear_value_head_dim": d.linear_value_dim,
+            "mamba_ssm_dtype": "float32",
+            "max_position_embeddings": 262144,
+            "mlp_only_layers": [],
+            "model_type": "qwen3_5_text",
+            "mtp_num_hidden_layers": 1,
+            "mtp_use_dedicated_embeddings": false,
+            "num_attention_heads": d.heads,
+            "num_hidden_layers": layers,
+            "num_key_value_heads": d.kv_heads,
+            "pad_token_id": null,
+            "partial_rotary_factor": 0.25,
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {
+                "mrope_interleaved": true,
+                "mrope_section": d.mrope_section,
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 10000000,
+                "rope_type": "default"
+            },
+            "tie_word_embeddings": false,
+            "use_cache": true,
+            "vocab_size": d.vocab
+        },
+        "tie_word_embeddings": false,
+        "video_token_id": 248057,
+        "vision_config": {
+            "deepstack_visual_indexes": [],
+            "depth": v.depth,
+            "hidden_act": "gelu_pytorch_tanh",
+            "hidden_size": v.hidden,
+            "in_channels": v.in_channels,
+            "initializer_range": 0.02,
+            "intermediate_size": v.intermediate,
+            "model_type": "qwen3_5_vision",
+            "num_heads": v.heads,
+            "num_position_embeddings": v.positions,
+            "out_hidden_size": d.hidden,
+            "patch_size": v.patch,
+            "spatial_merge_size": v.merge,
+            "temporal_patch_size": v.temporal_patch
+        },
+        "vision_end_token_id": 248054,
+        "vision_start_token_id": 248053
+    }))
+}
+
+/// How a tensor's values are drawn.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Init {
+    /// `mean + std · N(0, 1)`.
+    Normal {
+        /// The mean.
+        mean: f32,
+        /// The standard deviation.
+        std: f32,
+    },
+    /// `A_log = ln(A)` with `A` uniform in `[lo, hi]`.
+    ALog {
+        /// The smallest `A`.
+        lo: f64,
+        /// The largest `A`.
+        hi: f64,
+    },
+    /// `dt_bias = softplus⁻¹(dt)` with `dt` log-uniform in `[lo, hi]`.
+    DtBias {
+        /// The smallest `dt`.
+        lo: f64,
+        /// The largest `dt`.
+        hi: f64,
+    },
+}
+
+impl Init {
+    fn normal(std: f64) -> Self {
+        Init::Normal {
+            mean: 0.0,
+            std: std as f32,
+        }
+    }
+
+    /// `N(0, 1/fan_in)` for a weight of this shape (`fan_in`: every dimension but the first).
+    fn fan_in(shape: &[usize]) -> Self {
+        let fan: usize = shape[1..].iter().product();
+        Init::normal(1.0 / (fan.max(1) as f64).sqrt())
+    }
+}
+
+/// One tensor of the checkpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorPlan {
+    /// The full name (`model.language_model.layers.0.linear_attn.A_log`).
+    pub name: String,
+    /// The shape.
+    pub shape: Vec<usize>,
+    /// How its values are drawn.
+    pub init: Init,
+}
+
+impl TensorPlan {
+    /// Elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Bytes in bf16.
+    pub fn bytes(&self) -> u64 {
+        2 * self.numel() as u64
+    }
+}
+
+/// The standard deviation of the zero-centred norm weights and of the gated norm's weight around 1.
+const NORM_STD: f64 = 0.1;
+
+/// The initialisation of a decoder (or MTP) parameter.
+fn decoder_init(param: Param, shape: &[usize]) -> Init {
+    match param {
+        Param::EmbedTokens => Init::normal(1.0),
+        Param::InProjA => Init::normal(0.5 / (shape[1] as f64).sqrt()),
+        Param::ALog => Init::ALog { lo: 1.0, hi: 16.0 },
+        Param::DtBias => Init::DtBias { lo: 1e-3, hi: 1e-1 },
+        Param::LinearNorm => Init::Normal {
+            mean: 1.0,
+            std: NORM_STD as f32,
+        },
+        p => match p.role() {
+            Role::Norm => Init::normal(NORM_STD),
+            // Projections, the LM head and the conv kernel ([C, 1, K]: fan-in K).
+            _ => Init::fan_in(shape),
+        },
+    }
+}
+
+/// Every tensor of a checkpoint of `shape` with `layers` layers, in file order: the decoder (embedding, layers, final
+/// norm) under `model.language_model.`, `lm_head.weight`, the MTP head, the vision tower.
+pub fn plan(shape: Shape, layers: usize) -> Result<Vec<TensorPlan>> {
+    let config_value = config_json(shape, layers, 0)?;
+    let config = Config::from_json_str(&config_value.to_string(), "(synthetic config)")?;
+    let mut out = Vec::new();
+    for spec in Schema::new(&config).tensors() {
+        out.push(TensorPlan {
+            name: spec.full_name("model.language_model."),
+            init: decoder_init(spec.param, &spec.shape),
+            shape: spec.shape,
+        });
+    }
+
+    let h = config.hidden_size;
+    // Multi-token prediction: norms of the embedding and of the last hidden state, a fusing projection, one full
+    // attention layer, a final norm.
+    push(&mut out, "mtp.fc.weight", vec![h, 2 * h], None);
+    for norm in ["pre_fc_norm_embedding", "pre_fc_norm_hidden"] {
+        push(
+            &mut out,
+            &format!("mtp.{norm}.weight"),
+            vec![h],
+            Some(Init::normal(NORM_STD)),
+        );
+    }
+    for param in Schema::layer_params(LayerKind::Full) {
+        let shape = param.shape(&config);
+        let init = decoder_init(param, &shape);
+        push(
+            &mut out,
+            &format!("mtp.layers.0.{}", param.key()),
+            shape,
+            Some(init),
+        );
+    }
+    push(
+        &mut out,
+        "mtp.norm.weight",
+        vec![h],
+        Some(Init::normal(NORM_STD)),
+    );
+
+    // The vision tower (Qwen3-VL style, without deepstack mergers).
+    let v = shape.dims().vision;
+    let vh = v.hidden;
+    let layer_norm = Init::Normal {
+        mean: 1.0,
+        std: NORM_STD as f32,
+    };
+    let patch = vec![vh, v.in_channels, v.temporal_patch, v.patch, v.patch];
+    push(
+        &mut out,
+        "model.visual.patch_embed.proj.weight",
+        patch,
+        None,
+    );
+    push(
+        &mut out,
+        "model.visual.patch_embed.proj.bias",
+        vec![vh],
+        Some(BIAS),
+    );
+    push(
+        &mut out,
+        "model.visual.pos_embed.weight",
+        vec![v.positions, vh],
+        Some(Init::normal(0.02)),
+    );
+    for b in 0..v.depth {
+        let p = format!("model.visual.blocks.{b}");
+        for norm in ["norm1", "norm2"] {
+            push(
+                &mut out,
+                &format!("{p}.{norm}.weight"),
+                vec![vh],
+                Some(layer_norm),
+            );
+            push(&mut out, &format!("{p}.{norm}.bias"), vec![vh], Some(BIAS));
+        }
+        linear(&mut out, &format!("{p}.attn.qkv"), 3 * vh, vh);
+        linear(&mut out, &format!("{p}.attn.proj"), vh, vh);
+        linear(&mut out, &format!("{p}.mlp.linear_fc1"), v.intermediate, vh);
+        linear(&mut out, &format!("{p}.mlp.linear_fc2"), vh, v.intermediate);
+    }
+    let merged = vh * v.merge * v.merge;
+    push(
+        &mut out,
+        "model.visual.merger.norm.weight",
+        vec![vh],
+        Some(layer_norm),
+    );
+    push(
+        &mut out,
+        "model.visual.merger.norm.bias",
+        vec![vh],
+        Some(BIAS),
+    );
+    linear(&mut out, "model.visual.merger.linear_fc1", merged, merged);
+    linear(&mut out, "model.visual.merger.linear_fc2", h, merged);
+    Ok(out)
+}
+
+/// The biases of the vision tower.
+const BIAS: Init = Init::Normal {
+    mean: 0.0,
+    std: 0.02,
+};
+
+/// Appends a tensor; `None` initialises it `N(0, 1/fan_in)`.
+fn push(out: &mut Vec<TensorPlan>, name: &str, shape: Vec<usize>, init: Option<Init>) {
+    let init = init.unwrap_or_else(|| Init::fan_in(&shape));
+    out.push(TensorPlan {
+        name: name.to_string(),
+        shape,
+        init,
+    });
+}
+
+/// Appends a linear layer's `weight [out, in]` and `bias [out]`.
+fn linear(out: &mut Vec<TensorPlan>, prefix: &str, out_dim: usize, in_dim: usize) {
+    push(
+        out,
+        &format!("{prefix}.weight"),
+        vec![out_dim, in_dim],
+        None,
+    );
+    push(out, &format!("{prefix}.bias"), vec![out_dim], Some(BIAS));
+}
