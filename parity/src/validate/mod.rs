@@ -10,10 +10,14 @@
 //! - **Length** ([`length`]): agreement with the reference against prompt length up to the static context, the
 //!   first failing length found by bisection, and a prompt longer than the context refused.
 //!
+//! - **Graphs made elsewhere** ([`external`]): an external stateful IR runs the checks that apply to it at the
+//!   logits and token level; the others are skipped with the reason (a skipped check neither passes nor fails).
+//!
 //! A check that cannot run (a graph that does not compile, a device error) fails with the error as its reason;
 //! the others still run.
 
 pub mod equivalence;
+pub mod external;
 pub mod fault;
 pub mod length;
 pub mod lookup;
@@ -178,8 +182,8 @@ pub struct Check {
     pub id: CheckId,
     /// What it asserts.
     pub title: &'static str,
-    /// Whether it passed (a skipped check passes).
-    pub passed: bool,
+    /// Whether it passed: `None` when it was skipped (it did not apply, so it neither passes nor fails).
+    pub passed: Option<bool>,
     /// Why it did not apply, if it did not.
     pub skipped: Option<String>,
     /// The key figure.
@@ -214,7 +218,8 @@ impl Check {
         Check {
             id,
             title: id.title(),
-            passed: f.failures.is_empty(),
+            passed: (f.skipped.is_none() || !f.failures.is_empty())
+                .then_some(f.failures.is_empty()),
             skipped: f.skipped,
             figure: f.figure,
             failures: f.failures,
@@ -222,6 +227,22 @@ impl Check {
             next: id.next(),
             seconds,
             details: f.details,
+        }
+    }
+}
+
+impl Check {
+    /// Whether it ran and failed.
+    pub fn failed(&self) -> bool {
+        self.passed == Some(false)
+    }
+
+    /// `PASS`, `FAIL` or `SKIP`.
+    pub fn verdict(&self) -> &'static str {
+        match self.passed {
+            Some(true) => "PASS",
+            Some(false) => "FAIL",
+            None => "SKIP",
         }
     }
 }
