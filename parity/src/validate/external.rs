@@ -223,7 +223,7 @@ pub fn pieces(
                 (&g.tokens, &g.logits),
             )?;
             failures.extend(against_one_call.failures(&what, Some(max_nmse)));
-            notes.extend(against_one_call.tie_note(&what));
+            notes.extend(against_one_call.tie_note(&what, max_nmse));
             let reference_matched = ref_tokens
                 .iter()
                 .zip(&g.tokens)
@@ -246,7 +246,7 @@ pub fn pieces(
         .count();
     let ties = runs
         .iter()
-        .filter(|r| r.against_one_call.near_tie())
+        .filter(|r| r.against_one_call.near_tie(max_nmse))
         .count();
     let worst = |f: fn(&PieceRun) -> &TensorError| {
         runs.iter()
@@ -352,7 +352,10 @@ pub fn prefix_reuse(
     )?;
     let what = "continued vs from scratch";
     failures.extend(agreement.failures(what, Some(t.max_logits_nmse)));
-    let mut notes: Vec<String> = agreement.tie_note(what).into_iter().collect();
+    let mut notes: Vec<String> = agreement
+        .tie_note(what, t.max_logits_nmse)
+        .into_iter()
+        .collect();
     let ref_tokens = greedy(reference, &conversation, ctx.tokens, &[], false, |_| Ok(()))?.tokens;
     let reference_matched = ref_tokens
         .iter()

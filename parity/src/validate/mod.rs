@@ -399,10 +399,15 @@ impl Agreement {
     }
 
     /// Whether the first divergence is a near tie: the base run's top-two margin there within twice the two runs'
-    /// largest logit difference there (compare-devices' rule), so the flip is the size of the arithmetic's error.
-    pub fn near_tie(&self) -> bool {
-        self.margin_at_divergence
-            .is_some_and(|(margin, diff)| margin <= 2.0 * diff)
+    /// largest logit difference there (compare-devices' rule), so the flip is the size of the arithmetic's error,
+    /// and that error itself acceptable (the logits finite and within `max_nmse`): a divergence where the logits
+    /// are far apart is a failure, whatever the margin.
+    pub fn near_tie(&self, max_nmse: f64) -> bool {
+        self.logits.finite()
+            && !exceeds(self.logits.nmse, max_nmse)
+            && self
+                .margin_at_divergence
+                .is_some_and(|(margin, diff)| margin <= 2.0 * diff)
     }
 
     /// The failures of an equivalence of two computations of the same thing. With `max_nmse` (two different
@@ -411,7 +416,7 @@ impl Agreement {
     pub fn failures(&self, what: &str, max_nmse: Option<f64>) -> Vec<String> {
         let mut f = Vec::new();
         if let Some(d) = self.first_divergence {
-            let tie = max_nmse.is_some() && self.near_tie();
+            let tie = max_nmse.is_some_and(|max| self.near_tie(max));
             if !tie {
                 f.push(format!(
                     "{what}, `{}`: token {d} differs ({} of {} identical){}",
@@ -441,10 +446,10 @@ impl Agreement {
         f
     }
 
-    /// A note on a divergence forgiven as a near tie (`None`: none).
-    pub fn tie_note(&self, what: &str) -> Option<String> {
+    /// A note on a divergence forgiven as a near tie under `max_nmse` (`None`: none).
+    pub fn tie_note(&self, what: &str, max_nmse: f64) -> Option<String> {
         let (d, (m, diff)) = (self.first_divergence?, self.margin_at_divergence?);
-        self.near_tie().then(|| {
+        self.near_tie(max_nmse).then(|| {
             format!(
                 "{what}, `{}`: token {d} differs at a near tie (margin {m:.2e} ≤ 2 × {diff:.2e}, the logits' \
                  difference there); {} of {} identical",
