@@ -413,8 +413,8 @@ fn portable_dot(row: &[u8], elem: Elem, xs: &[f32], n: usize, ys: &mut [f32]) {
             s[l] += s[l + 2];
         }
         let mut sum = s[0] + s[1];
-        for k in main..n {
-            sum += x[k] * value(row, elem, k);
+        for (k, &xk) in x.iter().enumerate().skip(main) {
+            sum += xk * value(row, elem, k);
         }
         *y = sum;
     }
@@ -580,9 +580,9 @@ mod tests {
                     chunk,
                 );
             }
-            for j in 0..t {
+            for (j, yj) in ys.iter().enumerate() {
                 let k = j * rows + r;
-                assert!((ys[j] as f64 - expected[k]).abs() <= tol * norm[k] + 1e-30);
+                assert!((*yj as f64 - expected[k]).abs() <= tol * norm[k] + 1e-30);
             }
         }
     }

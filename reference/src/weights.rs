@@ -255,6 +255,14 @@ impl WeightStore {
     /// run is f32, the format keeps the tensor as stored and it is bf16, f16 or f32 (see [`crate::linear`]);
     /// otherwise the tensor [`WeightStore::load`] returns. Either way the values are the same.
     pub fn linear(&self, spec: &TensorSpec) -> Result<Linear> {
+        Ok(match self.mapped(spec)? {
+            Some(m) => Linear::Mapped(m),
+            None => Linear::Dense(self.load(spec)?),
+        })
+    }
+
+    /// The matrix as stored, when [`WeightStore::linear`] reads it in place.
+    fn mapped(&self, spec: &TensorSpec) -> Result<Option<MappedMatrix>> {
         let full_name = self.full_name(spec);
         let raw = self.raw(&full_name, &spec.shape)?;
         let elem = match raw.dtype {
@@ -269,10 +277,16 @@ impl WeightStore {
                 let info = file.info(&full_name).expect("checked by raw");
                 let m = MappedMatrix::new(&file.mmap, file.start(info), rows, cols, elem)
                     .map_err(|e| raw.err(e.to_string()))?;
-                Ok(Linear::Mapped(m))
+                Ok(Some(m))
             }
-            _ => Ok(Linear::Dense(self.load(spec)?)),
+            _ => Ok(None),
         }
+    }
+
+    /// The bytes per element [`WeightStore::linear`] reads for this matrix when it reads it in place, `None` when it
+    /// holds a converted tensor instead.
+    pub fn read_in_place_bytes(&self, spec: &TensorSpec) -> Result<Option<usize>> {
+        Ok(self.mapped(spec)?.map(|m| m.elem().size()))
     }
 
     /// The codes and scales of a tensor the store's format quantises (`None` when it stays float or f16): the
