@@ -320,9 +320,14 @@ pub fn matvec(w: &MappedMatrix, x: &[f32], t: usize) -> Vec<f32> {
         return vec![0f32; rows * t];
     }
     let simd = simd_available(w.elem);
-    // Tasks of about 64 KiB of weights: enough of them to balance the threads, few enough to be cheap.
+    // About 16 tasks per thread (enough to balance them), each of at least 256 KiB of weights (so the scheduling
+    // costs nothing next to the reads). The split decides only which thread computes a row, never how.
     let row_bytes = (w.cols * w.elem.size()).max(1);
-    let rows_per_task = ((64 << 10) / row_bytes).clamp(1, 4096);
+    let threads = rayon::current_num_threads().max(1);
+    let rows_per_task = rows
+        .div_ceil(16 * threads)
+        .max((256 << 10) / row_bytes)
+        .max(1);
     yt.par_chunks_mut(rows_per_task * t)
         .enumerate()
         .for_each(|(task, out)| {
