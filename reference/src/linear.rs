@@ -11,9 +11,9 @@
 //!   each block multiplied with candle's GEMM, so at most one block's f32 copy exists at a time.
 //!
 //! Summation order of [`matvec`] (fixed, independent of the thread count): for one output `y[t, o]`, the products
-//! `x[t, i] · w[o, i]` for `i < 16⌊n/16⌋` go to 16 lane accumulators, lane `i mod 16`, in increasing `i`; lanes
-//! `l` and `l + 8` are added, then the 8 lanes reduced as `(l, l+4)`, `(l, l+2)`, `(l, l+1)`; the remaining
-//! `n mod 16` products are then added one by one in increasing `i`. The SIMD path fuses each multiply-add (one
+//! `x[t, i] · w[o, i]` for `i < 32⌊n/32⌋` go to 32 lane accumulators, lane `i mod 32`, in increasing `i`; lanes
+//! are combined as `(l + (l+8)) + ((l+16) + (l+24))` for `l < 8`, then the 8 lanes reduced as `(l, l+4)`,
+//! `(l, l+2)`, `(l, l+1)`; the remaining `n mod 32` products are then added one by one in increasing `i`. The SIMD path fuses each multiply-add (one
 //! rounding), the portable path does not; each path is deterministic.
 
 use crate::error::{Error, Result};
@@ -334,8 +334,8 @@ pub fn matvec(w: &MappedMatrix, x: &[f32], t: usize) -> Vec<f32> {
             let first = task * rows_per_task;
             for (k, y) in out.chunks_mut(t).enumerate() {
                 let row = w.row_bytes(first + k);
-                for (g, ys) in y.chunks_mut(4).enumerate() {
-                    let xs = &x[g * 4 * w.cols..(g * 4 + ys.len()) * w.cols];
+                for (g, ys) in y.chunks_mut(GROUP).enumerate() {
+                    let xs = &x[g * GROUP * w.cols..(g * GROUP + ys.len()) * w.cols];
                     dot_rows(row, w.elem, xs, w.cols, ys, simd);
                 }
             }
@@ -369,7 +369,13 @@ fn simd_available(elem: Elem) -> bool {
     }
 }
 
-/// `ys[j] = Σ_i xs[j, i] · row[i]` for up to 4 tokens `j`.
+/// Tokens one pass over a weight row serves (a row is then re-read from the L1 cache for the next group).
+const GROUP: usize = 2;
+
+/// Lanes of the accumulators.
+const LANES: usize = 32;
+
+/// `ys[j] = Σ_i xs[j, i] · row[i]` for up to [`GROUP`] tokens `j`.
 fn dot_rows(row: &[u8], elem: Elem, xs: &[f32], n: usize, ys: &mut [f32], simd: bool) {
     #[cfg(target_arch = "x86_64")]
     if simd {
@@ -377,9 +383,7 @@ fn dot_rows(row: &[u8], elem: Elem, xs: &[f32], n: usize, ys: &mut [f32], simd: 
         unsafe {
             match ys.len() {
                 1 => x86::dot::<1>(row, elem, xs, n, ys),
-                2 => x86::dot::<2>(row, elem, xs, n, ys),
-                3 => x86::dot::<3>(row, elem, xs, n, ys),
-                _ => x86::dot::<4>(row, elem, xs, n, ys),
+                _ => x86::dot::<GROUP>(row, elem, xs, n, ys),
             }
         }
         return;
@@ -390,26 +394,26 @@ fn dot_rows(row: &[u8], elem: Elem, xs: &[f32], n: usize, ys: &mut [f32], simd: 
 
 /// The portable kernel: the same order as the SIMD one, multiply and add rounded separately.
 fn portable_dot(row: &[u8], elem: Elem, xs: &[f32], n: usize, ys: &mut [f32]) {
-    let main = n / 16 * 16;
-    let mut wbuf = [0f32; 16];
+    let main = n / LANES * LANES;
+    let mut wbuf = [0f32; LANES];
     for (j, y) in ys.iter_mut().enumerate() {
         let x = &xs[j * n..(j + 1) * n];
-        let mut acc = [0f32; 16];
+        let mut acc = [0f32; LANES];
         let mut i = 0;
         while i < main {
             widen(
-                &row[i * elem.size()..(i + 16) * elem.size()],
+                &row[i * elem.size()..(i + LANES) * elem.size()],
                 elem,
                 &mut wbuf,
             );
-            for l in 0..16 {
+            for l in 0..LANES {
                 acc[l] += x[i + l] * wbuf[l];
             }
-            i += 16;
+            i += LANES;
         }
         let mut s = [0f32; 8];
         for l in 0..8 {
-            s[l] = acc[l] + acc[l + 8];
+            s[l] = (acc[l] + acc[l + 8]) + (acc[l + 16] + acc[l + 24]);
         }
         for l in 0..4 {
             s[l] += s[l + 4];
@@ -427,7 +431,7 @@ fn portable_dot(row: &[u8], elem: Elem, xs: &[f32], n: usize, ys: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{Elem, value};
+    use super::{Elem, LANES, value};
     use std::arch::x86_64::*;
 
     /// Eight stored values at element `i` widened to f32.
@@ -470,25 +474,30 @@ mod x86 {
         ys: &mut [f32],
     ) {
         assert!(xs.len() >= T * n && ys.len() >= T && row.len() >= n * elem.size());
-        let main = n / 16 * 16;
-        let mut lo = [_mm256_setzero_ps(); T];
-        let mut hi = [_mm256_setzero_ps(); T];
+        let main = n / LANES * LANES;
+        let mut acc = [[_mm256_setzero_ps(); 4]; T];
         let mut i = 0;
         while i < main {
-            // SAFETY: `i + 16 <= main <= n`, inside `row` and every token's slice of `xs`.
+            // SAFETY: `i + LANES <= main <= n`, inside `row` and every token's slice of `xs`.
             unsafe {
-                let w0 = load8(row, elem, i);
-                let w1 = load8(row, elem, i + 8);
-                for j in 0..T {
+                let w = [
+                    load8(row, elem, i),
+                    load8(row, elem, i + 8),
+                    load8(row, elem, i + 16),
+                    load8(row, elem, i + 24),
+                ];
+                for (j, a) in acc.iter_mut().enumerate() {
                     let x = xs.as_ptr().add(j * n + i);
-                    lo[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x), w0, lo[j]);
-                    hi[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(8)), w1, hi[j]);
+                    for (q, (aq, wq)) in a.iter_mut().zip(&w).enumerate() {
+                        *aq = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(8 * q)), *wq, *aq);
+                    }
                 }
             }
-            i += 16;
+            i += LANES;
         }
-        for j in 0..T {
-            let mut sum = hsum(_mm256_add_ps(lo[j], hi[j]));
+        for (j, a) in acc.iter().enumerate() {
+            let lanes = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+            let mut sum = hsum(lanes);
             for k in main..n {
                 sum = xs[j * n + k].mul_add(value(row, elem, k), sum);
             }
@@ -595,7 +604,17 @@ mod tests {
     #[test]
     fn matvec_matches_a_plain_f64_sum_for_odd_sizes_and_every_storage() {
         for elem in [Elem::Bf16, Elem::F16, Elem::F32] {
-            for (rows, cols) in [(1, 1), (3, 15), (5, 16), (7, 17), (33, 100), (130, 257)] {
+            for (rows, cols) in [
+                (1, 1),
+                (3, 15),
+                (5, 16),
+                (7, 17),
+                (4, 31),
+                (6, 32),
+                (9, 33),
+                (33, 100),
+                (130, 257),
+            ] {
                 for t in [1, 2, 3, 4, 5, 8] {
                     // An odd byte offset: the kernel's loads must not assume alignment.
                     check(rows, cols, t, elem, 1);
