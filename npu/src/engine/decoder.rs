@@ -6,6 +6,7 @@ use crate::devices::CompileOptions;
 use crate::error::{Error, Result};
 use crate::graphs::{Builder, ports};
 use crate::infer::{Executor, prepare};
+use crate::ir::SharedBin;
 use candle_core::{Device, Tensor};
 use reference::backend::{Backend, Forward, RunRecord, Snapshot};
 use reference::config::Config;
@@ -39,8 +40,23 @@ impl DecoderEngine {
             ));
         }
         let start = std::time::Instant::now();
+        // On an OpenVINO device both graphs stream their constants to one `.bin` and point into it: the weights are
+        // compressed and written once, never held in memory, and after each compile the file's pages the device
+        // copied into its own layout are handed back (`crate::pages`). FP16SIM evaluates graphs held in memory.
+        let shared = if crate::sim::NumericModel::is_sim(device) {
+            None
+        } else {
+            let scratch = crate::devices::ScratchDir::new()?;
+            let bin = SharedBin::create(&scratch.0.join("weights.bin"))?;
+            Some((scratch, bin))
+        };
         let session = |tokens: usize| -> Result<Box<dyn Executor>> {
-            prepare(builder.decoder_graph(tokens)?, device, opts)
+            let bin = shared.as_ref().map(|(_, bin)| bin);
+            let executor = prepare(builder.decoder_graph_on(tokens, bin)?, device, opts)?;
+            if let Some(bin) = bin {
+                crate::pages::release(&[&bin.path()?]);
+            }
+            Ok(executor)
         };
         let decode = session(1)?;
         let prefill = if block > 1 {
@@ -48,6 +64,7 @@ impl DecoderEngine {
         } else {
             None
         };
+        drop(shared);
         let config = builder.config().clone();
         let graph = *builder.options();
         let context = graph.context;
