@@ -134,7 +134,12 @@ pub struct Builder<'a> {
     config: &'a Config,
     weights: &'a WeightStore,
     opts: GraphOptions,
+    stream_values: usize,
 }
+
+/// Values per block of rows when a quantized matrix is streamed to a shared `.bin` unless asked otherwise (16 M:
+/// 64 MB in f32 while a block is compressed).
+pub const STREAM_BLOCK_VALUES: usize = 16 << 20;
 
 impl<'a> Builder<'a> {
     /// A builder over a parsed config and an open weight store (f32).
@@ -149,7 +154,15 @@ impl<'a> Builder<'a> {
             config,
             weights,
             opts,
+            stream_values: STREAM_BLOCK_VALUES,
         })
+    }
+
+    /// Compresses a matrix streamed to a shared `.bin` in blocks of about `values` values (whole rows, at least
+    /// one; default [`STREAM_BLOCK_VALUES`]). The bytes written do not depend on it.
+    pub fn with_stream_block(mut self, values: usize) -> Self {
+        self.stream_values = values.max(1);
+        self
     }
 
     /// The config the graphs are built for.
@@ -240,8 +253,8 @@ impl<'a> Builder<'a> {
                     _ => (ElemType::I8, cols),
                 };
                 let groups = cols / group.max(1);
-                // Blocks of about 16 M values (64 MB in f32); whole rows, and an even count of int4 codes.
-                let mut block = ((16usize << 20) / cols.max(1)).max(1);
+                // Blocks of about `stream_values` values: whole rows, and an even count of int4 codes.
+                let mut block = (self.stream_values / cols.max(1)).max(1);
                 if ty == ElemType::I4 && cols % 2 == 1 {
                     block = rows;
                 }
@@ -265,11 +278,11 @@ impl<'a> Builder<'a> {
                                 })?;
                             sink(&q.packed_codes())?;
                             scales.extend_from_slice(q.scales());
+                            crate::pages::release(&self.weights.paths());
                         }
                         Ok(())
                     },
                 )?;
-                crate::pages::release(&self.weights.paths());
                 let codes = graph.convert(codes, ElemType::F32)?;
                 let scales = graph.constant_streamed(
                     key("scales").as_deref(),
