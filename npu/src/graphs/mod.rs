@@ -36,9 +36,10 @@ pub mod rope;
 
 use crate::error::{Error, Result};
 use crate::ir::{ElemType, Graph, Value};
+use rayon::prelude::*;
 use reference::config::Config;
 use reference::deltanet::Inverse;
-use reference::quant::{QuantKind, Storage};
+use reference::quant::{QuantKind, QuantizedMatrix, Storage};
 use reference::schema::{Param, Schema, TensorSpec};
 use reference::weights::WeightStore;
 
@@ -266,18 +267,26 @@ impl<'a> Builder<'a> {
                     &[rows, groups, group],
                     |sink| {
                         scales.reserve(rows * groups);
-                        for start in (0..rows).step_by(block) {
-                            let q = self
-                                .weights
-                                .quantized_rows(spec, start..(start + block).min(rows))?
-                                .ok_or_else(|| {
-                                    Error::graph(
-                                        &graph_name,
-                                        format!("{}: the store did not quantize it", spec.name),
-                                    )
-                                })?;
-                            sink(&q.packed_codes())?;
-                            scales.extend_from_slice(q.scales());
+                        // A batch of blocks at a time, one per thread, written in order.
+                        let starts: Vec<usize> = (0..rows).step_by(block).collect();
+                        for batch in starts.chunks(rayon::current_num_threads().max(1)) {
+                            let pieces: Vec<Result<QuantizedMatrix>> = batch
+                                .par_iter()
+                                .map(|&start| {
+                                    let rows = start..(start + block).min(rows);
+                                    self.weights.quantized_rows(spec, rows)?.ok_or_else(|| {
+                                        Error::graph(
+                                            &graph_name,
+                                            format!("{}: the store did not quantize it", spec.name),
+                                        )
+                                    })
+                                })
+                                .collect();
+                            for q in pieces {
+                                let q = q?;
+                                sink(&q.packed_codes())?;
+                                scales.extend_from_slice(q.scales());
+                            }
                             crate::pages::release(&self.weights.paths());
                         }
                         Ok(())
