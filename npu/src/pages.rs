@@ -34,6 +34,47 @@ pub fn release(paths: &[&Path]) -> usize {
     advised
 }
 
+/// A background thread that [`release`]s the pages of some files every `interval` until dropped (and once more
+/// then): for a phase that reads a mapped file through once, e.g. OpenVINO compiling a graph whose weights the device
+/// copies into its own layout, so that the file's pages never pile up in the resident set.
+pub struct Releaser {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    handle: Option<std::thread::JoinHandle<()>>,
+    paths: Vec<std::path::PathBuf>,
+}
+
+impl Releaser {
+    /// Starts releasing the pages of `paths` every `interval`.
+    pub fn start(paths: Vec<std::path::PathBuf>, interval: std::time::Duration) -> Releaser {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let (flag, files) = (stop.clone(), paths.clone());
+        let handle = std::thread::spawn(move || {
+            while !flag.load(Ordering::Relaxed) {
+                std::thread::sleep(interval);
+                let refs: Vec<&Path> = files.iter().map(|p| p.as_path()).collect();
+                release(&refs);
+            }
+        });
+        Releaser {
+            stop,
+            handle: Some(handle),
+            paths,
+        }
+    }
+}
+
+impl Drop for Releaser {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+        let refs: Vec<&Path> = self.paths.iter().map(|p| p.as_path()).collect();
+        release(&refs);
+    }
+}
+
 /// `(start, end, permissions, path)` of a `/proc/self/maps` line naming a file.
 fn parse_line(line: &str) -> Option<(usize, usize, &str, &Path)> {
     let mut fields = line.splitn(6, ' ');
@@ -84,13 +125,17 @@ mod tests {
         let sum = |m: &[u8]| m.iter().map(|&b| b as u64).sum::<u64>();
         let expected = sum(&data);
         assert_eq!(sum(map), expected);
-        let resident = || resident_pages(map);
+        let resident = || resident_kb(map);
         assert!(resident() > 0);
         let advised = release(&[&path]);
         assert!(advised >= data.len(), "{advised} bytes advised");
         assert_eq!(resident(), 0);
         assert_eq!(sum(map), expected, "the contents after release");
         assert_eq!(release(&[&dir.path().join("absent.bin")]), 0);
+        let releaser = Releaser::start(vec![path.clone()], std::time::Duration::from_millis(5));
+        assert_eq!(sum(map), expected);
+        drop(releaser);
+        assert_eq!(resident(), 0, "after a releaser");
         // SAFETY: the mapping made above, no longer used.
         unsafe { libc::munmap(map.as_ptr() as *mut libc::c_void, data.len()) };
     }
@@ -113,8 +158,8 @@ mod tests {
         }
     }
 
-    /// Pages of `m` resident in this process (`mincore` reports the page cache, so count by `/proc/self/smaps`).
-    fn resident_pages(m: &[u8]) -> usize {
+    /// kB of `m` resident in this process (`mincore` reports the page cache, so count by `/proc/self/smaps`).
+    fn resident_kb(m: &[u8]) -> usize {
         let start = m.as_ptr() as usize;
         let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
         let mut inside = false;

@@ -41,8 +41,9 @@ impl DecoderEngine {
         }
         let start = std::time::Instant::now();
         // On an OpenVINO device both graphs stream their constants to one `.bin` and point into it: the weights are
-        // compressed and written once, never held in memory, and after each compile the file's pages the device
-        // copied into its own layout are handed back (`crate::pages`). FP16SIM evaluates graphs held in memory.
+        // compressed and written once, never held in memory, and while each graph compiles the file's pages (which
+        // the CPU plugin reads once, copying the weights into its own layout) are handed back every 250 ms
+        // (`crate::pages`). FP16SIM evaluates graphs held in memory.
         let shared = if crate::sim::NumericModel::is_sim(device) {
             None
         } else {
@@ -52,10 +53,16 @@ impl DecoderEngine {
         };
         let session = |tokens: usize| -> Result<Box<dyn Executor>> {
             let bin = shared.as_ref().map(|(_, bin)| bin);
-            let executor = prepare(builder.decoder_graph_on(tokens, bin)?, device, opts)?;
-            if let Some(bin) = bin {
-                crate::pages::release(&[&bin.path()?]);
-            }
+            let graph = builder.decoder_graph_on(tokens, bin)?;
+            let releaser = match bin {
+                Some(bin) => Some(crate::pages::Releaser::start(
+                    vec![bin.path()?],
+                    std::time::Duration::from_millis(250),
+                )),
+                None => None,
+            };
+            let executor = prepare(graph, device, opts)?;
+            drop(releaser);
             Ok(executor)
         };
         let decode = session(1)?;
