@@ -4,7 +4,7 @@
 //! `cargo run --release -p npu --example ir_memory -- MODEL_DIR [int4|f16|f32] [block] [shared|memory]`
 //!
 //! `shared` (the default, as `DecoderEngine` does on OpenVINO devices): both graphs stream their constants to one
-//! `.bin` they share, and the file's pages are handed back after each compile. `memory`: each graph holds its
+//! `.bin` they share, and the file's pages are handed back while each graph compiles. `memory`: each graph holds its
 //! constants in memory and writes its own `.bin`.
 //!
 //! Prints, after each phase, its wall time, the process's anonymous resident memory (`RssAnon`), its resident pages
@@ -126,6 +126,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "write t{tokens} (bin {:.2} GB)",
             size as f64 / 1e9
         ));
+        let releaser = shared.then(|| {
+            npu::pages::Releaser::start(vec![bin_path.clone()], Duration::from_millis(250))
+        });
         let c = compile_ir(
             &mut core,
             &xml,
@@ -134,11 +137,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "CPU",
             &CompileOptions::default(),
         )?;
+        drop(releaser);
         phases.mark(&format!("read+compile t{tokens}"));
-        if shared {
-            npu::pages::release(&[&bin_path]);
-            phases.mark("release .bin pages");
-        }
         compiled.push(c);
     }
     drop(compiled);
