@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// `(RssAnon, RssFile, VmHWM)` in MB.
+/// `(RssAnon, RssFile, VmHWM)` in MiB.
 fn status() -> (u64, u64, u64) {
     let text = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let field = |key: &str| {
@@ -70,7 +70,7 @@ impl Phases {
         let (anon, file, hwm) = status();
         let peak = self.peak.swap(0, Ordering::Relaxed).max(anon);
         println!(
-            "{what:<34} {:>8.2} s  anon {anon:>6} MB (peak {peak:>6})  file {file:>6} MB  VmHWM {hwm:>6} MB",
+            "{what:<34} {:>8.2} s  anon {anon:>6} MiB (peak {peak:>6})  file {file:>6} MiB  VmHWM {hwm:>6} MiB",
             self.last.elapsed().as_secs_f64()
         );
         self.last = Instant::now();
