@@ -278,3 +278,39 @@ fn a_manifest_port_the_ir_does_not_have_is_named() {
         "{e}"
     );
 }
+
+#[test]
+fn a_static_context_in_the_manifest_is_enforced() {
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["openvino_model.xml", "openvino_model.bin"] {
+        std::fs::copy(ir("tiny-f32").join(f), dir.path().join(f)).unwrap();
+    }
+    let text = std::fs::read_to_string(ir("tiny-f32").join("manifest.json")).unwrap();
+    let mut m: serde_json::Value = serde_json::from_str(&text).unwrap();
+    m["context"] = 16.into();
+    std::fs::write(dir.path().join("manifest.json"), m.to_string()).unwrap();
+    let (config, _) = tiny(WeightFormat::F32);
+    let mut device =
+        ExternalBackend::open_dir(dir.path(), config, "CPU", &CompileOptions::default()).unwrap();
+    assert_eq!(device.record().context, Some(16));
+    // 12 prompt tokens and 5 generated (4 fed back) fill 16 slots; one more token is refused, naming the context,
+    // and the position stays where it was.
+    let g = greedy(&mut device, &prompt(12), 5, &[], false, |_| Ok(())).unwrap();
+    assert_eq!(g.tokens.len(), 5);
+    assert_eq!(device.position().unwrap(), 16);
+    let e = device.forward(&[1], false).unwrap_err().to_string();
+    assert!(e.contains("static context of 16"), "{e}");
+    assert_eq!(device.position().unwrap(), 16);
+    let e = greedy(&mut device, &prompt(17), 1, &[], false, |_| Ok(()))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("17 tokens after 0") && e.contains("manifest.json"),
+        "{e}"
+    );
+
+    m["context"] = 0.into();
+    std::fs::write(dir.path().join("manifest.json"), m.to_string()).unwrap();
+    let e = IrManifest::open(dir.path()).unwrap_err().to_string();
+    assert!(e.contains("`context` is 0"), "{e}");
+}

@@ -1,7 +1,7 @@
 //! Building the backends a command runs: the reference, the static graphs on an OpenVINO device, and an external
 //! IR (graphs made elsewhere), from the validated command-line options.
 
-use crate::options::{FormArgs, GraphArgs};
+use crate::options::{FormArgs, GraphArgs, ModelArgs};
 use anyhow::{Result, bail};
 use npu::devices::{CompileOptions, InferencePrecision, device_config};
 use npu::engine::{DEFAULT_BLOCK, DecoderEngine};
@@ -13,8 +13,9 @@ use reference::backend::{Backend, ReferenceBackend};
 use reference::config::Config;
 use reference::linear_attn::PORT_OUTPUT_SCALE;
 use reference::model::{Model, RunOptions};
+use reference::quant::WeightFormat;
 use reference::weights::WeightStore;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// Fails unless `device` can run here: the FP16SIM pseudo-device with valid options, or an OpenVINO device that is
 /// present (the error names the ones that are).
@@ -198,14 +199,26 @@ pub fn open_external(
     device: &str,
     compile: &CompileOptions,
 ) -> Result<ExternalBackend> {
+    refuse_sim(device, dir)?;
+    let manifest = IrManifest::open(dir)?;
+    let backend = ExternalBackend::open(manifest, config.clone(), device, compile)?;
+    warn_precision(device, &backend, compile);
+    Ok(backend)
+}
+
+/// Fails for the FP16SIM pseudo-device, which runs this project's graphs only.
+fn refuse_sim(device: &str, dir: &Path) -> Result<()> {
     if NumericModel::is_sim(device) {
         bail!(
             "{device} evaluates this project's own graphs; an external IR runs on an OpenVINO device (--ir {})",
             dir.display()
         );
     }
-    let manifest = IrManifest::open(dir)?;
-    let backend = ExternalBackend::open(manifest, config.clone(), device, compile)?;
+    Ok(())
+}
+
+/// Warns when `device` computed the IR in another precision than asked.
+fn warn_precision(device: &str, backend: &ExternalBackend, compile: &CompileOptions) {
     let record = backend.record();
     if record.precision.as_deref() != Some(compile.precision.hint()) {
         eprintln!(
@@ -217,5 +230,117 @@ pub fn open_external(
             compile.precision.hint()
         );
     }
-    Ok(backend)
+}
+
+/// An external IR directory as a command opens it (`--ir DIR`): its manifest, and the checkpoint and weights the
+/// reference runs against it.
+pub struct ExternalIr {
+    /// The directory given.
+    pub dir: PathBuf,
+    /// Its manifest (or optimum-intel's interface).
+    pub manifest: IrManifest,
+    /// The model options with the checkpoint resolved: `--model`, else the one the manifest names, else the bundled
+    /// model.
+    pub model: ModelArgs,
+    /// The checkpoint directory.
+    pub checkpoint: PathBuf,
+    /// Its config.
+    pub config: Config,
+    /// The weights the reference runs (`--weights`).
+    pub store: WeightStore,
+    /// Set when the manifest says the IR holds other weights than `--weights` gives the reference.
+    pub weights_warning: Option<String>,
+}
+
+impl ExternalIr {
+    /// Reads the manifest of `dir` and opens the checkpoint with `model`'s options.
+    pub fn open(dir: &Path, model: &ModelArgs) -> Result<Self> {
+        let manifest = IrManifest::open(dir)?;
+        let model = ModelArgs {
+            model: model.model.clone().or_else(|| {
+                manifest
+                    .model
+                    .clone()
+                    .filter(|m| m.join("config.json").exists())
+            }),
+            ..model.clone()
+        };
+        let (checkpoint, config, store) = model.open()?;
+        let weights_warning = manifest.reference_weights.as_ref().and_then(|w| {
+            (WeightFormat::parse(w).ok() != Some(store.format())).then(|| {
+                format!(
+                    "{} says the IR holds the weights of `--weights {w}`; the reference runs `--weights {}`",
+                    manifest.source,
+                    store.format()
+                )
+            })
+        });
+        Ok(ExternalIr {
+            dir: dir.to_path_buf(),
+            manifest,
+            model,
+            checkpoint,
+            config,
+            store,
+            weights_warning,
+        })
+    }
+
+    /// The directory's own name, for labels.
+    pub fn name(&self) -> String {
+        self.dir.file_name().map_or_else(
+            || self.dir.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        )
+    }
+
+    /// Compiles the IR on `device` (an OpenVINO device), warning when it computes in another precision than
+    /// asked (see [`open_external`]).
+    pub fn open_on(&self, device: &str, compile: &CompileOptions) -> Result<ExternalBackend> {
+        let backend = self.compile(device, compile)?;
+        warn_precision(device, &backend, compile);
+        Ok(backend)
+    }
+
+    /// [`ExternalIr::open_on`] without the warning (for a caller that reports the precision itself).
+    pub fn compile(&self, device: &str, compile: &CompileOptions) -> Result<ExternalBackend> {
+        refuse_sim(device, &self.dir)?;
+        let backend =
+            ExternalBackend::open(self.manifest.clone(), self.config.clone(), device, compile)
+                .map_err(|e| {
+                    anyhow::Error::new(e).context(format!("--ir {}", self.dir.display()))
+                })?;
+        Ok(backend)
+    }
+}
+
+/// Fails when an option of this project's graphs is given with `--ir DIR` (they do not apply to an IR made
+/// elsewhere), naming it.
+pub fn refuse_graph_flags(form: &FormArgs, graph: &GraphArgs, ir: &Path) -> Result<()> {
+    let not_here = [
+        ("--chunk", form.chunk.is_some()),
+        ("--inverse", form.inverse.is_some()),
+        ("--decode-form", form.decode_form.is_some()),
+        ("--prefill-block", form.prefill_block.is_some()),
+        ("--output-scale", form.output_scale.is_some()),
+        ("--block", graph.block.is_some()),
+        ("--context", graph.context.is_some()),
+    ];
+    if let Some((flag, _)) = not_here.iter().find(|(_, given)| *given) {
+        bail!(
+            "{flag} applies to this project's graphs, not to an external IR (--ir {})",
+            ir.display()
+        );
+    }
+    Ok(())
+}
+
+/// The compile options of an external IR on `device`: `--precision` (f32 by default), `--device-config` and the
+/// model cache.
+pub fn external_compile_options(device: &str, graph: &GraphArgs) -> Result<CompileOptions> {
+    Ok(CompileOptions {
+        precision: graph.precision.unwrap_or(InferencePrecision::F32),
+        device_config: device_config(graph.device_config.as_deref())?,
+        cache_dir: cache_dir(device, graph)?,
+    })
 }

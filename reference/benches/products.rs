@@ -6,10 +6,14 @@
 //! a prompt computes the logits of its last position alone. Throughput is given in FLOPs (`2·T·out·in`), which
 //! criterion prints as elements per second.
 //!
+//! The group `mapped` times the same products on bf16 weights read in place ([`reference::linear::MappedMatrix`]:
+//! the widening matvec for T ≤ 8, blocked widening and GEMM above), names `mapped/{weight}_{out}x{in}/T{T}`.
+//!
 //! `cargo bench -p reference --bench products [-- FILTER]`.
 
 use candle_core::{Device, Tensor};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use reference::linear::{Elem, MappedMatrix, SharedMap};
 use reference::ops::linear;
 use std::time::Duration;
 
@@ -55,5 +59,51 @@ fn products(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, products);
+/// A random bf16 matrix `[out, inp]` in an owned buffer, as a mapped checkpoint would hold it.
+fn bf16_matrix(out: usize, inp: usize) -> MappedMatrix {
+    let w = Tensor::randn(0f32, 1.0 / (inp as f32).sqrt(), (out, inp), &Device::Cpu)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let bytes: Vec<u8> = w
+        .iter()
+        .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+        .collect();
+    MappedMatrix::new(&SharedMap::from_vec(bytes), 0, out, inp, Elem::Bf16).unwrap()
+}
+
+fn mapped(c: &mut Criterion) {
+    let mut group = c.benchmark_group("mapped");
+    group
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
+    let dev = Device::Cpu;
+    for (name, out, inp) in SHAPES {
+        let w = bf16_matrix(out, inp);
+        for t in [1, 4, 128, 512] {
+            let x = Tensor::randn(0f32, 1.0, (t, inp), &dev).unwrap();
+            group.throughput(Throughput::Elements((2 * t * out * inp) as u64));
+            group.bench_with_input(
+                BenchmarkId::new(format!("{name}_{out}x{inp}"), format!("T{t}")),
+                &t,
+                |b, _| b.iter(|| w.forward(&x).unwrap()),
+            );
+        }
+    }
+    let (vocab, hidden) = (248320, 4096);
+    let w = bf16_matrix(vocab, hidden);
+    let x = Tensor::randn(0f32, 1.0, (1, hidden), &dev).unwrap();
+    group.throughput(Throughput::Elements((2 * vocab * hidden) as u64));
+    group.bench_with_input(
+        BenchmarkId::new(format!("lm_head_{vocab}x{hidden}"), "T1"),
+        &1,
+        |b, _| b.iter(|| w.forward(&x).unwrap()),
+    );
+    group.finish();
+}
+
+criterion_group!(benches, products, mapped);
 criterion_main!(benches);

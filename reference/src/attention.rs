@@ -3,8 +3,9 @@
 
 use crate::config::Config;
 use crate::error::Result;
+use crate::linear::Linear;
 use crate::masks;
-use crate::ops::{linear, rms_norm, sigmoid, softmax_last_dim};
+use crate::ops::{rms_norm, sigmoid, softmax_last_dim};
 use crate::rope::RotaryTables;
 use crate::schema::{Param, Schema};
 use crate::taps::{Taps, names};
@@ -35,10 +36,10 @@ impl KvCache {
 /// Weights and sizes of one attention layer.
 #[derive(Debug, Clone)]
 pub struct Attention {
-    q_proj: Tensor,
-    k_proj: Tensor,
-    v_proj: Tensor,
-    o_proj: Tensor,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
     q_norm: Tensor,
     k_norm: Tensor,
     heads: usize,
@@ -52,11 +53,12 @@ impl Attention {
     pub fn load(w: &WeightStore, layer: usize, c: &Config) -> Result<Self> {
         let s = Schema::new(c);
         let load = |p: Param| w.load(&s.layer(layer, p));
+        let linear = |p: Param| w.linear(&s.layer(layer, p));
         Ok(Attention {
-            q_proj: load(Param::QProj)?,
-            k_proj: load(Param::KProj)?,
-            v_proj: load(Param::VProj)?,
-            o_proj: load(Param::OProj)?,
+            q_proj: linear(Param::QProj)?,
+            k_proj: linear(Param::KProj)?,
+            v_proj: linear(Param::VProj)?,
+            o_proj: linear(Param::OProj)?,
             q_norm: load(Param::QNorm)?,
             k_norm: load(Param::KNorm)?,
             heads: c.num_attention_heads,
@@ -83,11 +85,11 @@ impl Attention {
         let (t, _) = x.dims2()?;
         let (nh, nkv, d) = (self.heads, self.kv_heads, self.head_dim);
         // Per head, the first D values are the query and the next D the gate.
-        let qg = linear(x, &self.q_proj)?.reshape((t, nh, 2 * d))?;
+        let qg = self.q_proj.forward(x)?.reshape((t, nh, 2 * d))?;
         let q = qg.narrow(2, 0, d)?;
         let gate = qg.narrow(2, d, d)?.reshape((t, nh * d))?;
-        let k = linear(x, &self.k_proj)?.reshape((t, nkv, d))?;
-        let v = linear(x, &self.v_proj)?.reshape((t, nkv, d))?;
+        let k = self.k_proj.forward(x)?.reshape((t, nkv, d))?;
+        let v = self.v_proj.forward(x)?.reshape((t, nkv, d))?;
 
         let q = rotary.apply(&rms_norm(&q, &self.q_norm, self.eps)?)?;
         let k = rotary.apply(&rms_norm(&k, &self.k_norm, self.eps)?)?;
@@ -125,7 +127,7 @@ impl Attention {
         taps.record(|| tap_name(names::GATED_OUTPUT), &gated)?;
         cache.keys = Some(keys);
         cache.values = Some(values);
-        linear(&gated, &self.o_proj)
+        self.o_proj.forward(&gated)
     }
 }
 

@@ -311,6 +311,21 @@ pub fn chunk(
 
 /// Cumulative sum along the token axis of `[H, T]`, accumulated in order.
 fn cumsum(g: &Tensor) -> Result<Tensor> {
+    fn rows<T: candle_core::WithDType>(g: &Tensor) -> Result<Tensor> {
+        let mut v: Vec<Vec<T>> = g.to_vec2()?;
+        for row in &mut v {
+            for i in 1..row.len() {
+                let prev = row[i - 1];
+                row[i] += prev;
+            }
+        }
+        Ok(Tensor::new(v, g.device())?)
+    }
+    match g.dtype() {
+        DType::F32 if g.dim(1)? > 0 => return rows::<f32>(g),
+        DType::F64 if g.dim(1)? > 0 => return rows::<f64>(g),
+        _ => {}
+    }
     let t = g.dim(1)?;
     let mut acc = g.narrow(1, 0, 1)?;
     let mut cols = vec![acc.clone()];
@@ -347,6 +362,12 @@ pub fn tri_inverse(n: &Tensor, method: Inverse) -> Result<Tensor> {
         .unsqueeze(0)?
         .broadcast_as((h, size, size))?;
     match method {
+        Inverse::Substitution if matches!(dtype, DType::F32 | DType::F64) && size > 0 => {
+            match dtype {
+                DType::F32 => substitution::<f32>(n),
+                _ => substitution::<f64>(n),
+            }
+        }
         Inverse::Substitution => {
             // Row i of X = (I + N)^-1 is e_i − N[i, :i] X[:i, :].
             let mut x = eye.narrow(1, 0, 1)?.contiguous()?;
@@ -383,4 +404,30 @@ pub fn tri_inverse(n: &Tensor, method: Inverse) -> Result<Tensor> {
             Ok(p)
         }
     }
+}
+
+/// Forward substitution on plain memory, one head per rayon task: row `i` of `X = (I + N)^-1` is
+/// `e_i − Σ_{j<i} N[i, j] X[j, :]`, the sum taken in increasing `j` (only columns `≤ i` are non-zero).
+fn substitution<T: candle_core::WithDType>(n: &Tensor) -> Result<Tensor> {
+    use rayon::prelude::*;
+    let (h, size, _) = n.dims3()?;
+    let values: Vec<T> = n.contiguous()?.flatten_all()?.to_vec1()?;
+    let mut x = vec![T::zero(); h * size * size];
+    x.par_chunks_mut(size * size)
+        .zip(values.par_chunks(size * size))
+        .for_each(|(x, n)| {
+            for i in 0..size {
+                let (done, rest) = x.split_at_mut(i * size);
+                let row = &mut rest[..size];
+                for j in 0..i {
+                    let c = n[i * size + j];
+                    let xj = &done[j * size..j * size + j + 1];
+                    for (r, &v) in row[..=j].iter_mut().zip(xj) {
+                        *r -= c * v;
+                    }
+                }
+                row[i] += T::one();
+            }
+        });
+    Ok(Tensor::from_vec(x, (h, size, size), n.device())?)
 }

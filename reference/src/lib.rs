@@ -4,7 +4,7 @@
 //! Layout: [`config`] reads `config.json`; [`schema`] lists every decoder tensor (name, shape, role) once;
 //! [`weights`] opens safetensors checkpoints and [`quant`] compresses their weights as the OpenVINO exports do;
 //! [`deltanet`] holds the delta rule in all its forms as pure functions; [`linear_attn`], [`attention`], [`mlp`] and
-//! [`rope`] are the blocks; [`model`] assembles the decoder with a separate [`model::State`]; [`taps`] records
+//! [`rope`] are the blocks, their weights [`linear`] layers read in place; [`model`] assembles the decoder with a separate [`model::State`]; [`taps`] records
 //! intermediates under the dump's names; [`backend`] is the interface every backend implements, with the one greedy
 //! loop; [`masks`] are the causal masks and bands the reference and the OpenVINO graphs share; [`io`] writes
 //! safetensors files; [`tokenizer`] encodes prompts through the checkpoint's chat template.
@@ -17,6 +17,7 @@ pub mod config;
 pub mod deltanet;
 pub mod error;
 pub mod io;
+pub mod linear;
 pub mod linear_attn;
 pub mod masks;
 pub mod mlp;

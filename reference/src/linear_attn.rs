@@ -3,9 +3,8 @@
 use crate::config::Config;
 use crate::deltanet::{self, Form, Inputs};
 use crate::error::{Error, Result};
-use crate::ops::{
-    gated_rms_norm, l2_normalize, linear, repeat_interleave, sigmoid, silu, softplus,
-};
+use crate::linear::Linear;
+use crate::ops::{gated_rms_norm, l2_normalize, repeat_interleave, sigmoid, silu, softplus};
 use crate::schema::{Param, Schema};
 use crate::taps::{Taps, names};
 use crate::weights::WeightStore;
@@ -26,16 +25,16 @@ pub struct LinearState {
 /// Weights and sizes of one Gated DeltaNet layer.
 #[derive(Debug, Clone)]
 pub struct GatedDeltaNet {
-    in_proj_qkv: Tensor,
-    in_proj_z: Tensor,
-    in_proj_b: Tensor,
-    in_proj_a: Tensor,
+    in_proj_qkv: Linear,
+    in_proj_z: Linear,
+    in_proj_b: Linear,
+    in_proj_a: Linear,
     /// Depthwise kernel `[C, K]`; column `K - 1` multiplies the current token.
     conv_weight: Tensor,
     a_log: Tensor,
     dt_bias: Tensor,
     norm_weight: Tensor,
-    out_proj: Tensor,
+    out_proj: Linear,
     hk: usize,
     hv: usize,
     dk: usize,
@@ -59,18 +58,19 @@ impl GatedDeltaNet {
     pub fn load(w: &WeightStore, layer: usize, c: &Config) -> Result<Self> {
         let s = Schema::new(c);
         let load = |p: Param| w.load(&s.layer(layer, p));
+        let linear = |p: Param| w.linear(&s.layer(layer, p));
         let conv_dim = c.linear_conv_dim();
         let k = c.linear_conv_kernel_dim;
         Ok(GatedDeltaNet {
-            in_proj_qkv: load(Param::InProjQkv)?,
-            in_proj_z: load(Param::InProjZ)?,
-            in_proj_b: load(Param::InProjB)?,
-            in_proj_a: load(Param::InProjA)?,
+            in_proj_qkv: linear(Param::InProjQkv)?,
+            in_proj_z: linear(Param::InProjZ)?,
+            in_proj_b: linear(Param::InProjB)?,
+            in_proj_a: linear(Param::InProjA)?,
             conv_weight: load(Param::Conv1d)?.reshape((conv_dim, k))?,
             a_log: load(Param::ALog)?,
             dt_bias: load(Param::DtBias)?,
             norm_weight: load(Param::LinearNorm)?,
-            out_proj: load(Param::OutProj)?,
+            out_proj: linear(Param::OutProj)?,
             hk: c.linear_num_key_heads,
             hv: c.linear_num_value_heads,
             dk: c.linear_key_head_dim,
@@ -106,10 +106,10 @@ impl GatedDeltaNet {
         tap: &str,
     ) -> Result<Tensor> {
         let (t, _) = x.dims2()?;
-        let qkv = linear(x, &self.in_proj_qkv)?;
-        let z = linear(x, &self.in_proj_z)?;
-        let b = linear(x, &self.in_proj_b)?;
-        let a = linear(x, &self.in_proj_a)?;
+        let qkv = self.in_proj_qkv.forward(x)?;
+        let z = self.in_proj_z.forward(x)?;
+        let b = self.in_proj_b.forward(x)?;
+        let a = self.in_proj_a.forward(x)?;
         let z = z.reshape((t, self.hv, self.dv))?;
         let tap_name = |name: &str| format!("{tap}.{name}");
         taps.record(|| tap_name(names::QKV), &qkv)?;
@@ -166,7 +166,9 @@ impl GatedDeltaNet {
 
         let normed = gated_rms_norm(&core, &z, &self.norm_weight, self.eps * scale * scale)?;
         taps.record(|| tap_name(names::GATED_NORM_OUTPUT), &normed)?;
-        let out = linear(&normed.reshape((t, self.hv * self.dv))?, &self.out_proj)?;
+        let out = self
+            .out_proj
+            .forward(&normed.reshape((t, self.hv * self.dv))?)?;
         *state = LinearState {
             conv: conv_state,
             recurrent,

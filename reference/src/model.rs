@@ -4,9 +4,10 @@ use crate::attention::{Attention, KvCache};
 use crate::config::{Config, LayerKind};
 use crate::deltanet::{DEFAULT_CHUNK, Form, Inverse};
 use crate::error::{Error, Result};
+use crate::linear::Linear;
 use crate::linear_attn::{DeltaNetOptions, GatedDeltaNet, LinearState};
 use crate::mlp::Mlp;
-use crate::ops::{linear, rms_norm};
+use crate::ops::rms_norm;
 use crate::rope::{Positions, Rope};
 use crate::schema::{Param, Schema};
 use crate::taps::{Taps, names};
@@ -123,10 +124,10 @@ impl Default for RunOptions {
 #[derive(Debug, Clone)]
 pub struct Model {
     config: Config,
-    embed_tokens: Tensor,
+    embed_tokens: Linear,
     layers: Vec<DecoderLayer>,
     norm: Tensor,
-    lm_head: Tensor,
+    lm_head: Linear,
     rope: Rope,
     dtype: DType,
 }
@@ -142,7 +143,7 @@ impl Model {
     /// Builds the model from a parsed config and an open weight store.
     pub fn from_weights(config: Config, w: &WeightStore) -> Result<Self> {
         let s = Schema::new(&config);
-        let embed_tokens = w.load(&s.global(Param::EmbedTokens))?;
+        let embed_tokens = w.linear(&s.global(Param::EmbedTokens))?;
         let mut layers = Vec::with_capacity(config.num_layers());
         for (i, kind) in config.layer_types.iter().enumerate() {
             let mixer = match kind {
@@ -160,7 +161,7 @@ impl Model {
         let lm_head = if config.tie_word_embeddings {
             embed_tokens.clone()
         } else {
-            w.load(&s.global(Param::LmHead))?
+            w.linear(&s.global(Param::LmHead))?
         };
         Ok(Model {
             rope: Rope::new(&config),
@@ -246,8 +247,7 @@ impl Model {
         self.check_ids(ids)?;
         let dev = Device::Cpu;
         let t = ids.len();
-        let id_tensor = Tensor::from_vec(ids.to_vec(), t, &dev)?;
-        let mut h = self.embed_tokens.index_select(&id_tensor, 0)?;
+        let mut h = self.embed_tokens.gather(ids)?;
         taps.record(|| names::EMBEDDINGS.into(), &h)?;
 
         let rotary = self.rope.tables(positions, self.dtype, &dev)?;
@@ -294,11 +294,14 @@ impl Model {
             .unwrap_or(-1);
         state.position = usize::try_from(last + 1).unwrap_or(0).max(state.position);
         if taps.enabled() {
-            let logits = linear(&normed, &self.lm_head)?;
+            let logits = self.lm_head.forward(&normed)?;
             taps.record(|| names::LOGITS.into(), &logits)?;
             Ok(logits.get(t - 1)?)
         } else {
-            Ok(linear(&normed.narrow(0, t - 1, 1)?, &self.lm_head)?.squeeze(0)?)
+            Ok(self
+                .lm_head
+                .forward(&normed.narrow(0, t - 1, 1)?)?
+                .squeeze(0)?)
         }
     }
 

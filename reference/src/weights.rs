@@ -10,6 +10,7 @@
 //! dequantised exactly, or rounded to f16; [`WeightStore::quantized`] gives the codes and scales themselves.
 
 use crate::error::{Error, Result};
+use crate::linear::{Elem, Linear, MappedMatrix, SharedMap};
 use crate::quant::{
     QuantizedMatrix, Storage, WeightFormat, quantize_int4_sym, quantize_int8_sym, round_f16,
 };
@@ -22,7 +23,7 @@ use std::path::{Path, PathBuf};
 
 struct ShardFile {
     path: PathBuf,
-    mmap: Mmap,
+    mmap: SharedMap,
     header_len: usize,
     metadata: Metadata,
 }
@@ -34,14 +35,14 @@ impl ShardFile {
         // while a run holds it.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
         let (header_len, metadata) =
-            safetensors::SafeTensors::read_metadata(&mmap).map_err(|e| Error::Weights {
+            safetensors::SafeTensors::read_metadata(&mmap[..]).map_err(|e| Error::Weights {
                 file: path.display().to_string(),
                 key: "(header)".into(),
                 message: format!("not a valid safetensors file: {e}"),
             })?;
         Ok(ShardFile {
             path: path.to_path_buf(),
-            mmap,
+            mmap: SharedMap::from_mmap(mmap),
             header_len,
             metadata,
         })
@@ -51,10 +52,14 @@ impl ShardFile {
         self.metadata.info(name)
     }
 
+    fn start(&self, info: &TensorInfo) -> usize {
+        8 + self.header_len + info.data_offsets.0
+    }
+
     fn bytes(&self, info: &TensorInfo) -> &[u8] {
-        let start = 8 + self.header_len + info.data_offsets.0;
+        let start = self.start(info);
         let end = 8 + self.header_len + info.data_offsets.1;
-        &self.mmap[start..end]
+        &self.mmap.bytes()[start..end]
     }
 }
 
@@ -244,6 +249,44 @@ impl WeightStore {
                 self.tensor_of(q.dequantize(), &spec.shape)
             }
         }
+    }
+
+    /// A matrix `[out, in]` for a linear layer or an embedding: read in place from the mapped checkpoint when the
+    /// run is f32, the format keeps the tensor as stored and it is bf16, f16 or f32 (see [`crate::linear`]);
+    /// otherwise the tensor [`WeightStore::load`] returns. Either way the values are the same.
+    pub fn linear(&self, spec: &TensorSpec) -> Result<Linear> {
+        Ok(match self.mapped(spec)? {
+            Some(m) => Linear::Mapped(m),
+            None => Linear::Dense(self.load(spec)?),
+        })
+    }
+
+    /// The matrix as stored, when [`WeightStore::linear`] reads it in place.
+    fn mapped(&self, spec: &TensorSpec) -> Result<Option<MappedMatrix>> {
+        let full_name = self.full_name(spec);
+        let raw = self.raw(&full_name, &spec.shape)?;
+        let elem = match raw.dtype {
+            StDtype::BF16 => Some(Elem::Bf16),
+            StDtype::F16 => Some(Elem::F16),
+            StDtype::F32 => Some(Elem::F32),
+            _ => None,
+        };
+        match (elem, self.dtype, self.storage(spec), spec.shape.as_slice()) {
+            (Some(elem), DType::F32, Storage::Float, &[rows, cols]) => {
+                let file = raw.file;
+                let info = file.info(&full_name).expect("checked by raw");
+                let m = MappedMatrix::new(&file.mmap, file.start(info), rows, cols, elem)
+                    .map_err(|e| raw.err(e.to_string()))?;
+                Ok(Some(m))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// The bytes per element [`WeightStore::linear`] reads for this matrix when it reads it in place, `None` when it
+    /// holds a converted tensor instead.
+    pub fn read_in_place_bytes(&self, spec: &TensorSpec) -> Result<Option<usize>> {
+        Ok(self.mapped(spec)?.map(|m| m.elem().size()))
     }
 
     /// The codes and scales of a tensor the store's format quantises (`None` when it stays float or f16): the

@@ -20,6 +20,10 @@
 //! of dims: `batch` (1), `tokens` (the call's), `past+tokens` (every token so far), `vocab`, or a number (an MRoPE
 //! `position_ids` is `[3, "batch", "tokens"]`, its rows equal for text). Other keys (the export's command, versions,
 //! what it holds) are for people and are not read.
+//!
+//! `context` (optional) declares a static context: the most tokens one sequence may hold (an IR exported with a
+//! fixed-size cache, as static-shape NPU pipelines are). The backend then refuses a call that would go past it,
+//! naming it, rather than let the IR cut or overflow; without it the IR takes sequences of any length.
 
 use crate::error::{Error, Result};
 use serde::Deserialize;
@@ -127,6 +131,8 @@ pub struct IrManifest {
     pub model: Option<PathBuf>,
     /// The reference weight format that holds the same weights (`f32`, `int4-nncf:32`), when the manifest says.
     pub reference_weights: Option<String>,
+    /// The static context the manifest declares (the most tokens a sequence may hold), if any.
+    pub context: Option<usize>,
     /// Input ports by role.
     pub inputs: Vec<Port>,
     /// Output ports by role.
@@ -141,6 +147,7 @@ struct RawManifest {
     stateful: bool,
     model: Option<String>,
     reference_weights: Option<String>,
+    context: Option<usize>,
     inputs: Option<BTreeMap<String, RawPort>>,
     outputs: Option<BTreeMap<String, RawPort>>,
 }
@@ -219,6 +226,7 @@ impl IrManifest {
             xml,
             model: None,
             reference_weights: None,
+            context: None,
             inputs: INPUT_ROLES.iter().map(|r| port(r)).collect(),
             outputs: OUTPUT_ROLES.iter().map(|r| port(r)).collect(),
         }
@@ -288,6 +296,11 @@ impl IrManifest {
             }
             Ok(out)
         };
+        if raw.context == Some(0) {
+            return Err(Error::Config(format!(
+                "{source}: `context` is 0; a static context holds at least one token"
+            )));
+        }
         let inputs = ports("inputs", &INPUT_ROLES, raw.inputs)?;
         let outputs = ports("outputs", &OUTPUT_ROLES, raw.outputs)?;
         for (section, list, role) in [
@@ -306,6 +319,7 @@ impl IrManifest {
             bin,
             model: raw.model.map(|m| dir.join(m)),
             reference_weights: raw.reference_weights,
+            context: raw.context,
             inputs,
             outputs,
         })

@@ -117,7 +117,7 @@ impl ExternalBackend {
             output_scale: 1.0,
             prefill_block: None,
             block: None,
-            context: None,
+            context: manifest.context,
             taps: false,
             compile_seconds: Some(info.compile_seconds),
             cache_dir: info.cache_dir.as_ref().map(|d| d.display().to_string()),
@@ -228,6 +228,16 @@ impl ExternalBackend {
         }
         self.config.check_token_ids(ids)?;
         let past = self.position;
+        if let Some(context) = self.manifest.context
+            && past + ids.len() > context
+        {
+            return Err(Error::Input(format!(
+                "{} tokens after {past} need {} cache slots, but {} declares a static context of {context}",
+                ids.len(),
+                past + ids.len(),
+                self.manifest.source
+            )));
+        }
         let inputs = self
             .manifest
             .inputs

@@ -14,7 +14,7 @@ use reference::backend::{RunRecord, greedy};
 use reference::config::Config;
 use reference::deltanet::Form;
 use reference::quant::WeightFormat;
-use reference::schema::{Role, Schema};
+use reference::schema::{Param, Role, Schema};
 use reference::synthetic::Rng;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -180,7 +180,17 @@ pub fn exec(args: BenchArgs) -> Result<Outcome> {
                 decode: opts.decode,
                 piece: opts.prefill_block,
             };
-            let bytes = if args.model.dtype == Dtype::F64 { 8 } else { 4 };
+            // Weights the reference reads in place (f32 runs of float weights) cost their stored size.
+            let lm_head = Schema::new(&config).global(if config.tie_word_embeddings {
+                Param::EmbedTokens
+            } else {
+                Param::LmHead
+            });
+            let bytes = if args.model.dtype == Dtype::F64 {
+                8
+            } else {
+                store.read_in_place_bytes(&lm_head)?.unwrap_or(4) as u64
+            };
             (Box::new(b), shape, Some(bytes))
         }
         Plan::OpenVino(settings) => {

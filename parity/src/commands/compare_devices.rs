@@ -2,8 +2,8 @@
 //! by layer and state by state, with a verdict against thresholds.
 
 use crate::backends::{
-    DeviceSettings, available_devices, check_context, check_device, open_device, open_external,
-    open_reference,
+    DeviceSettings, ExternalIr, available_devices, check_context, check_device,
+    external_compile_options, open_device, open_reference, refuse_graph_flags,
 };
 use crate::commands::Outcome;
 use crate::compare::{
@@ -341,43 +341,12 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
 
 /// `compare-devices --ir DIR`: the external IR on each device against the reference, tokens and logits only.
 fn exec_external(args: CompareArgs, ir: &Path) -> Result<Outcome> {
-    let f = &args.form;
-    let not_here = [
-        ("--chunk", f.chunk.is_some()),
-        ("--inverse", f.inverse.is_some()),
-        ("--decode-form", f.decode_form.is_some()),
-        ("--prefill-block", f.prefill_block.is_some()),
-        ("--output-scale", f.output_scale.is_some()),
-        ("--block", args.graph.block.is_some()),
-        ("--context", args.graph.context.is_some()),
-    ];
-    if let Some((flag, _)) = not_here.iter().find(|(_, given)| *given) {
-        bail!(
-            "{flag} applies to this project's graphs, not to an external IR (--ir {})",
-            ir.display()
-        );
+    refuse_graph_flags(&args.form, &args.graph, ir)?;
+    let external = ExternalIr::open(ir, &args.model)?;
+    if let Some(w) = &external.weights_warning {
+        eprintln!("warning: {w}");
     }
-    let manifest = npu::external::manifest::IrManifest::open(ir)?;
-    // The checkpoint: --model, else the one the manifest names, else the bundled model.
-    let model = ModelArgs {
-        model: args.model.model.clone().or_else(|| {
-            manifest
-                .model
-                .clone()
-                .filter(|m| m.join("config.json").exists())
-        }),
-        ..args.model.clone()
-    };
-    let (dir, config, store) = model.open()?;
-    if let Some(w) = &manifest.reference_weights
-        && WeightFormat::parse(w).ok() != Some(store.format())
-    {
-        eprintln!(
-            "warning: {} says the IR holds the weights of `--weights {w}`; the reference runs `--weights {}`",
-            manifest.source,
-            store.format()
-        );
-    }
+    let (dir, config, store) = (&external.checkpoint, &external.config, &external.store);
     let devices = match args.devices.as_deref() {
         Some(list) => split_devices(list),
         None => available_devices()?,
@@ -385,56 +354,37 @@ fn exec_external(args: CompareArgs, ir: &Path) -> Result<Outcome> {
     if devices.is_empty() {
         bail!("--devices: no device given");
     }
-    let compile = |device: &str| -> Result<npu::devices::CompileOptions> {
-        Ok(npu::devices::CompileOptions {
-            precision: args
-                .graph
-                .precision
-                .unwrap_or(npu::devices::InferencePrecision::F32),
-            device_config: npu::devices::device_config(args.graph.device_config.as_deref())?,
-            cache_dir: crate::backends::cache_dir(device, &args.graph)?,
-        })
-    };
-    let set = prompts(&args.prompt, args.prompts.as_deref(), &dir, &config)?;
+    let set = prompts(&args.prompt, args.prompts.as_deref(), dir, config)?;
     args.report.check()?;
-    let eos = eos_ids(&dir, &config);
+    let eos = eos_ids(dir, config);
     let progress = Progress::new(set.len() * (1 + devices.len()));
-    let mut reference = open_reference(&config, &store, RunOptions::default(), false)?;
-    let mut runs = Vec::with_capacity(set.len());
-    for p in &set {
-        progress.step(&format!("reference: {}", p.label));
-        runs.push(ReferenceRun::new(
-            &mut reference,
-            &p.label,
-            &p.ids,
-            args.tokens,
-        )?);
-    }
+    let mut reference = open_reference(config, store, RunOptions::default(), false)?;
+    let runs = reference_runs(&mut reference, &set, args.tokens, &progress)?;
     let quantization = if store.format() == WeightFormat::F32 {
         None
     } else {
-        Some(quantization_error(&dir, &config, &runs, &eos, &model)?)
+        Some(quantization_error(
+            dir,
+            config,
+            &runs,
+            &eos,
+            &external.model,
+        )?)
     };
-    let ir_name = ir.file_name().map_or_else(
-        || ir.display().to_string(),
-        |n| n.to_string_lossy().into_owned(),
-    );
-    let why = npu::external::STATE_NOT_EXPOSED;
     let mut reports = Vec::with_capacity(devices.len());
     for device in &devices {
-        progress.message(&format!("{device}: compiling {ir_name}"));
-        let mut backend = open_external(ir, &config, device, &compile(device)?)
-            .with_context(|| format!("--ir {}", ir.display()))?;
-        let mut compared = Vec::with_capacity(runs.len());
-        for run in &runs {
-            progress.step(&format!("{device}: {}", run.label));
-            compared.push(compare_prompt_logits(run, &mut backend, &eos, why)?);
-        }
-        let record = reference::backend::Backend::record(&backend).clone();
-        let precision = record.precision.clone().unwrap_or_else(|| "f32".into());
-        let thresholds = args.thresholds.resolve(&precision);
-        let label = format!("{device} IR {ir_name}");
-        reports.push(DeviceReport::new(&label, record, thresholds, compared));
+        progress.message(&format!("{device}: compiling {}", external.name()));
+        let compile = external_compile_options(device, &args.graph)?;
+        let mut backend = external.open_on(device, &compile)?;
+        let label = format!("{device} IR {}", external.name());
+        reports.push(compare_external(
+            &label,
+            &runs,
+            &mut backend,
+            &eos,
+            &args.thresholds,
+            &progress,
+        )?);
     }
     progress.finish();
     let report = CompareReport {
@@ -456,6 +406,33 @@ fn exec_external(args: CompareArgs, ir: &Path) -> Result<Outcome> {
     } else {
         Outcome::Fail
     })
+}
+
+/// An external IR (a backend at the logits and token level, its state not exposed) against the reference's runs,
+/// labelled `label`: free-running greedy and teacher-forced logits per prompt, judged by the thresholds for the
+/// precision it read back.
+pub fn compare_external(
+    label: &str,
+    runs: &[ReferenceRun],
+    backend: &mut dyn Backend,
+    eos: &[u32],
+    thresholds: &ThresholdArgs,
+    progress: &Progress,
+) -> Result<DeviceReport> {
+    let why = npu::external::STATE_NOT_EXPOSED;
+    let mut compared = Vec::with_capacity(runs.len());
+    for run in runs {
+        progress.step(&format!("{label}: {}", run.label));
+        compared.push(compare_prompt_logits(run, backend, eos, why)?);
+    }
+    let record = backend.record().clone();
+    let precision = record.precision.clone().unwrap_or_else(|| "f32".into());
+    Ok(DeviceReport::new(
+        label,
+        record,
+        thresholds.resolve(&precision),
+        compared,
+    ))
 }
 
 /// The reference's side of every prompt of `set` (a backend recording taps): its greedy tokens, then

@@ -1,5 +1,8 @@
 //! `qwen35 validate`: every check a new NPU needs on one device, one report, exit 0 only when every check passes
-//! (see [`crate::validate`] for the checks).
+//! (see [`crate::validate`] for the checks). With `--ir DIR` (module `ir`) the checks that apply to a graph made
+//! elsewhere run on it, and the others are reported as skipped.
+
+mod ir;
 
 use crate::backends::{DeviceSettings, check_context, check_device, open_reference};
 use crate::commands::Outcome;
@@ -7,6 +10,7 @@ use crate::commands::compare_devices::{
     LabelledPrompt, ThresholdArgs, compare_device, eos_ids, prompts, reference_runs,
 };
 use crate::commands::probe::{ProbeRequest, run_probe};
+use crate::compare::DeviceReport;
 use crate::options::{FormArgs, GraphArgs, ModelArgs, PromptArgs};
 use crate::probe::Mode;
 use crate::progress::Progress;
@@ -19,6 +23,7 @@ use anyhow::{Context as _, Result, bail};
 use reference::backend::{Backend, LookupOptions};
 use reference::model::RunOptions;
 use reference::tokenizer::{ChatTokenizer, Message};
+use reference::weights::WeightStore;
 use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -28,9 +33,16 @@ use std::time::Instant;
 pub struct ValidateArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// The device to validate: an OpenVINO device (NPU, CPU, GPU, …) or FP16SIM[:options].
-    #[arg(long)]
-    device: String,
+    /// The device to validate: an OpenVINO device (NPU, CPU, GPU, …) or FP16SIM[:options]. With --ir, an OpenVINO
+    /// device (default CPU).
+    #[arg(long, required_unless_present = "ir")]
+    device: Option<String>,
+    /// Validate an external stateful IR (graphs made elsewhere, e.g. optimum-intel's export) instead of this
+    /// project's graphs: DIR holds the IR and a manifest.json of its ports, as `compare-devices --ir`. The checks
+    /// that need this project's graphs or the state (probe, padding, prompt lookup; over-long without a static
+    /// context in the manifest) are skipped; give --weights as the IR holds them (its manifest's `reference_weights`).
+    #[arg(long, value_name = "DIR")]
+    ir: Option<PathBuf>,
     #[command(flatten)]
     prompt: PromptArgs,
     /// A prompt set, one JSON object per line (as compare-devices). Default: the set shipped with the project.
@@ -41,33 +53,30 @@ pub struct ValidateArgs {
     tokens: usize,
     #[command(flatten)]
     thresholds: ThresholdArgs,
-    /// The probe's mode: isolated (each layer fed the reference's input and state) or chained.
-    #[arg(long, value_enum, default_value = "isolated")]
-    probe_mode: Mode,
+    /// The probe's mode: isolated (each layer fed the reference's input and state, the default) or chained.
+    #[arg(long, value_enum)]
+    probe_mode: Option<Mode>,
     /// The probe's largest NRMSE of a layer's outputs (default as `probe --max-nrmse`).
     #[arg(long, value_name = "X")]
     probe_max_nrmse: Option<f64>,
     /// The probe's largest NRMSE of a state (default as `probe --max-state-nrmse`).
     #[arg(long, value_name = "X")]
     probe_max_state_nrmse: Option<f64>,
-    /// Prompt blocks compared with each other (each must fit --context).
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "1,16,64",
-        value_name = "1,16,64"
-    )]
-    blocks: Vec<usize>,
-    /// Tokens generated per prompt by plain greedy and by prompt-lookup decoding.
-    #[arg(long, default_value_t = 64, value_name = "N")]
-    lookup_tokens: usize,
-    /// Prompt lookup: the longest n-gram looked up in the context.
-    #[arg(long, default_value_t = 3, value_name = "N")]
-    lookup_ngram: usize,
-    /// Prompt lookup: the most draft tokens verified per call.
-    #[arg(long, default_value_t = 4, value_name = "K")]
-    lookup_draft: usize,
-    /// The longest prompt of the length check (default: the static context less the decode step's slot).
+    /// Prompt blocks compared with each other (each must fit --context; default 1,16,64). With --ir: the pieces
+    /// the prompt is fed in, each against the prompt in one call (default 1,16).
+    #[arg(long, value_delimiter = ',', value_name = "1,16,64")]
+    blocks: Option<Vec<usize>>,
+    /// Tokens generated per prompt by plain greedy and by prompt-lookup decoding (default 64).
+    #[arg(long, value_name = "N")]
+    lookup_tokens: Option<usize>,
+    /// Prompt lookup: the longest n-gram looked up in the context (default 3).
+    #[arg(long, value_name = "N")]
+    lookup_ngram: Option<usize>,
+    /// Prompt lookup: the most draft tokens verified per call (default 4).
+    #[arg(long, value_name = "K")]
+    lookup_draft: Option<usize>,
+    /// The longest prompt of the length check (default: the static context less the decode step's slot; with an
+    /// --ir that declares no static context, 255).
     #[arg(long, value_name = "N")]
     max_length: Option<usize>,
     /// Precisions accepted in place of the one asked, comma separated (e.g. bf16: the CPU asked for f16 computes
@@ -83,6 +92,42 @@ pub struct ValidateArgs {
     /// Tests only: make the device misbehave (leak-state, ignore-restore, logits-from=POSITION).
     #[arg(long, hide = true, value_name = "FAULT")]
     inject_fault: Option<String>,
+}
+
+impl ValidateArgs {
+    /// The device (CPU when only --ir is given).
+    fn device(&self) -> &str {
+        self.device.as_deref().unwrap_or("CPU")
+    }
+
+    /// The probe's mode.
+    fn probe_mode(&self) -> Mode {
+        self.probe_mode.unwrap_or(Mode::Isolated)
+    }
+
+    /// The block sizes compared (the pieces, with --ir).
+    fn blocks(&self) -> Vec<usize> {
+        match (&self.blocks, &self.ir) {
+            (Some(b), _) => b.clone(),
+            (None, Some(_)) => vec![1, 16],
+            (None, None) => vec![1, 16, 64],
+        }
+    }
+
+    /// Tokens per prompt-lookup run.
+    fn lookup_tokens(&self) -> usize {
+        self.lookup_tokens.unwrap_or(64)
+    }
+
+    /// Prompt lookup's longest n-gram.
+    fn lookup_ngram(&self) -> usize {
+        self.lookup_ngram.unwrap_or(3)
+    }
+
+    /// Prompt lookup's most draft tokens per call.
+    fn lookup_draft(&self) -> usize {
+        self.lookup_draft.unwrap_or(4)
+    }
 }
 
 /// The prompt prompt lookup's drafts hit on: a chat message that repeats itself (token ids repeated when the
@@ -112,7 +157,7 @@ fn check_fits(
     context: usize,
     max_length: usize,
 ) -> Result<()> {
-    for &b in &args.blocks {
+    for b in args.blocks() {
         if b == 0 {
             bail!("--blocks: a block must hold at least 1 token");
         }
@@ -134,7 +179,7 @@ fn check_fits(
             .with_context(|| format!("prompt `{}` (--tokens)", p.label))?;
     }
     for p in set.iter().chain(std::iter::once(repeated)) {
-        check_context(p.ids.len(), args.lookup_tokens, context)
+        check_context(p.ids.len(), args.lookup_tokens(), context)
             .with_context(|| format!("prompt lookup on `{}` (--lookup-tokens)", p.label))?;
     }
     let (turn1, follow) = (&set[0], equivalence::follow_up(set));
@@ -150,6 +195,60 @@ fn check_fits(
         )
     })?;
     Ok(())
+}
+
+/// The compare check's finding from the device's compare-devices report.
+fn compare_finding(report: &DeviceReport) -> Finding {
+    let layers = if report.layers.is_empty() {
+        "layers not exposed".to_string()
+    } else {
+        format!(
+            "worst layer NRMSE {:.1e}",
+            report
+                .layers
+                .iter()
+                .map(|l| l.output.nrmse)
+                .fold(0.0, f64::max)
+        )
+    };
+    Finding {
+        figure: format!(
+            "greedy {}/{}, top-1 {:.1}%, KL mean {:.1e}, logits NMSE {:.1e}, {layers}",
+            report.greedy_matched,
+            report.greedy_total,
+            100.0 * report.all.same_top1,
+            report.all.kl_mean,
+            report.logits.nmse,
+        ),
+        failures: report.failures.clone(),
+        notes: vec![crate::report::compare::first_divergence_line(report)],
+        details: serde_json::Value::Null,
+        ..Finding::default()
+    }
+}
+
+/// The compare-devices report of the compare check (the appendix of the validate report).
+fn compare_report(
+    dir: &Path,
+    store: &WeightStore,
+    set: &[LabelledPrompt],
+    tokens: usize,
+    reference: &dyn Backend,
+    device: DeviceReport,
+) -> CompareReport {
+    CompareReport {
+        command: "compare-devices".into(),
+        machine: Machine::detect(),
+        inputs: Inputs {
+            model: dir.display().to_string(),
+            weights: store.format().name(),
+            prompts: set.iter().map(|p| (p.label.clone(), p.ids.len())).collect(),
+            tokens,
+            reference: reference.record().clone(),
+        },
+        quantization: None,
+        devices: vec![device],
+    }
 }
 
 /// Runs `qwen35 validate`.
@@ -168,23 +267,27 @@ pub fn exec(args: ValidateArgs) -> Result<Outcome> {
     }
     for (flag, v) in [
         ("--tokens", args.tokens),
-        ("--lookup-tokens", args.lookup_tokens),
-        ("--lookup-ngram", args.lookup_ngram),
-        ("--lookup-draft", args.lookup_draft),
+        ("--lookup-tokens", args.lookup_tokens()),
+        ("--lookup-ngram", args.lookup_ngram()),
+        ("--lookup-draft", args.lookup_draft()),
     ] {
         if v == 0 {
             bail!("{flag} must be at least 1");
         }
     }
-    if args.blocks.is_empty() {
+    if args.blocks().is_empty() {
         bail!("--blocks: no block given");
     }
     if args.max_length == Some(0) {
         bail!("--max-length must be at least 1");
     }
     let fault = args.inject_fault.as_deref().map(Fault::parse).transpose()?;
-    let settings = DeviceSettings::resolve(&args.device, &args.graph, &args.form)?;
-    check_device(&args.device).context("--device")?;
+    if let Some(dir) = args.ir.clone() {
+        return ir::exec(args, &dir, fault, start);
+    }
+    let device = args.device().to_string();
+    let settings = DeviceSettings::resolve(&device, &args.graph, &args.form)?;
+    check_device(&device).context("--device")?;
     let context = settings.graph.context;
     let max_length = args.max_length.unwrap_or(context.saturating_sub(1));
     let (dir, config, store) = args.model.open()?;
@@ -195,7 +298,7 @@ pub fn exec(args: ValidateArgs) -> Result<Outcome> {
     let eos = eos_ids(&dir, &config);
 
     let progress = Progress::new(CheckId::ALL.len() + 1 + 2 * set.len());
-    progress.step(&format!("{}: compiling", args.device));
+    progress.step(&format!("{device}: compiling"));
     let ctx = Context {
         config: &config,
         store: &store,
@@ -226,7 +329,7 @@ pub fn exec(args: ValidateArgs) -> Result<Outcome> {
         reference_tokens = runs.iter().map(|r| r.tokens.clone()).collect();
         let mut tapped = ctx.open_tapped()?;
         let report = compare_device(
-            &args.device,
+            &device,
             &runs,
             &mut deployed,
             &mut tapped,
@@ -234,38 +337,15 @@ pub fn exec(args: ValidateArgs) -> Result<Outcome> {
             &args.thresholds,
             &progress,
         )?;
-        let finding = Finding {
-            figure: format!(
-                "greedy {}/{}, top-1 {:.1}%, KL mean {:.1e}, logits NMSE {:.1e}, worst layer NRMSE {:.1e}",
-                report.greedy_matched,
-                report.greedy_total,
-                100.0 * report.all.same_top1,
-                report.all.kl_mean,
-                report.logits.nmse,
-                report
-                    .layers
-                    .iter()
-                    .map(|l| l.output.nrmse)
-                    .fold(0.0, f64::max)
-            ),
-            failures: report.failures.clone(),
-            notes: vec![crate::report::compare::first_divergence_line(&report)],
-            details: serde_json::Value::Null,
-            ..Finding::default()
-        };
-        compare = Some(CompareReport {
-            command: "compare-devices".into(),
-            machine: Machine::detect(),
-            inputs: Inputs {
-                model: dir.display().to_string(),
-                weights: store.format().name(),
-                prompts: set.iter().map(|p| (p.label.clone(), p.ids.len())).collect(),
-                tokens: args.tokens,
-                reference: reference.record().clone(),
-            },
-            quantization: None,
-            devices: vec![report],
-        });
+        let finding = compare_finding(&report);
+        compare = Some(compare_report(
+            &dir,
+            &store,
+            &set,
+            args.tokens,
+            &reference,
+            report,
+        ));
         Ok(finding)
     }));
     let mut probe = None;
@@ -277,7 +357,7 @@ pub fn exec(args: ValidateArgs) -> Result<Outcome> {
             settings: &settings,
             prompt: &set[0],
             layers: &[],
-            mode: args.probe_mode,
+            mode: args.probe_mode(),
             max_nrmse: args.probe_max_nrmse,
             max_state_nrmse: args.probe_max_state_nrmse,
             baseline: None,
@@ -308,7 +388,7 @@ pub fn exec(args: ValidateArgs) -> Result<Outcome> {
         let finding = Finding {
             figure: format!(
                 "{} mode, `{}`: worst layer output NRMSE {}, state {state:.1e} (≤ {:.1e} / {:.1e})",
-                args.probe_mode.name(),
+                args.probe_mode().name(),
                 set[0].label,
                 worst.map_or("-".into(), |l| format!(
                     "{:.1e} (L{})",
@@ -343,7 +423,7 @@ pub fn exec(args: ValidateArgs) -> Result<Outcome> {
     }
     let mut plain_reference = open_reference(&config, &store, RunOptions::default(), false)?;
     checks.push(Check::run(CheckId::Blocks, &progress, || {
-        equivalence::blocks(&ctx, &mut deployed, &args.blocks, &reference_tokens)
+        equivalence::blocks(&ctx, &mut deployed, &args.blocks(), &reference_tokens)
     }));
     checks.push(Check::run(CheckId::Padding, &progress, || {
         equivalence::padding(&ctx, &mut deployed)
@@ -352,30 +432,30 @@ pub fn exec(args: ValidateArgs) -> Result<Outcome> {
         equivalence::prefix_reuse(&ctx, &mut deployed, &mut plain_reference)
     }));
     let lookup_opts = LookupOptions {
-        max_ngram: args.lookup_ngram,
-        max_draft: args.lookup_draft,
+        max_ngram: args.lookup_ngram(),
+        max_draft: args.lookup_draft(),
     };
     checks.push(Check::run(CheckId::PromptLookup, &progress, || {
-        lookup::lookup(&ctx, &mut deployed, lookup_opts, args.lookup_tokens)
+        lookup::lookup(&ctx, &mut deployed, lookup_opts, args.lookup_tokens())
     }));
     checks.push(Check::run(CheckId::BackToBack, &progress, || {
         equivalence::back_to_back(&ctx, &mut deployed)
     }));
     checks.push(Check::run(CheckId::Length, &progress, || {
-        length::length(&ctx, &mut deployed, &mut plain_reference, max_length)
+        length::length(
+            &ctx.lengths(),
+            &mut deployed,
+            &mut plain_reference,
+            max_length,
+        )
     }));
     checks.push(Check::run(CheckId::OverLong, &progress, || {
-        length::over_long(&ctx, &mut deployed)
+        length::over_long(&ctx.lengths(), &mut deployed)
     }));
     progress.finish();
 
     // What ran where, over every graph compiled by the checks above.
-    let section = DeviceSection::new(
-        &args.device,
-        &record,
-        ctx.graphs.take(),
-        &args.allow_precision,
-    );
+    let section = DeviceSection::new(&device, &record, ctx.graphs.take(), &args.allow_precision);
     let setup_checks = [
         Check::of(
             CheckId::ExecutionDevices,
@@ -391,17 +471,20 @@ pub fn exec(args: ValidateArgs) -> Result<Outcome> {
         inputs: ValidateInputs {
             model: dir.display().to_string(),
             weights: store.format().name(),
-            device: args.device.clone(),
+            device: device.clone(),
+            ir: None,
+            ir_reference_weights: None,
+            warnings: Vec::new(),
             prompts: set.iter().map(|p| (p.label.clone(), p.ids.len())).collect(),
             tokens: args.tokens,
-            block: settings.block,
-            context,
-            blocks: args.blocks.clone(),
-            lookup_tokens: args.lookup_tokens,
-            lookup_max_ngram: args.lookup_ngram,
-            lookup_max_draft: args.lookup_draft,
+            block: Some(settings.block),
+            context: Some(context),
+            blocks: args.blocks(),
+            lookup_tokens: Some(args.lookup_tokens()),
+            lookup_max_ngram: Some(args.lookup_ngram()),
+            lookup_max_draft: Some(args.lookup_draft()),
             max_length,
-            probe_mode: args.probe_mode.name().into(),
+            probe_mode: Some(args.probe_mode().name().into()),
             fault: args.inject_fault.clone(),
         },
         thresholds: ctx.thresholds,

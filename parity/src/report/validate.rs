@@ -2,19 +2,24 @@
 //! checks made.
 //!
 //! # JSON (`schema_version` 1)
-//! `schema_version`, `tool`, `passed` (every check passed), `seconds` (the whole run, wall-clock), `machine`,
-//! `inputs` {`model`, `weights`, `device`, `prompts` ([label, tokens] pairs), `tokens`, `block`, `context`,
-//! `blocks`, `lookup_tokens`, `lookup_max_ngram`, `lookup_max_draft`, `max_length`, `probe_mode`, `fault`},
+//! `schema_version`, `tool`, `passed` (every check that ran passed), `seconds` (the whole run, wall-clock),
+//! `machine`, `inputs` {`model`, `weights`, `device`, `ir` (the external IR directory of `--ir`, else null),
+//! `ir_reference_weights` (its manifest's `reference_weights`), `warnings`, `prompts` ([label, tokens] pairs),
+//! `tokens`, `block`, `context` (null for an IR without a static context), `blocks` (with `--ir`: the pieces the
+//! prompt is fed in), `lookup_tokens`, `lookup_max_ngram`, `lookup_max_draft`, `max_length`, `probe_mode` (null
+//! where the check does not apply), `fault`},
 //! `thresholds` (as compare-devices', for the precision read back), `device` {`device`, `runtime`, `device_name`,
 //! `driver`, `available`, `precision_requested`, `precision`, `allowed_precisions`, `properties`, `graphs`
 //! ([{`purpose`, `graph`, `precision`, `execution_devices`, `compile_seconds`, `loaded_from_cache`}]),
 //! `cache_dir`}, `checks`: one object per check in a fixed order with `id` (`execution-devices`, `precision`,
 //! `compare`, `probe`, `blocks`, `padding`, `prefix-reuse`, `prompt-lookup`, `back-to-back`, `length`,
-//! `over-long`), `title`, `passed`, `skipped` (null, or why it did not apply), `figure`, `failures`, `notes`,
+//! `over-long`), `title`, `passed` (true, false, or null when the check did not apply: a skipped check neither
+//! passes nor fails), `skipped` (null, or why it did not apply), `figure`, `failures`, `notes`,
 //! `next`, `seconds` and `details` (the check's measures: token agreements {`label`, `tokens`, `matched`,
 //! `first_divergence`, `logits` (a tensor error)}, state differences {`worst`, `nrmse`, `max_abs`, `finite`},
 //! prompt lookup's `proposed`, `accepted`, `acceptance`, `speedup` and per prompt its calls and seconds, the length
-//! check's `points` [{`length`, `bisection`, `passed`, `logits`, `flips`, `confident_flips`, `state`}],
+//! check's `points` [{`length`, `bisection`, `passed`, `logits`, `flips`, `confident_flips`, `state` (null when
+//! the backend does not expose its state)}],
 //! `first_failing` and `bisection_between`; null for `compare` and `probe`, whose whole reports follow); `compare`
 //! (the compare-devices report, as its own JSON documents it, or null when the check could not run) and `probe`
 //! (the probe report, or null).
@@ -38,26 +43,32 @@ pub struct ValidateInputs {
     pub weights: String,
     /// The device.
     pub device: String,
+    /// The external IR directory validated instead of this project's graphs (`--ir`), if any.
+    pub ir: Option<String>,
+    /// What the IR's manifest says the reference must run (`reference_weights`), if it says.
+    pub ir_reference_weights: Option<String>,
+    /// Warnings of the run (`--weights` other than the IR's manifest says).
+    pub warnings: Vec<String>,
     /// Every prompt's label and token count.
     pub prompts: Vec<(String, usize)>,
     /// Greedy tokens per prompt.
     pub tokens: usize,
-    /// The deployed prompt block.
-    pub block: usize,
-    /// The static context.
-    pub context: usize,
-    /// The block sizes compared.
+    /// The deployed prompt block (none for an external IR, which takes any number of tokens per call).
+    pub block: Option<usize>,
+    /// The static context (none for an external IR that declares none).
+    pub context: Option<usize>,
+    /// The block sizes compared (with an external IR: the pieces the prompt is fed in, each against one call).
     pub blocks: Vec<usize>,
-    /// Tokens per prompt-lookup run.
-    pub lookup_tokens: usize,
+    /// Tokens per prompt-lookup run (none where the check does not apply).
+    pub lookup_tokens: Option<usize>,
     /// The longest n-gram looked up.
-    pub lookup_max_ngram: usize,
+    pub lookup_max_ngram: Option<usize>,
     /// The most draft tokens per verify call.
-    pub lookup_max_draft: usize,
+    pub lookup_max_draft: Option<usize>,
     /// The longest prompt of the length check.
     pub max_length: usize,
-    /// The probe's mode.
-    pub probe_mode: String,
+    /// The probe's mode (none where the probe does not apply).
+    pub probe_mode: Option<String>,
     /// An injected fault (tests only).
     pub fault: Option<String>,
 }
@@ -84,9 +95,9 @@ pub struct ValidateReport {
 }
 
 impl ValidateReport {
-    /// Whether every check passed.
+    /// Whether every check that ran passed (a skipped check neither passes nor fails).
     pub fn passed(&self) -> bool {
-        self.checks.iter().all(|c| c.passed)
+        !self.checks.iter().any(Check::failed)
     }
 
     /// The check `id`.
@@ -124,16 +135,22 @@ impl ValidateReport {
     fn title(&self) -> String {
         let i = &self.inputs;
         let d = &self.device;
+        let what = match &i.ir {
+            Some(ir) => format!(
+                "IR {} (manifest: {} weights) against {} ({} weights)",
+                short_model(ir),
+                i.ir_reference_weights.as_deref().unwrap_or("unstated"),
+                short_model(&i.model),
+                i.weights
+            ),
+            None => format!("{} ({} weights)", short_model(&i.model), i.weights),
+        };
         format!(
-            "qwen35 validate: {} ({} weights) on {} ({} asked, {} read back), block {}, context {}, {} prompt(s) × {} \
-             tokens",
-            short_model(&i.model),
-            i.weights,
+            "qwen35 validate: {what} on {} ({} asked, {} read back), {}, {} prompt(s) × {} tokens",
             i.device,
             d.precision_requested.as_deref().unwrap_or("?"),
             d.precision.as_deref().unwrap_or("?"),
-            i.block,
-            i.context,
+            graph_shape(i),
             i.prompts.len(),
             i.tokens
         ) + &i
@@ -143,19 +160,29 @@ impl ValidateReport {
     }
 
     fn verdict_line(&self) -> String {
-        let failed = self.checks.iter().filter(|c| !c.passed).count();
-        if failed == 0 {
-            format!(
+        let failed = self.checks.iter().filter(|c| c.failed()).count();
+        let skipped = self.checks.iter().filter(|c| c.passed.is_none()).count();
+        let ran = self.checks.len() - skipped;
+        let skipped_text = match skipped {
+            0 => String::new(),
+            n => format!("; {n} skipped, neither passed nor failed"),
+        };
+        match (failed, skipped) {
+            (0, 0) => format!(
                 "every check passed ({} checks, {:.1} s)",
                 self.checks.len(),
                 self.seconds
-            )
-        } else {
-            format!(
-                "{failed} of {} checks failed ({:.1} s)",
+            ),
+            (0, _) => format!(
+                "every check that ran passed ({ran} of {} checks ran{skipped_text}; {:.1} s)",
                 self.checks.len(),
                 self.seconds
-            )
+            ),
+            _ => format!(
+                "{failed} of {ran} checks that ran failed ({} checks{skipped_text}; {:.1} s)",
+                self.checks.len(),
+                self.seconds
+            ),
         }
     }
 
@@ -201,10 +228,10 @@ impl ValidateReport {
             .unwrap_or(5);
         let _ = writeln!(s, "{:<w$}  {:<7}  figure", "check", "verdict");
         for c in &self.checks {
-            let verdict = match (c.passed, &c.skipped) {
-                (true, Some(_)) => paint("SKIP", "33", color),
-                (true, None) => paint("PASS", "32", color),
-                (false, _) => paint("FAIL", "31", color),
+            let verdict = match c.passed {
+                None => paint("SKIP", "33", color),
+                Some(true) => paint("PASS", "32", color),
+                Some(false) => paint("FAIL", "31", color),
             };
             // The verdict is 4 characters; pad after the colour codes.
             let _ = writeln!(s, "{:<w$}  {verdict}     {}", c.id.name(), c.figure);
@@ -220,7 +247,7 @@ impl ValidateReport {
                     c.failures.len() - 3
                 );
             }
-            if !c.passed {
+            if c.failed() {
                 let _ = writeln!(s, "{:<w$}    next: {}", "", c.next);
             }
         }
@@ -256,12 +283,22 @@ impl ValidateReport {
         let _ = writeln!(s, "| | |\n|---|---|");
         let _ = writeln!(s, "| tool | qwen35 {} |", env!("CARGO_PKG_VERSION"));
         let _ = writeln!(s, "| machine | {}, {} ({} cores) |", m.os, m.cpu, m.cores);
+        if let Some(ir) = &i.ir {
+            let _ = writeln!(
+                s,
+                "| IR | `{ir}` (graphs made elsewhere, tokens and logits only; its manifest's reference weights: {}) |",
+                i.ir_reference_weights.as_deref().unwrap_or("not stated")
+            );
+        }
         let _ = writeln!(
             s,
             "| model | `{}` ({} weights) |",
             short_model(&i.model),
             i.weights
         );
+        for w in &i.warnings {
+            let _ = writeln!(s, "| **warning** | {} |", cell(w));
+        }
         let prompts: Vec<String> = i
             .prompts
             .iter()
@@ -273,19 +310,23 @@ impl ValidateReport {
             prompts.join(", "),
             i.tokens
         );
-        let _ = writeln!(
-            s,
-            "| graphs | block {}, context {}; blocks compared {:?}; prompt lookup {} tokens, n-grams ≤ {}, drafts ≤ {}; \
-             lengths ≤ {}; probe {} |",
-            i.block,
-            i.context,
-            i.blocks,
-            i.lookup_tokens,
-            i.lookup_max_ngram,
-            i.lookup_max_draft,
-            i.max_length,
-            i.probe_mode
-        );
+        let mut graphs = vec![graph_shape(i)];
+        graphs.push(match i.ir {
+            Some(_) => format!("the prompt in one call vs pieces of {:?}", i.blocks),
+            None => format!("blocks compared {:?}", i.blocks),
+        });
+        if let (Some(t), Some(n), Some(d)) =
+            (i.lookup_tokens, i.lookup_max_ngram, i.lookup_max_draft)
+        {
+            graphs.push(format!(
+                "prompt lookup {t} tokens, n-grams ≤ {n}, drafts ≤ {d}"
+            ));
+        }
+        graphs.push(format!("lengths ≤ {}", i.max_length));
+        if let Some(m) = &i.probe_mode {
+            graphs.push(format!("probe {m}"));
+        }
+        let _ = writeln!(s, "| graphs | {} |", graphs.join("; "));
         let t = &self.thresholds;
         let _ = writeln!(
             s,
@@ -307,28 +348,26 @@ impl ValidateReport {
         let _ = writeln!(s, "| check | verdict | key figure | on failure, look at |");
         let _ = writeln!(s, "|---|---|---|---|");
         for c in &self.checks {
-            let verdict = match (c.passed, &c.skipped) {
-                (true, Some(_)) => "SKIP",
-                (true, None) => "PASS",
-                (false, _) => "**FAIL**",
-            };
+            let verdict = if c.failed() { "**FAIL**" } else { c.verdict() };
             let _ = writeln!(
                 s,
                 "| {} | {verdict} | {} | {} |",
                 c.id.name(),
                 cell(&c.figure),
-                if c.passed { "" } else { c.next }
+                if c.failed() { c.next } else { "" }
+            );
+        }
+        if self.checks.iter().any(|c| c.passed.is_none()) {
+            let _ = writeln!(
+                s,
+                "\nA skipped check (SKIP) did not apply here, for the reason its section gives: it neither passed nor \
+                 failed, and the verdict is over the checks that ran."
             );
         }
         self.device_markdown(&mut s);
         let _ = writeln!(s, "\n## What each check found\n");
         for c in &self.checks {
-            let _ = writeln!(
-                s,
-                "### {} — {}\n",
-                c.id.name(),
-                if c.passed { "PASS" } else { "FAIL" }
-            );
+            let _ = writeln!(s, "### {} — {}\n", c.id.name(), c.verdict());
             let _ = writeln!(s, "{} ({:.2} s): {}.\n", c.title, c.seconds, c.figure);
             if let Some(why) = &c.skipped {
                 let _ = writeln!(s, "Not applicable: {why}.\n");
@@ -342,7 +381,7 @@ impl ValidateReport {
             if !c.failures.is_empty() || !c.notes.is_empty() {
                 s.push('\n');
             }
-            if !c.passed {
+            if c.failed() {
                 let _ = writeln!(s, "Next: {}.\n", c.next);
             }
         }
@@ -421,6 +460,16 @@ impl ValidateReport {
                     .map_or("-", |c| if c { "yes" } else { "no" })
             );
         }
+    }
+}
+
+/// The graphs' shape in a few words: the block and context of this project's graphs, or an IR's context.
+fn graph_shape(i: &ValidateInputs) -> String {
+    match (i.block, i.context) {
+        (Some(b), Some(c)) => format!("block {b}, context {c}"),
+        (Some(b), None) => format!("block {b}"),
+        (None, Some(c)) => format!("any tokens per call, context {c} (the manifest's)"),
+        (None, None) => "any tokens per call, no static context".into(),
     }
 }
 

@@ -63,7 +63,7 @@ pub fn blocks(
             if i > 0 {
                 let what = format!("block {block} vs {}", blocks[0]);
                 failures.extend(against_first.failures(&what, Some(max_nmse)));
-                notes.extend(against_first.tie_note(&what));
+                notes.extend(against_first.tie_note(&what, max_nmse));
             }
             let reference_matched = ref_tokens
                 .iter()
@@ -93,7 +93,7 @@ pub fn blocks(
         .count();
     let ties = others
         .clone()
-        .filter(|r| r.against_first.near_tie())
+        .filter(|r| r.against_first.near_tie(max_nmse))
         .count();
     let sizes: Vec<String> = blocks.iter().map(|b| b.to_string()).collect();
     let figure = format!(
@@ -205,7 +205,7 @@ pub fn padding(ctx: &Context, deployed: &mut Device) -> Result<Finding> {
     )?;
     failures.extend(generated.failures("padded vs unpadded", Some(t.max_logits_nmse)));
     let notes = generated
-        .tie_note("padded vs unpadded")
+        .tie_note("padded vs unpadded", t.max_logits_nmse)
         .into_iter()
         .collect();
     let pad = (block - n % block) % block;
@@ -304,7 +304,7 @@ pub fn prefix_reuse(
     )?;
     failures.extend(agreement.failures("reused vs from scratch", Some(t.max_logits_nmse)));
     let mut notes: Vec<String> = agreement
-        .tie_note("reused vs from scratch")
+        .tie_note("reused vs from scratch", t.max_logits_nmse)
         .into_iter()
         .collect();
     let state = StateDiff::of(&reused.after_prompt, &scratch.after_prompt)?;

@@ -10,9 +10,14 @@
 //!
 //! The reference runs the sequence incrementally (its state at a shorter length carried on), which is exact: the
 //! reference computes a prompt fed in pieces as it computes it whole.
+//!
+//! Both checks run on any backend: on one that does not expose its state (an external IR) the length check compares
+//! the logits only, and a backend without a static context has no over-long prompt to refuse.
 
-use super::{Context, Device, Finding, StateDiff, details};
+use super::{Context, Finding, StateDiff, details};
 use crate::backends::check_context;
+use crate::commands::compare_devices::LabelledPrompt;
+use crate::compare::Thresholds;
 use crate::metrics::{TensorError, TokenAgreement, exceeds, values};
 use anyhow::{Result, bail};
 use candle_core::Tensor;
@@ -20,8 +25,32 @@ use reference::backend::{Backend, Snapshot, greedy};
 use serde::Serialize;
 use std::collections::BTreeMap;
 
+/// What the length checks read of a validate run.
+pub struct Lengths<'a> {
+    /// The prompt set (the sequence is made of its tokens).
+    pub set: &'a [LabelledPrompt],
+    /// End-of-sequence ids.
+    pub eos: &'a [u32],
+    /// The thresholds against the reference.
+    pub thresholds: &'a Thresholds,
+    /// The static context (`None`: the backend has none).
+    pub context: Option<usize>,
+}
+
+impl Context<'_> {
+    /// What the length checks read of this run.
+    pub fn lengths(&self) -> Lengths<'_> {
+        Lengths {
+            set: self.set,
+            eos: self.eos,
+            thresholds: &self.thresholds,
+            context: Some(self.settings.graph.context),
+        }
+    }
+}
+
 /// The first `n` tokens of the set's prompts concatenated and repeated.
-pub fn pattern(set: &[crate::commands::compare_devices::LabelledPrompt], n: usize) -> Vec<u32> {
+pub fn pattern(set: &[LabelledPrompt], n: usize) -> Vec<u32> {
     set.iter()
         .flat_map(|p| p.ids.iter().copied())
         .cycle()
@@ -59,8 +88,8 @@ pub struct LengthPoint {
     pub flips: usize,
     /// Of those, the ones where the reference's top-two margin exceeds twice the logit error there.
     pub confident_flips: usize,
-    /// The state after the prompt against the reference's.
-    pub state: StateDiff,
+    /// The state after the prompt against the reference's (`None`: the backend does not expose it).
+    pub state: Option<StateDiff>,
 }
 
 /// The reference's side of the sequence, fed incrementally from the nearest shorter state kept.
@@ -96,8 +125,8 @@ impl ReferenceSide<'_> {
 
 /// Compares the device with the reference at one length.
 fn compare_at(
-    ctx: &Context,
-    device: &mut Device,
+    ctx: &Lengths,
+    device: &mut dyn Backend,
     reference: &mut ReferenceSide,
     len: usize,
     bisection: bool,
@@ -106,7 +135,11 @@ fn compare_at(
     let sequence = reference.sequence;
     device.reset()?;
     let last = device.forward(&sequence[..len], false)?.logits;
-    let state = device.snapshot()?;
+    let state = if device.exposes_state() {
+        Some(device.snapshot()?)
+    } else {
+        None
+    };
     let step = device.forward(&[sequence[len]], false)?.logits;
     let rows = Tensor::cat(&[last, step], 0)?;
     let logits = TensorError::of(&rows, &ref_rows)?;
@@ -126,13 +159,14 @@ fn compare_at(
             }
         }
     }
-    let state = StateDiff::of(&state, &ref_state)?;
-    let t = &ctx.thresholds;
+    let state = state.map(|s| StateDiff::of(&s, &ref_state)).transpose()?;
+    let t = ctx.thresholds;
     let passed = !exceeds(logits.nmse, t.max_logits_nmse)
         && logits.finite()
         && confident_flips == 0
-        && !exceeds(state.nrmse, t.max_state_nrmse)
-        && state.finite;
+        && state
+            .as_ref()
+            .is_none_or(|s| !exceeds(s.nrmse, t.max_state_nrmse) && s.finite);
     Ok(LengthPoint {
         length: len,
         bisection,
@@ -147,8 +181,8 @@ fn compare_at(
 /// Agreement against prompt length from the shortest probe point to `max_length` (each prompt and one decode step
 /// must fit the static context), and the first failing length by bisection.
 pub fn length(
-    ctx: &Context,
-    device: &mut Device,
+    ctx: &Lengths,
+    device: &mut dyn Backend,
     reference: &mut dyn Backend,
     max_length: usize,
 ) -> Result<Finding> {
@@ -207,8 +241,8 @@ pub fn length(
         .map(|p| (p.length, p.logits.nmse));
     let worst_state = points
         .iter()
-        .max_by(|a, b| a.state.nrmse.total_cmp(&b.state.nrmse))
-        .map(|p| (p.length, p.state.nrmse));
+        .filter_map(|p| p.state.as_ref().map(|s| (p.length, s.nrmse)))
+        .max_by(|a, b| a.1.total_cmp(&b.1));
     let probed = points.iter().filter(|p| !p.bisection).count();
     let mut failures = Vec::new();
     let figure = match (first_failing, bracket) {
@@ -218,8 +252,13 @@ pub fn length(
                 "the device leaves the thresholds from a prompt of {first} tokens on (bisection between {lo} and \
                  {hi}){}",
                 p.map_or(String::new(), |p| format!(
-                    ": logits NMSE {:.2e}, {} confident flip(s), state NRMSE {:.2e} ({})",
-                    p.logits.nmse, p.confident_flips, p.state.nrmse, p.state.worst
+                    ": logits NMSE {:.2e}, {} confident flip(s){}",
+                    p.logits.nmse,
+                    p.confident_flips,
+                    p.state.as_ref().map_or(String::new(), |s| format!(
+                        ", state NRMSE {:.2e} ({})",
+                        s.nrmse, s.worst
+                    ))
                 ))
             ));
             format!(
@@ -228,23 +267,32 @@ pub fn length(
             )
         }
         _ => format!(
-            "lengths {}…{max_length} ({probed} points) pass; worst logits NMSE {:.1e} (L={}), state NRMSE {:.1e} \
-             (L={})",
+            "lengths {}…{max_length} ({probed} points) pass; worst logits NMSE {:.1e} (L={}){}",
             points.first().map_or(0, |p| p.length),
             worst_logits.map_or(0.0, |w| w.1),
             worst_logits.map_or(0, |w| w.0),
-            worst_state.map_or(0.0, |w| w.1),
-            worst_state.map_or(0, |w| w.0),
+            worst_state.map_or(String::new(), |(l, nrmse)| format!(
+                ", state NRMSE {nrmse:.1e} (L={l})"
+            )),
         ),
     };
     notes.push(format!(
-        "each length: a fresh prompt on the device, then one decode step; the context holds {}",
-        ctx.settings.graph.context
+        "each length: a fresh prompt on the device, then one decode step; {}",
+        match ctx.context {
+            Some(c) => format!("the context holds {c}"),
+            None => "the device has no static context".into(),
+        }
     ));
+    if !device.exposes_state() {
+        notes.push(format!(
+            "the logits only: the device's state is {}",
+            npu::external::STATE_NOT_EXPOSED
+        ));
+    }
     #[derive(Serialize)]
     struct Detail {
         max_length: usize,
-        context: usize,
+        context: Option<usize>,
         first_failing: Option<usize>,
         bisection_between: Option<(usize, usize)>,
         points: Vec<LengthPoint>,
@@ -255,7 +303,7 @@ pub fn length(
         notes,
         details: details(&Detail {
             max_length,
-            context: ctx.settings.graph.context,
+            context: ctx.context,
             first_failing,
             bisection_between: bracket,
             points,
@@ -265,9 +313,17 @@ pub fn length(
 }
 
 /// A prompt one token longer than the static context is refused, with an error naming the context, by the
-/// commands' check and by the device itself (never cut to fit).
-pub fn over_long(ctx: &Context, device: &mut Device) -> Result<Finding> {
-    let context = ctx.settings.graph.context;
+/// commands' check and by the device itself (never cut to fit). Skipped when the device has no static context.
+pub fn over_long(ctx: &Lengths, device: &mut dyn Backend) -> Result<Finding> {
+    let Some(context) = ctx.context else {
+        return Ok(Finding {
+            skipped: Some(
+                "the device has no static context: it takes sequences of any length, so none is over-long".into(),
+            ),
+            figure: "not applicable (no static context)".into(),
+            ..Finding::default()
+        });
+    };
     let ids = pattern(ctx.set, context + 1);
     let command = match check_context(ids.len(), 1, context) {
         Ok(()) => bail!("the commands' context check accepted {} tokens", ids.len()),

@@ -58,7 +58,7 @@ pub fn lookup(
             "prompt lookup vs greedy",
             Some(ctx.thresholds.max_logits_nmse),
         ));
-        notes.extend(agreement.tie_note("prompt lookup vs greedy"));
+        notes.extend(agreement.tie_note("prompt lookup vs greedy", ctx.thresholds.max_logits_nmse));
         runs.push(LookupRun {
             prompt: prompt.label.clone(),
             prompt_tokens: prompt.ids.len(),
@@ -97,7 +97,10 @@ pub fn lookup(
             r.accepted as f64 / r.proposed as f64
         }
     });
-    let ties = runs.iter().filter(|r| r.agreement.near_tie()).count();
+    let ties = runs
+        .iter()
+        .filter(|r| r.agreement.near_tie(ctx.thresholds.max_logits_nmse))
+        .count();
     let figure = format!(
         "{identical}/{} prompts token-identical{}; acceptance {:.1}% ({accepted}/{proposed}; `{}` {:.1}%), {} vs {} \
          forward calls, decode speed-up ×{speedup:.2}",

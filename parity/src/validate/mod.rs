@@ -10,10 +10,14 @@
 //! - **Length** ([`length`]): agreement with the reference against prompt length up to the static context, the
 //!   first failing length found by bisection, and a prompt longer than the context refused.
 //!
+//! - **Graphs made elsewhere** ([`external`]): an external stateful IR runs the checks that apply to it at the
+//!   logits and token level; the others are skipped with the reason (a skipped check neither passes nor fails).
+//!
 //! A check that cannot run (a graph that does not compile, a device error) fails with the error as its reason;
 //! the others still run.
 
 pub mod equivalence;
+pub mod external;
 pub mod fault;
 pub mod length;
 pub mod lookup;
@@ -178,8 +182,8 @@ pub struct Check {
     pub id: CheckId,
     /// What it asserts.
     pub title: &'static str,
-    /// Whether it passed (a skipped check passes).
-    pub passed: bool,
+    /// Whether it passed: `None` when it was skipped (it did not apply, so it neither passes nor fails).
+    pub passed: Option<bool>,
     /// Why it did not apply, if it did not.
     pub skipped: Option<String>,
     /// The key figure.
@@ -214,7 +218,8 @@ impl Check {
         Check {
             id,
             title: id.title(),
-            passed: f.failures.is_empty(),
+            passed: (f.skipped.is_none() || !f.failures.is_empty())
+                .then_some(f.failures.is_empty()),
             skipped: f.skipped,
             figure: f.figure,
             failures: f.failures,
@@ -222,6 +227,22 @@ impl Check {
             next: id.next(),
             seconds,
             details: f.details,
+        }
+    }
+}
+
+impl Check {
+    /// Whether it ran and failed.
+    pub fn failed(&self) -> bool {
+        self.passed == Some(false)
+    }
+
+    /// `PASS`, `FAIL` or `SKIP`.
+    pub fn verdict(&self) -> &'static str {
+        match self.passed {
+            Some(true) => "PASS",
+            Some(false) => "FAIL",
+            None => "SKIP",
         }
     }
 }
@@ -378,10 +399,15 @@ impl Agreement {
     }
 
     /// Whether the first divergence is a near tie: the base run's top-two margin there within twice the two runs'
-    /// largest logit difference there (compare-devices' rule), so the flip is the size of the arithmetic's error.
-    pub fn near_tie(&self) -> bool {
-        self.margin_at_divergence
-            .is_some_and(|(margin, diff)| margin <= 2.0 * diff)
+    /// largest logit difference there (compare-devices' rule), so the flip is the size of the arithmetic's error,
+    /// and that error itself acceptable (the logits finite and within `max_nmse`): a divergence where the logits
+    /// are far apart is a failure, whatever the margin.
+    pub fn near_tie(&self, max_nmse: f64) -> bool {
+        self.logits.finite()
+            && !exceeds(self.logits.nmse, max_nmse)
+            && self
+                .margin_at_divergence
+                .is_some_and(|(margin, diff)| margin <= 2.0 * diff)
     }
 
     /// The failures of an equivalence of two computations of the same thing. With `max_nmse` (two different
@@ -390,7 +416,7 @@ impl Agreement {
     pub fn failures(&self, what: &str, max_nmse: Option<f64>) -> Vec<String> {
         let mut f = Vec::new();
         if let Some(d) = self.first_divergence {
-            let tie = max_nmse.is_some() && self.near_tie();
+            let tie = max_nmse.is_some_and(|max| self.near_tie(max));
             if !tie {
                 f.push(format!(
                     "{what}, `{}`: token {d} differs ({} of {} identical){}",
@@ -420,10 +446,10 @@ impl Agreement {
         f
     }
 
-    /// A note on a divergence forgiven as a near tie (`None`: none).
-    pub fn tie_note(&self, what: &str) -> Option<String> {
+    /// A note on a divergence forgiven as a near tie under `max_nmse` (`None`: none).
+    pub fn tie_note(&self, what: &str, max_nmse: f64) -> Option<String> {
         let (d, (m, diff)) = (self.first_divergence?, self.margin_at_divergence?);
-        self.near_tie().then(|| {
+        self.near_tie(max_nmse).then(|| {
             format!(
                 "{what}, `{}`: token {d} differs at a near tie (margin {m:.2e} ≤ 2 × {diff:.2e}, the logits' \
                  difference there); {} of {} identical",

@@ -1,0 +1,673 @@
+//! Linear layers whose weights stay as the checkpoint stores them.
+//!
+//! A [`Linear`] holds either a candle tensor (f64 runs, compressed formats) or a [`MappedMatrix`]: the
+//! memory-mapped bf16, f16 or f32 bytes of a `[out, in]` matrix, never converted as a whole. Widening bf16 or f16
+//! to f32 is exact, so both paths compute the same products; only the order of the f32 sums differs from candle's.
+//!
+//! - Few tokens (`T ≤` [`MATVEC_MAX_TOKENS`], decode): [`matvec`], a multi-threaded product that reads each weight
+//!   row once for all `T` tokens and widens the stored values in registers (AVX2/FMA/F16C when the CPU has them,
+//!   checked at run time; portable code otherwise).
+//! - More tokens (prompt): the matrix is widened to f32 in blocks of rows ([`BLOCK_ELEMENTS`] values at most) and
+//!   each block multiplied with candle's GEMM, so at most one block's f32 copy exists at a time.
+//!
+//! Summation order of [`matvec`] (fixed, independent of the thread count): for one output `y[t, o]`, the products
+//! `x[t, i] · w[o, i]` for `i < 32⌊n/32⌋` go to 32 lane accumulators, lane `i mod 32`, in increasing `i`; lanes
+//! are combined as `(l + (l+8)) + ((l+16) + (l+24))` for `l < 8`, then the 8 lanes reduced as `(l, l+4)`,
+//! `(l, l+2)`, `(l, l+1)`; the remaining `n mod 32` products are then added one by one in increasing `i`. The SIMD path fuses each multiply-add (one
+//! rounding), the portable path does not; each path is deterministic.
+
+use crate::error::{Error, Result};
+use candle_core::{DType, Device, Tensor};
+use memmap2::Mmap;
+use rayon::prelude::*;
+use std::sync::Arc;
+
+/// Calls with at most this many tokens use [`matvec`]; longer ones the blocked GEMM.
+pub const MATVEC_MAX_TOKENS: usize = 8;
+
+/// The largest number of weight values widened to f32 at once on the GEMM path (64 MiB of f32).
+pub const BLOCK_ELEMENTS: usize = 16 << 20;
+
+/// How a mapped matrix's elements are stored (little endian).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Elem {
+    /// bfloat16.
+    Bf16,
+    /// IEEE half.
+    F16,
+    /// IEEE single.
+    F32,
+}
+
+impl Elem {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            Elem::Bf16 | Elem::F16 => 2,
+            Elem::F32 => 4,
+        }
+    }
+}
+
+/// A row-major `[rows, cols]` matrix read in place from a byte buffer (a memory-mapped checkpoint shard).
+#[derive(Clone)]
+pub struct MappedMatrix {
+    bytes: Arc<dyn AsRef<[u8]> + Send + Sync>,
+    offset: usize,
+    rows: usize,
+    cols: usize,
+    elem: Elem,
+}
+
+impl std::fmt::Debug for MappedMatrix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MappedMatrix")
+            .field("rows", &self.rows)
+            .field("cols", &self.cols)
+            .field("elem", &self.elem)
+            .finish()
+    }
+}
+
+struct MmapBytes(Mmap);
+
+impl AsRef<[u8]> for MmapBytes {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+/// A shared memory map that matrices can point into.
+#[derive(Clone)]
+pub struct SharedMap(Arc<dyn AsRef<[u8]> + Send + Sync>);
+
+impl SharedMap {
+    /// Shares a memory map.
+    pub fn from_mmap(map: Mmap) -> Self {
+        SharedMap(Arc::new(MmapBytes(map)))
+    }
+
+    /// Shares an owned buffer (tests, benches).
+    pub fn from_vec(bytes: Vec<u8>) -> Self {
+        SharedMap(Arc::new(bytes))
+    }
+
+    /// The bytes.
+    pub fn bytes(&self) -> &[u8] {
+        (*self.0).as_ref()
+    }
+}
+
+impl MappedMatrix {
+    /// A `[rows, cols]` matrix of `elem` values at `offset` in `map`; fails if the bytes do not fit.
+    pub fn new(
+        map: &SharedMap,
+        offset: usize,
+        rows: usize,
+        cols: usize,
+        elem: Elem,
+    ) -> Result<Self> {
+        let len = rows
+            .checked_mul(cols)
+            .and_then(|n| n.checked_mul(elem.size()))
+            .ok_or_else(|| Error::Input(format!("matrix [{rows}, {cols}] is too large")))?;
+        if offset
+            .checked_add(len)
+            .is_none_or(|end| end > map.bytes().len())
+        {
+            return Err(Error::Input(format!(
+                "matrix [{rows}, {cols}] of {elem:?} at byte {offset} overruns its buffer of {} bytes",
+                map.bytes().len()
+            )));
+        }
+        Ok(MappedMatrix {
+            bytes: map.0.clone(),
+            offset,
+            rows,
+            cols,
+            elem,
+        })
+    }
+
+    /// Output features (rows).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Input features (columns).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// The storage type.
+    pub fn elem(&self) -> Elem {
+        self.elem
+    }
+
+    fn data(&self) -> &[u8] {
+        let len = self.rows * self.cols * self.elem.size();
+        &(*self.bytes).as_ref()[self.offset..self.offset + len]
+    }
+
+    fn row_bytes(&self, r: usize) -> &[u8] {
+        let n = self.cols * self.elem.size();
+        &self.data()[r * n..(r + 1) * n]
+    }
+
+    /// Rows `start..start + count` widened to f32 (exact), row-major, converted in parallel.
+    pub fn rows_f32(&self, start: usize, count: usize) -> Vec<f32> {
+        let cols = self.cols;
+        let mut out = vec![0f32; count * cols];
+        let rows_per_task = (1 << 16) / cols.max(1) + 1;
+        out.par_chunks_mut(rows_per_task * cols.max(1))
+            .enumerate()
+            .for_each(|(task, chunk)| {
+                for (k, dst) in chunk.chunks_mut(cols.max(1)).enumerate() {
+                    let r = start + task * rows_per_task + k;
+                    widen(self.row_bytes(r), self.elem, dst);
+                }
+            });
+        out
+    }
+
+    /// The whole matrix as an f32 tensor `[rows, cols]`.
+    pub fn to_tensor(&self) -> Result<Tensor> {
+        Ok(Tensor::from_vec(
+            self.rows_f32(0, self.rows),
+            (self.rows, self.cols),
+            &Device::Cpu,
+        )?)
+    }
+
+    /// The rows `ids` (an embedding lookup) as an f32 tensor `[ids.len(), cols]`.
+    pub fn gather(&self, ids: &[u32]) -> Result<Tensor> {
+        let mut out = vec![0f32; ids.len() * self.cols];
+        for (dst, &id) in out.chunks_mut(self.cols.max(1)).zip(ids) {
+            let r = id as usize;
+            if r >= self.rows {
+                return Err(Error::Input(format!(
+                    "row {r} is outside a matrix of {} rows",
+                    self.rows
+                )));
+            }
+            widen(self.row_bytes(r), self.elem, dst);
+        }
+        Ok(Tensor::from_vec(out, (ids.len(), self.cols), &Device::Cpu)?)
+    }
+
+    /// `x W^T` for `x` `[T, cols]` f32 → `[T, rows]`: [`matvec`] for few tokens, the blocked GEMM otherwise.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (t, n) = x.dims2()?;
+        if n != self.cols {
+            return Err(Error::Input(format!(
+                "linear: input has {n} features, the weight [{}, {}] expects {}",
+                self.rows, self.cols, self.cols
+            )));
+        }
+        if x.dtype() != DType::F32 {
+            return Err(Error::Input(format!(
+                "linear: a mapped weight takes f32 inputs, not {:?}",
+                x.dtype()
+            )));
+        }
+        if t <= MATVEC_MAX_TOKENS {
+            let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
+            let y = matvec(self, &xs, t);
+            return Ok(Tensor::from_vec(y, (t, self.rows), &Device::Cpu)?);
+        }
+        let block = (BLOCK_ELEMENTS / self.cols.max(1)).max(1);
+        let x = x.contiguous()?;
+        let mut parts = Vec::with_capacity(self.rows.div_ceil(block));
+        let mut start = 0;
+        while start < self.rows {
+            let count = block.min(self.rows - start);
+            let w = Tensor::from_vec(
+                self.rows_f32(start, count),
+                (count, self.cols),
+                &Device::Cpu,
+            )?;
+            parts.push(x.matmul(&w.t()?)?);
+            start += count;
+        }
+        if parts.len() == 1 {
+            return Ok(parts.pop().expect("one part"));
+        }
+        Ok(Tensor::cat(&parts, 1)?)
+    }
+}
+
+/// A linear layer's weight `[out, in]`: mapped as stored, or a tensor of the run's dtype.
+#[derive(Debug, Clone)]
+pub enum Linear {
+    /// Read in place from the checkpoint (f32 runs of bf16, f16 and f32 weights).
+    Mapped(MappedMatrix),
+    /// A tensor held in memory (f64 runs, quantised or f16-rounded weights).
+    Dense(Tensor),
+}
+
+impl Linear {
+    /// `x W^T`: `x` `[T, in]` → `[T, out]`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Linear::Mapped(m) => m.forward(x),
+            Linear::Dense(w) => crate::ops::linear(x, w),
+        }
+    }
+
+    /// The rows `ids` of the matrix (an embedding lookup) `[ids.len(), in]`.
+    pub fn gather(&self, ids: &[u32]) -> Result<Tensor> {
+        match self {
+            Linear::Mapped(m) => m.gather(ids),
+            Linear::Dense(w) => {
+                let ids = Tensor::from_vec(ids.to_vec(), ids.len(), w.device())?;
+                Ok(w.index_select(&ids, 0)?)
+            }
+        }
+    }
+
+    /// The weight as a tensor (f32 for a mapped weight; a full copy).
+    pub fn to_tensor(&self) -> Result<Tensor> {
+        match self {
+            Linear::Mapped(m) => m.to_tensor(),
+            Linear::Dense(w) => Ok(w.clone()),
+        }
+    }
+}
+
+/// Widens one row of stored values to f32 (exact).
+fn widen(src: &[u8], elem: Elem, dst: &mut [f32]) {
+    match elem {
+        Elem::Bf16 => {
+            for (d, s) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *d = f32::from_bits((u16::from_le_bytes([s[0], s[1]]) as u32) << 16);
+            }
+        }
+        Elem::F16 => {
+            for (d, s) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *d = half::f16::from_le_bytes([s[0], s[1]]).to_f32();
+            }
+        }
+        Elem::F32 => {
+            for (d, s) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                *d = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+            }
+        }
+    }
+}
+
+/// One stored value widened to f32.
+#[inline(always)]
+fn value(src: &[u8], elem: Elem, i: usize) -> f32 {
+    match elem {
+        Elem::Bf16 => {
+            f32::from_bits((u16::from_le_bytes([src[2 * i], src[2 * i + 1]]) as u32) << 16)
+        }
+        Elem::F16 => half::f16::from_le_bytes([src[2 * i], src[2 * i + 1]]).to_f32(),
+        Elem::F32 => {
+            f32::from_le_bytes([src[4 * i], src[4 * i + 1], src[4 * i + 2], src[4 * i + 3]])
+        }
+    }
+}
+
+/// `y = x W^T` for `t` tokens: `x` is `[t, cols]` row-major f32, the result `[t, rows]`. Rows of `W` are split
+/// across the rayon threads; each row is read once for all tokens. The summation order is in the module docs.
+pub fn matvec(w: &MappedMatrix, x: &[f32], t: usize) -> Vec<f32> {
+    assert_eq!(x.len(), t * w.cols, "matvec: x must be [t, cols]");
+    let rows = w.rows;
+    // Per row, the t outputs; transposed to [t, rows] at the end.
+    let mut yt = vec![0f32; rows * t];
+    if rows == 0 || t == 0 {
+        return vec![0f32; rows * t];
+    }
+    let simd = simd_available(w.elem);
+    // About 16 tasks per thread (enough to balance them), each of at least 256 KiB of weights (so the scheduling
+    // costs nothing next to the reads). The split decides only which thread computes a row, never how.
+    let row_bytes = (w.cols * w.elem.size()).max(1);
+    let threads = rayon::current_num_threads().max(1);
+    let rows_per_task = rows
+        .div_ceil(16 * threads)
+        .max((256 << 10) / row_bytes)
+        .max(1);
+    yt.par_chunks_mut(rows_per_task * t)
+        .enumerate()
+        .for_each(|(task, out)| {
+            let first = task * rows_per_task;
+            for (k, y) in out.chunks_mut(t).enumerate() {
+                let row = w.row_bytes(first + k);
+                for (g, ys) in y.chunks_mut(GROUP).enumerate() {
+                    let xs = &x[g * GROUP * w.cols..(g * GROUP + ys.len()) * w.cols];
+                    dot_rows(row, w.elem, xs, w.cols, ys, simd);
+                }
+            }
+        });
+    if t == 1 {
+        return yt;
+    }
+    let mut y = vec![0f32; rows * t];
+    for r in 0..rows {
+        for j in 0..t {
+            y[j * rows + r] = yt[r * t + j];
+        }
+    }
+    y
+}
+
+/// Whether the SIMD kernel can run for this storage type on this CPU.
+fn simd_available(elem: Elem) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let base = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        match elem {
+            Elem::F16 => base && is_x86_feature_detected!("f16c"),
+            _ => base,
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = elem;
+        false
+    }
+}
+
+/// Tokens one pass over a weight row serves (a row is then re-read from the L1 cache for the next group).
+const GROUP: usize = 2;
+
+/// Lanes of the accumulators.
+const LANES: usize = 32;
+
+/// `ys[j] = Σ_i xs[j, i] · row[i]` for up to [`GROUP`] tokens `j`.
+fn dot_rows(row: &[u8], elem: Elem, xs: &[f32], n: usize, ys: &mut [f32], simd: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` is true only when the CPU has AVX2, FMA (and F16C for f16), checked by `simd_available`.
+        unsafe {
+            match ys.len() {
+                1 => x86::dot::<1>(row, elem, xs, n, ys),
+                _ => x86::dot::<GROUP>(row, elem, xs, n, ys),
+            }
+        }
+        return;
+    }
+    let _ = simd;
+    portable_dot(row, elem, xs, n, ys);
+}
+
+/// The portable kernel: the same order as the SIMD one, multiply and add rounded separately.
+fn portable_dot(row: &[u8], elem: Elem, xs: &[f32], n: usize, ys: &mut [f32]) {
+    let main = n / LANES * LANES;
+    let mut wbuf = [0f32; LANES];
+    for (j, y) in ys.iter_mut().enumerate() {
+        let x = &xs[j * n..(j + 1) * n];
+        let mut acc = [0f32; LANES];
+        let mut i = 0;
+        while i < main {
+            widen(
+                &row[i * elem.size()..(i + LANES) * elem.size()],
+                elem,
+                &mut wbuf,
+            );
+            for l in 0..LANES {
+                acc[l] += x[i + l] * wbuf[l];
+            }
+            i += LANES;
+        }
+        let mut s = [0f32; 8];
+        for l in 0..8 {
+            s[l] = (acc[l] + acc[l + 8]) + (acc[l + 16] + acc[l + 24]);
+        }
+        for l in 0..4 {
+            s[l] += s[l + 4];
+        }
+        for l in 0..2 {
+            s[l] += s[l + 2];
+        }
+        let mut sum = s[0] + s[1];
+        for (k, &xk) in x.iter().enumerate().skip(main) {
+            sum += xk * value(row, elem, k);
+        }
+        *y = sum;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{Elem, LANES, value};
+    use std::arch::x86_64::*;
+
+    /// Eight stored values at element `i` widened to f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(row: &[u8], elem: Elem, i: usize) -> __m256 {
+        // SAFETY (all arms): the caller guarantees `i + 8 <= n`, so the bytes read are inside `row`; the loads are
+        // unaligned.
+        unsafe {
+            match elem {
+                Elem::Bf16 => {
+                    let h = _mm_loadu_si128(row.as_ptr().add(2 * i) as *const __m128i);
+                    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                }
+                Elem::F16 => {
+                    _mm256_cvtph_ps(_mm_loadu_si128(row.as_ptr().add(2 * i) as *const __m128i))
+                }
+                Elem::F32 => _mm256_loadu_ps(row.as_ptr().add(4 * i) as *const f32),
+            }
+        }
+    }
+
+    /// Adds lanes `l` and `l + 4`, then `l` and `l + 2`, then lanes 0 and 1.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn hsum(v: __m256) -> f32 {
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+        _mm_cvtss_f32(s1)
+    }
+
+    /// The SIMD kernel for `T` tokens (see the module docs for the order).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot<const T: usize>(
+        row: &[u8],
+        elem: Elem,
+        xs: &[f32],
+        n: usize,
+        ys: &mut [f32],
+    ) {
+        assert!(xs.len() >= T * n && ys.len() >= T && row.len() >= n * elem.size());
+        let main = n / LANES * LANES;
+        let mut acc = [[_mm256_setzero_ps(); 4]; T];
+        let mut i = 0;
+        while i < main {
+            // SAFETY: `i + LANES <= main <= n`, inside `row` and every token's slice of `xs`.
+            unsafe {
+                let w = [
+                    load8(row, elem, i),
+                    load8(row, elem, i + 8),
+                    load8(row, elem, i + 16),
+                    load8(row, elem, i + 24),
+                ];
+                for (j, a) in acc.iter_mut().enumerate() {
+                    let x = xs.as_ptr().add(j * n + i);
+                    for (q, (aq, wq)) in a.iter_mut().zip(&w).enumerate() {
+                        *aq = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(8 * q)), *wq, *aq);
+                    }
+                }
+            }
+            i += LANES;
+        }
+        for (j, a) in acc.iter().enumerate() {
+            let lanes = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+            let mut sum = hsum(lanes);
+            for k in main..n {
+                sum = xs[j * n + k].mul_add(value(row, elem, k), sum);
+            }
+            ys[j] = sum;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store(values: &[f32], elem: Elem, pad: usize) -> SharedMap {
+        let mut bytes = vec![0u8; pad];
+        for &v in values {
+            match elem {
+                Elem::Bf16 => bytes.extend(half::bf16::from_f32(v).to_le_bytes()),
+                Elem::F16 => bytes.extend(half::f16::from_f32(v).to_le_bytes()),
+                Elem::F32 => bytes.extend(v.to_le_bytes()),
+            }
+        }
+        SharedMap::from_vec(bytes)
+    }
+
+    /// Deterministic values in [-1, 1).
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// The plain reference: f64 sums of the widened stored values, and the row norms `Σ |x_i w_i|`.
+    fn reference(w: &MappedMatrix, x: &[f32], t: usize) -> (Vec<f64>, Vec<f64>) {
+        let full = w.rows_f32(0, w.rows());
+        let n = w.cols();
+        let mut y = vec![0f64; t * w.rows()];
+        let mut norm = vec![0f64; t * w.rows()];
+        for j in 0..t {
+            for r in 0..w.rows() {
+                for i in 0..n {
+                    let p = x[j * n + i] as f64 * full[r * n + i] as f64;
+                    y[j * w.rows() + r] += p;
+                    norm[j * w.rows() + r] += p.abs();
+                }
+            }
+        }
+        (y, norm)
+    }
+
+    fn check(rows: usize, cols: usize, t: usize, elem: Elem, pad: usize) {
+        let wv = values(rows * cols, 1 + rows as u64 * 31 + cols as u64);
+        let map = store(&wv, elem, pad);
+        let m = MappedMatrix::new(&map, pad, rows, cols, elem).unwrap();
+        let x = values(t * cols, 7 + t as u64);
+        let y = matvec(&m, &x, t);
+        let (expected, norm) = reference(&m, &x, t);
+        // Each f32 sum of n products is within ~n·2^-24 of the row's absolute sum.
+        let tol = (cols as f64 + 2.0) * f32::EPSILON as f64;
+        for k in 0..y.len() {
+            let err = (y[k] as f64 - expected[k]).abs();
+            assert!(
+                err <= tol * norm[k] + 1e-30,
+                "{elem:?} [{rows}, {cols}] t={t} output {k}: {} vs {} (|.| sum {})",
+                y[k],
+                expected[k],
+                norm[k]
+            );
+        }
+        // The portable path agrees with the SIMD one within the same bound, and the candle GEMM too.
+        let xt = Tensor::from_vec(x.clone(), (t, cols), &Device::Cpu).unwrap();
+        let dense = crate::ops::linear(&xt, &m.to_tensor().unwrap())
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        for k in 0..y.len() {
+            assert!((y[k] as f64 - dense[k] as f64).abs() <= 2.0 * tol * norm[k] + 1e-30);
+        }
+        for r in 0..rows {
+            let mut ys = vec![0f32; t];
+            for (g, chunk) in ys.chunks_mut(4).enumerate() {
+                portable_dot(
+                    m.row_bytes(r),
+                    elem,
+                    &x[g * 4 * cols..(g * 4 + chunk.len()) * cols],
+                    cols,
+                    chunk,
+                );
+            }
+            for (j, yj) in ys.iter().enumerate() {
+                let k = j * rows + r;
+                assert!((*yj as f64 - expected[k]).abs() <= tol * norm[k] + 1e-30);
+            }
+        }
+    }
+
+    #[test]
+    fn matvec_matches_a_plain_f64_sum_for_odd_sizes_and_every_storage() {
+        for elem in [Elem::Bf16, Elem::F16, Elem::F32] {
+            for (rows, cols) in [
+                (1, 1),
+                (3, 15),
+                (5, 16),
+                (7, 17),
+                (4, 31),
+                (6, 32),
+                (9, 33),
+                (33, 100),
+                (130, 257),
+            ] {
+                for t in [1, 2, 3, 4, 5, 8] {
+                    // An odd byte offset: the kernel's loads must not assume alignment.
+                    check(rows, cols, t, elem, 1);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn matvec_splits_rows_across_threads_without_changing_a_bit() {
+        // Many small rows: several tasks, each on whichever thread; the result must equal a one-thread run.
+        let (rows, cols) = (3000, 40);
+        let map = store(&values(rows * cols, 3), Elem::Bf16, 0);
+        let m = MappedMatrix::new(&map, 0, rows, cols, Elem::Bf16).unwrap();
+        let x = values(2 * cols, 5);
+        let many = matvec(&m, &x, 2);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        let one = pool.install(|| matvec(&m, &x, 2));
+        assert_eq!(
+            many.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            one.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+        check(rows, cols, 2, Elem::Bf16, 0);
+    }
+
+    #[test]
+    fn the_gemm_path_and_the_lookup_read_the_stored_values_exactly() {
+        let (rows, cols) = (37, 24);
+        let wv = values(rows * cols, 11);
+        let map = store(&wv, Elem::Bf16, 3);
+        let m = MappedMatrix::new(&map, 3, rows, cols, Elem::Bf16).unwrap();
+        let widened: Vec<f32> = wv
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_f32())
+            .collect();
+        assert_eq!(m.rows_f32(0, rows), widened);
+        let g = m.gather(&[5, 0, 36]).unwrap().to_vec2::<f32>().unwrap();
+        assert_eq!(g[0], widened[5 * cols..6 * cols]);
+        assert_eq!(g[2], widened[36 * cols..37 * cols]);
+        assert!(m.gather(&[37]).is_err());
+        // T above the matvec limit: the blocked GEMM equals candle's product of the widened matrix.
+        let t = MATVEC_MAX_TOKENS + 3;
+        let x = Tensor::from_vec(values(t * cols, 2), (t, cols), &Device::Cpu).unwrap();
+        let dense = Tensor::from_vec(widened, (rows, cols), &Device::Cpu).unwrap();
+        let a = m.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+        let b = crate::ops::linear(&x, &dense)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        assert_eq!(a, b);
+        assert!(MappedMatrix::new(&map, 4, rows, cols, Elem::Bf16).is_err());
+    }
+}
