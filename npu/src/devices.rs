@@ -241,8 +241,9 @@ pub fn compile(
     let scratch = ScratchDir::new()?;
     let xml_path = scratch.0.join("graph.xml");
     graph.save(&xml_path)?;
+    let bin_path = graph.bin_path(&xml_path)?;
     drop(graph);
-    compile_file(core, &xml_path, &name, device, opts)
+    compile_ir(core, &xml_path, &bin_path, &name, device, opts)
 }
 
 /// Reads an IR file (`.xml` with its `.bin` beside it) and compiles it for `device` with `opts` set explicitly
@@ -250,6 +251,26 @@ pub fn compile(
 pub fn compile_file(
     core: &mut Core,
     xml_path: &Path,
+    name: &str,
+    device: &str,
+    opts: &CompileOptions,
+) -> Result<Compiled> {
+    compile_ir(
+        core,
+        xml_path,
+        &xml_path.with_extension("bin"),
+        name,
+        device,
+        opts,
+    )
+}
+
+/// [`compile_file`] with the weights in `bin_path` (e.g. a `.bin` several graphs share, see
+/// [`crate::ir::SharedBin`]).
+pub fn compile_ir(
+    core: &mut Core,
+    xml_path: &Path,
+    bin_path: &Path,
     name: &str,
     device: &str,
     opts: &CompileOptions,
@@ -264,10 +285,7 @@ pub fn compile_file(
         message: openvino_message(e),
     };
     let model = core
-        .read_model_from_file(
-            &xml_path.to_string_lossy(),
-            &xml_path.with_extension("bin").to_string_lossy(),
-        )
+        .read_model_from_file(&xml_path.to_string_lossy(), &bin_path.to_string_lossy())
         .map_err(|e| ov_err("reading", &e))?;
     let dev = DeviceType::from(device);
     let requested = requested_properties(device, opts);
@@ -409,10 +427,10 @@ pub fn openvino_message(e: &dyn std::fmt::Display) -> String {
 }
 
 /// A private temporary directory, removed on drop.
-struct ScratchDir(std::path::PathBuf);
+pub(crate) struct ScratchDir(pub(crate) std::path::PathBuf);
 
 impl ScratchDir {
-    fn new() -> Result<Self> {
+    pub(crate) fn new() -> Result<Self> {
         static COUNTER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("qwen35-ir-{}-{n}", std::process::id()));

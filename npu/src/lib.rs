@@ -10,6 +10,7 @@ pub mod external;
 pub mod graphs;
 pub mod infer;
 pub mod ir;
+pub mod pages;
 pub mod runtime;
 pub mod sim;
 

@@ -301,6 +301,42 @@ impl WeightStore {
         }
     }
 
+    /// [`WeightStore::quantized`] for the rows `rows` of the matrix only: quantisation is per row (one scale per row
+    /// or per group of a row), so these are exactly those rows of the whole tensor's codes and scales. Lets a large
+    /// tensor be compressed in pieces, never whole in f32.
+    pub fn quantized_rows(
+        &self,
+        spec: &TensorSpec,
+        rows: std::ops::Range<usize>,
+    ) -> Result<Option<QuantizedMatrix>> {
+        let full_name = self.full_name(spec);
+        let raw = self.raw(&full_name, &spec.shape)?;
+        if !self.storage(spec).is_quantized() {
+            return Ok(None);
+        }
+        let total = spec.shape.first().copied().unwrap_or(0);
+        if rows.start > rows.end || rows.end > total {
+            return Err(raw.err(format!("rows {rows:?} of a tensor of {total} rows")));
+        }
+        let row_bytes = raw.bytes.len() / total.max(1);
+        let mut shape = spec.shape.clone();
+        shape[0] = rows.len();
+        let part = Raw {
+            bytes: &raw.bytes[rows.start * row_bytes..rows.end * row_bytes],
+            ..raw
+        };
+        let part_spec = TensorSpec {
+            shape,
+            ..spec.clone()
+        };
+        self.quantize(&part, &part_spec).map(Some)
+    }
+
+    /// The checkpoint files this store maps (one per shard).
+    pub fn paths(&self) -> Vec<&Path> {
+        self.files.iter().map(|f| f.path.as_path()).collect()
+    }
+
     /// Looks a tensor up and checks its shape and byte count.
     fn raw<'a>(&'a self, full_name: &'a str, shape: &[usize]) -> Result<Raw<'a>> {
         let &file_idx = self.index.get(full_name).ok_or_else(|| Error::Weights {

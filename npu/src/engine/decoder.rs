@@ -6,6 +6,7 @@ use crate::devices::CompileOptions;
 use crate::error::{Error, Result};
 use crate::graphs::{Builder, ports};
 use crate::infer::{Executor, prepare};
+use crate::ir::SharedBin;
 use candle_core::{Device, Tensor};
 use reference::backend::{Backend, Forward, RunRecord, Snapshot};
 use reference::config::Config;
@@ -39,8 +40,30 @@ impl DecoderEngine {
             ));
         }
         let start = std::time::Instant::now();
+        // On an OpenVINO device both graphs stream their constants to one `.bin` and point into it: the weights are
+        // compressed and written once, never held in memory, and while each graph compiles the file's pages (which
+        // the CPU plugin reads once, copying the weights into its own layout) are handed back every 250 ms
+        // (`crate::pages`). FP16SIM evaluates graphs held in memory.
+        let shared = if crate::sim::NumericModel::is_sim(device) {
+            None
+        } else {
+            let scratch = crate::devices::ScratchDir::new()?;
+            let bin = SharedBin::create(&scratch.0.join("weights.bin"))?;
+            Some((scratch, bin))
+        };
         let session = |tokens: usize| -> Result<Box<dyn Executor>> {
-            prepare(builder.decoder_graph(tokens)?, device, opts)
+            let bin = shared.as_ref().map(|(_, bin)| bin);
+            let graph = builder.decoder_graph_on(tokens, bin)?;
+            let releaser = match bin {
+                Some(bin) => Some(crate::pages::Releaser::start(
+                    vec![bin.path()?],
+                    std::time::Duration::from_millis(250),
+                )),
+                None => None,
+            };
+            let executor = prepare(graph, device, opts)?;
+            drop(releaser);
+            Ok(executor)
         };
         let decode = session(1)?;
         let prefill = if block > 1 {
@@ -48,6 +71,7 @@ impl DecoderEngine {
         } else {
             None
         };
+        drop(shared);
         let config = builder.config().clone();
         let graph = *builder.options();
         let context = graph.context;

@@ -36,9 +36,10 @@ pub mod rope;
 
 use crate::error::{Error, Result};
 use crate::ir::{ElemType, Graph, Value};
+use rayon::prelude::*;
 use reference::config::Config;
 use reference::deltanet::Inverse;
-use reference::quant::{QuantKind, Storage};
+use reference::quant::{QuantKind, QuantizedMatrix, Storage};
 use reference::schema::{Param, Schema, TensorSpec};
 use reference::weights::WeightStore;
 
@@ -134,7 +135,12 @@ pub struct Builder<'a> {
     config: &'a Config,
     weights: &'a WeightStore,
     opts: GraphOptions,
+    stream_values: usize,
 }
+
+/// Values per block of rows when a quantized matrix is streamed to a shared `.bin` unless asked otherwise (16 M:
+/// 64 MB in f32 while a block is compressed).
+pub const STREAM_BLOCK_VALUES: usize = 16 << 20;
 
 impl<'a> Builder<'a> {
     /// A builder over a parsed config and an open weight store (f32).
@@ -149,7 +155,15 @@ impl<'a> Builder<'a> {
             config,
             weights,
             opts,
+            stream_values: STREAM_BLOCK_VALUES,
         })
+    }
+
+    /// Compresses a matrix streamed to a shared `.bin` in blocks of about `values` values (whole rows, at least
+    /// one; default [`STREAM_BLOCK_VALUES`]). The bytes written do not depend on it.
+    pub fn with_stream_block(mut self, values: usize) -> Self {
+        self.stream_values = values.max(1);
+        self
     }
 
     /// The config the graphs are built for.
@@ -195,12 +209,20 @@ impl<'a> Builder<'a> {
     /// A checkpoint matrix as an f32 value in the graph, stored as the weight store's format says: f32, f16
     /// (converted in the graph), or integer codes with f16 scales dequantized in the graph as
     /// `f32(code) * f32(scale)` (exact, and bit-identical to what the reference loads from the same store).
+    ///
+    /// In a graph on a [`crate::ir::SharedBin`] every checkpoint constant is keyed by the tensor's name, so graphs
+    /// sharing the file share its weights; quantized matrices are compressed and written a block of rows at a time
+    /// (the same bytes as compressing them whole), and the checkpoint pages read are handed back after each one
+    /// ([`crate::pages`]), so neither the f32 values nor the codes of a large tensor are ever whole in memory.
     fn matrix(&self, graph: &mut Graph, spec: &TensorSpec) -> Result<Value> {
         let shape = spec.shape.as_slice();
-        match self.weights.storage(spec) {
+        let streamed = graph.shared_bin().is_some();
+        let key = |part: &str| streamed.then(|| format!("{}#{part}", spec.name));
+        let storage = self.weights.storage(spec);
+        match storage {
             Storage::Float => {
                 let data = self.host(spec)?;
-                graph.const_f32(&data, shape)
+                self.keyed_f32(graph, key("f32").as_deref(), &data, shape)
             }
             Storage::F16 => {
                 let h: Vec<half::f16> = self
@@ -208,8 +230,81 @@ impl<'a> Builder<'a> {
                     .iter()
                     .map(|&x| half::f16::from_f32(x))
                     .collect();
-                let c = graph.const_f16(&h, shape)?;
+                let bytes: Vec<u8> = h.iter().flat_map(|x| x.to_le_bytes()).collect();
+                let c = graph.constant_streamed(
+                    key("f16").as_deref(),
+                    ElemType::F16,
+                    shape,
+                    |sink| sink(&bytes),
+                )?;
                 graph.convert(c, ElemType::F32)
+            }
+            Storage::Int4Sym { .. } | Storage::Int8Sym if streamed => {
+                let (rows, cols) = match *shape {
+                    [rows, cols] | [rows, 1, cols] => (rows, cols),
+                    _ => {
+                        return Err(Error::graph(
+                            graph.name(),
+                            format!("{}: only matrices are quantized, not {shape:?}", spec.name),
+                        ));
+                    }
+                };
+                let (ty, group) = match storage {
+                    Storage::Int4Sym { group } => (ElemType::I4, group),
+                    _ => (ElemType::I8, cols),
+                };
+                let groups = cols / group.max(1);
+                // Blocks of about `stream_values` values: whole rows, and an even count of int4 codes.
+                let mut block = (self.stream_values / cols.max(1)).max(1);
+                if ty == ElemType::I4 && cols % 2 == 1 {
+                    block = rows;
+                }
+                let mut scales: Vec<half::f16> = Vec::new();
+                let graph_name = graph.name().to_string();
+                let codes = graph.constant_streamed(
+                    key("codes").as_deref(),
+                    ty,
+                    &[rows, groups, group],
+                    |sink| {
+                        scales.reserve(rows * groups);
+                        // A batch of blocks at a time, one per thread, written in order.
+                        let starts: Vec<usize> = (0..rows).step_by(block).collect();
+                        for batch in starts.chunks(rayon::current_num_threads().max(1)) {
+                            let pieces: Vec<Result<QuantizedMatrix>> = batch
+                                .par_iter()
+                                .map(|&start| {
+                                    let rows = start..(start + block).min(rows);
+                                    self.weights.quantized_rows(spec, rows)?.ok_or_else(|| {
+                                        Error::graph(
+                                            &graph_name,
+                                            format!("{}: the store did not quantize it", spec.name),
+                                        )
+                                    })
+                                })
+                                .collect();
+                            for q in pieces {
+                                let q = q?;
+                                sink(&q.packed_codes())?;
+                                scales.extend_from_slice(q.scales());
+                            }
+                            crate::pages::release(&self.weights.paths());
+                        }
+                        Ok(())
+                    },
+                )?;
+                let codes = graph.convert(codes, ElemType::F32)?;
+                let scales = graph.constant_streamed(
+                    key("scales").as_deref(),
+                    ElemType::F16,
+                    &[rows, groups, 1],
+                    |sink| {
+                        let bytes: Vec<u8> = scales.iter().flat_map(|x| x.to_le_bytes()).collect();
+                        sink(&bytes)
+                    },
+                )?;
+                let scales = graph.convert(scales, ElemType::F32)?;
+                let deq = graph.mul(codes, scales)?;
+                graph.reshape(deq, shape)
             }
             Storage::Int4Sym { .. } | Storage::Int8Sym => {
                 let q = self.weights.quantized(spec)?.ok_or_else(|| {
@@ -235,11 +330,27 @@ impl<'a> Builder<'a> {
         }
     }
 
+    /// An f32 constant, written once per key in a shared `.bin` (`key` `None`: always written).
+    fn keyed_f32(
+        &self,
+        graph: &mut Graph,
+        key: Option<&str>,
+        data: &[f32],
+        shape: &[usize],
+    ) -> Result<Value> {
+        let bytes: Vec<u8> = data.iter().flat_map(|x| x.to_le_bytes()).collect();
+        graph.constant_streamed(key, ElemType::F32, shape, |sink| sink(&bytes))
+    }
+
     /// A zero-centred RMSNorm's `1 + w` as a graph constant, folded on the host in f32 (the reference adds the 1 in
     /// f32 too).
     fn norm_weight(&self, graph: &mut Graph, spec: &TensorSpec) -> Result<Value> {
         let w: Vec<f32> = self.host(spec)?.iter().map(|w| w + 1.0).collect();
-        graph.const_f32(&w, &spec.shape)
+        let key = graph
+            .shared_bin()
+            .is_some()
+            .then(|| format!("{}#norm", spec.name));
+        self.keyed_f32(graph, key.as_deref(), &w, &spec.shape)
     }
 
     /// A layer's weight matrix in the graph.

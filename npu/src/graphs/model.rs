@@ -9,7 +9,7 @@ use super::ops::rms_norm;
 use super::ports::{self, StatePorts};
 use super::rope::{self, RotaryTables};
 use crate::error::{Error, Result};
-use crate::ir::{ElemType, Graph, Value};
+use crate::ir::{ElemType, Graph, SharedBin, Value};
 use reference::config::LayerKind;
 use reference::schema::Param;
 use reference::taps::names;
@@ -185,10 +185,21 @@ impl<'a> Builder<'a> {
 
     /// The whole decoder for blocks of `tokens` tokens, every cache an explicit input and output.
     pub fn decoder_graph(&self, tokens: usize) -> Result<Graph> {
+        self.decoder_graph_on(tokens, None)
+    }
+
+    /// [`Builder::decoder_graph`] with its constants streamed to `bin` as they are made (`None`: kept in memory).
+    /// Graphs built on one [`SharedBin`] share every checkpoint tensor in it: the weights are compressed and written
+    /// once, by the first graph that needs them.
+    pub fn decoder_graph_on(&self, tokens: usize, bin: Option<&SharedBin>) -> Result<Graph> {
         self.check_tokens(tokens)?;
         let c = self.config;
         let s = self.schema();
-        let mut graph = Graph::new(&format!("decoder_t{tokens}"));
+        let name = format!("decoder_t{tokens}");
+        let mut graph = match bin {
+            Some(bin) => Graph::with_shared_bin(&name, bin),
+            None => Graph::new(&name),
+        };
         let ids = graph.parameter(ports::INPUT_IDS, ElemType::I64, &[tokens]);
         let inputs = self.block_inputs(&mut graph, tokens, &c.layer_types)?;
         let embed_tokens = self.matrix(&mut graph, &s.global(Param::EmbedTokens))?;

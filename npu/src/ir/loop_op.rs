@@ -149,8 +149,8 @@ impl Graph {
             port_outputs.push((2 + inputs.len() + j, r, axis));
         }
         // The body: constants rebased into this graph's .bin, plus an always-true execution condition.
-        let shift = self.bin.len();
-        self.bin.extend_from_slice(&body.bin);
+        let body_bin = body.bin.read(0, body.bin.len()?)?.into_owned();
+        let shift = self.bin.append(&body_bin)?;
         let mut nodes = body.nodes;
         for n in nodes.iter_mut().filter(|n| n.op == "Const") {
             for (k, v) in n.attrs.iter_mut() {
@@ -159,8 +159,7 @@ impl Graph {
                 }
             }
         }
-        let offset = self.bin.len();
-        self.bin.push(1);
+        let offset = self.bin.append(&[1])?;
         let cond_const = nodes.len();
         nodes.push(Node {
             name: "loop_condition".into(),

@@ -5,14 +5,20 @@
 //! graph fails here, with a readable message, rather than inside OpenVINO's reader.
 //!
 //! [`Graph`] holds the nodes and the `.bin`; its op methods are in [`ops`] (element-wise, matrix and shape ops) and
-//! [`loop_op`] (the `Loop` op and its body); `xml` writes the IR.
+//! [`loop_op`] (the `Loop` op and its body); `xml` writes the IR. A graph keeps its constants in memory, or streams
+//! them to a [`SharedBin`] file as it is built: several graphs can point into one such file, and a constant written
+//! under a key (a checkpoint tensor) is written once and reused by every graph that asks for the same key (`bin`).
 
+mod bin;
 mod loop_op;
 mod ops;
 mod xml;
 
+pub use bin::SharedBin;
 pub use loop_op::{LoopInput, LoopOutput};
 pub use ops::{Binary, Unary};
+
+pub(crate) use bin::Bin;
 
 use crate::error::{Error, Result};
 pub(crate) use loop_op::LoopBody;
@@ -115,7 +121,7 @@ impl Node {
 pub struct Graph {
     name: String,
     pub(crate) nodes: Vec<Node>,
-    pub(crate) bin: Vec<u8>,
+    pub(crate) bin: Bin,
 }
 
 fn dims(shape: &[usize]) -> String {
@@ -152,12 +158,30 @@ fn broadcast(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
 }
 
 impl Graph {
-    /// An empty graph.
+    /// An empty graph whose constants are kept in memory.
     pub fn new(name: &str) -> Self {
         Graph {
             name: name.to_string(),
             nodes: Vec::new(),
-            bin: Vec::new(),
+            bin: Bin::Memory(Vec::new()),
+        }
+    }
+
+    /// An empty graph whose constants are appended to `bin` as they are created (never held in memory); its IR is
+    /// its XML plus that file, which other graphs may share.
+    pub fn with_shared_bin(name: &str, bin: &SharedBin) -> Self {
+        Graph {
+            name: name.to_string(),
+            nodes: Vec::new(),
+            bin: Bin::File(bin.clone()),
+        }
+    }
+
+    /// The shared `.bin` this graph's constants are written to (`None`: they are in memory).
+    pub fn shared_bin(&self) -> Option<&SharedBin> {
+        match &self.bin {
+            Bin::Memory(_) => None,
+            Bin::File(f) => Some(f),
         }
     }
 
@@ -248,21 +272,74 @@ impl Graph {
                 format!("{} bytes for {n} {} values", bytes.len(), ty.ir_name()),
             ));
         }
-        let offset = self.bin.len();
-        self.bin.extend_from_slice(bytes);
-        Ok(self.one(
+        let offset = self.bin.append(bytes)?;
+        Ok(self.const_at(ty, shape, offset, bytes.len()))
+    }
+
+    /// A constant of `ty` and `shape` whose bytes `write` produces in pieces (each piece passed to the sink it is
+    /// given, in order), so that a large tensor never needs to be whole in memory. With a [`SharedBin`] and a `key`,
+    /// a constant already written under that key (with the same type and shape) is reused without calling `write`.
+    /// Fails if `write` fails or produces another number of bytes than the type and shape need.
+    pub fn constant_streamed(
+        &mut self,
+        key: Option<&str>,
+        ty: ElemType,
+        shape: &[usize],
+        write: impl FnOnce(&mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()>,
+    ) -> Result<Value> {
+        let n: usize = shape.iter().product();
+        let size = ty.byte_size(n);
+        if let (Some(key), Bin::File(f)) = (key, &self.bin)
+            && let Some(offset) = f.lookup(key, ty, shape, size)?
+        {
+            return Ok(self.const_at(ty, shape, offset, size));
+        }
+        let start = self.bin.len()?;
+        {
+            let bin = &mut self.bin;
+            let mut sink = |bytes: &[u8]| -> Result<()> { bin.append(bytes).map(|_| ()) };
+            write(&mut sink)?;
+        }
+        let written = self.bin.len()? - start;
+        if written != size {
+            return Err(self.err(
+                "Const",
+                format!(
+                    "{written} bytes written for {n} {} values ({size} expected)",
+                    ty.ir_name()
+                ),
+            ));
+        }
+        if let (Some(key), Bin::File(f)) = (key, &self.bin) {
+            f.remember(key, ty, shape, start, size)?;
+        }
+        Ok(self.const_at(ty, shape, start, size))
+    }
+
+    /// A `Const` node over `size` bytes at `offset` of the `.bin`.
+    fn const_at(&mut self, ty: ElemType, shape: &[usize], offset: usize, size: usize) -> Value {
+        self.one(
             "Const",
             "opset1",
             vec![
                 ("element_type", ty.ir_name().into()),
                 ("shape", dims(shape)),
                 ("offset", offset.to_string()),
-                ("size", bytes.len().to_string()),
+                ("size", size.to_string()),
             ],
             vec![],
             ty,
             shape.to_vec(),
-        ))
+        )
+    }
+
+    /// The `size` bytes at `offset` of the graph's `.bin` (read back from the file for a shared one).
+    pub(crate) fn bin_bytes(
+        &self,
+        offset: usize,
+        size: usize,
+    ) -> Result<std::borrow::Cow<'_, [u8]>> {
+        self.bin.read(offset, size)
     }
 
     /// An f32 constant.

@@ -1,27 +1,46 @@
 //! Serialising a [`Graph`] as IR v11: the XML of nodes, ports, edges and Loop port maps, and the `.bin`.
 
 use super::loop_op::LoopBody;
-use super::{Graph, Node, Port};
+use super::{Bin, Graph, Node, Port};
 use crate::error::{Error, Result};
 use std::fmt::Write as _;
 
 impl Graph {
-    /// Writes `{stem}.xml` and `{stem}.bin`.
+    /// Writes the IR: `{stem}.xml`, and beside it `{stem}.bin` for a graph that holds its constants in memory. A
+    /// graph on a [`super::SharedBin`] writes its XML only, after flushing the shared file, which is its `.bin`
+    /// wherever it lies (read it with that path: [`Graph::bin_path`]).
     pub fn save(&self, xml_path: &std::path::Path) -> Result<()> {
         let (xml, bin) = self.serialize();
-        let bin_path = xml_path.with_extension("bin");
-        std::fs::write(xml_path, xml).map_err(|e| Error::io(xml_path, e))?;
-        std::fs::write(&bin_path, bin).map_err(|e| Error::io(&bin_path, e))
+        if let Some(shared) = self.shared_bin() {
+            shared.flush()?;
+        } else {
+            let bin_path = xml_path.with_extension("bin");
+            std::fs::write(&bin_path, bin).map_err(|e| Error::io(&bin_path, e))?;
+        }
+        std::fs::write(xml_path, xml).map_err(|e| Error::io(xml_path, e))
     }
 
-    /// The IR: `(xml, bin)`, the weights borrowed (they can be the bulk of a checkpoint).
+    /// The `.bin` an IR saved at `xml_path` reads: `{stem}.bin`, or the shared file.
+    pub fn bin_path(&self, xml_path: &std::path::Path) -> Result<std::path::PathBuf> {
+        match self.shared_bin() {
+            Some(shared) => shared.path(),
+            None => Ok(xml_path.with_extension("bin")),
+        }
+    }
+
+    /// The IR: `(xml, bin)`, the weights borrowed (they can be the bulk of a checkpoint). A graph on a
+    /// [`super::SharedBin`] has its constants in that file, not here: its `bin` is empty.
     pub fn serialize(&self) -> (String, &[u8]) {
         let mut xml = String::new();
         let _ = writeln!(xml, "<?xml version=\"1.0\"?>");
         let _ = writeln!(xml, "<net name=\"{}\" version=\"11\">", escape(&self.name));
         write_nodes(&mut xml, &self.nodes, 1);
         let _ = writeln!(xml, "</net>");
-        (xml, &self.bin)
+        let bin: &[u8] = match &self.bin {
+            Bin::Memory(v) => v,
+            Bin::File(_) => &[],
+        };
+        (xml, bin)
     }
 }
 

@@ -592,9 +592,8 @@ fn decode_consts(
         };
         let (offset, size) = (num("offset")?, num("size")?);
         let bytes = graph
-            .bin
-            .get(offset..offset + size)
-            .ok_or_else(|| Error::Interface(format!("Const {} outside the .bin", n.name)))?;
+            .bin_bytes(offset, size)
+            .map_err(|_| Error::Interface(format!("Const {} outside the .bin", n.name)))?;
         let port = &n.outputs[0];
         let count: usize = port.shape.iter().product();
         let data = match port.ty {
@@ -618,7 +617,7 @@ fn decode_consts(
             ),
             ElemType::I8 => Data::I(bytes.iter().map(|&b| b as i8 as i64).collect()),
             ElemType::I4 => Data::I(
-                reference::quant::unpack_i4(bytes, count)?
+                reference::quant::unpack_i4(&bytes, count)?
                     .into_iter()
                     .map(i64::from)
                     .collect(),
