@@ -317,26 +317,8 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
         )?);
     }
     progress.finish();
-
-    let report = CompareReport {
-        command: "compare-devices".into(),
-        machine: Machine::detect(),
-        inputs: Inputs {
-            model: dir.display().to_string(),
-            weights: store.format().name(),
-            prompts: set.iter().map(|p| (p.label.clone(), p.ids.len())).collect(),
-            tokens: args.tokens,
-            reference: reference::backend::Backend::record(&reference).clone(),
-        },
-        quantization,
-        devices: reports,
-    };
-    report.emit(&args.report)?;
-    Ok(if report.passed() {
-        Outcome::Pass
-    } else {
-        Outcome::Fail
-    })
+    let inputs = inputs(dir.as_path(), &store, &set, args.tokens, &reference);
+    emit(inputs, quantization, reports, &args.report)
 }
 
 /// `compare-devices --ir DIR`: the external IR on each device against the reference, tokens and logits only.
@@ -387,20 +369,42 @@ fn exec_external(args: CompareArgs, ir: &Path) -> Result<Outcome> {
         )?);
     }
     progress.finish();
+    let inputs = inputs(dir, store, &set, args.tokens, &reference);
+    emit(inputs, quantization, reports, &args.report)
+}
+
+/// What a compare-devices run compared: the checkpoint, its weights, the prompts and the reference's record.
+fn inputs(
+    dir: &Path,
+    store: &WeightStore,
+    set: &[LabelledPrompt],
+    tokens: usize,
+    reference: &dyn Backend,
+) -> Inputs {
+    Inputs {
+        model: dir.display().to_string(),
+        weights: store.format().name(),
+        prompts: set.iter().map(|p| (p.label.clone(), p.ids.len())).collect(),
+        tokens,
+        reference: reference.record().clone(),
+    }
+}
+
+/// Writes the report of a compare-devices run where asked and concludes from it.
+fn emit(
+    inputs: Inputs,
+    quantization: Option<QuantizationError>,
+    devices: Vec<DeviceReport>,
+    args: &ReportArgs,
+) -> Result<Outcome> {
     let report = CompareReport {
         command: "compare-devices".into(),
         machine: Machine::detect(),
-        inputs: Inputs {
-            model: dir.display().to_string(),
-            weights: store.format().name(),
-            prompts: set.iter().map(|p| (p.label.clone(), p.ids.len())).collect(),
-            tokens: args.tokens,
-            reference: reference::backend::Backend::record(&reference).clone(),
-        },
+        inputs,
         quantization,
-        devices: reports,
+        devices,
     };
-    report.emit(&args.report)?;
+    report.emit(args)?;
     Ok(if report.passed() {
         Outcome::Pass
     } else {

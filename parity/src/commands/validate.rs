@@ -456,15 +456,7 @@ pub fn exec(args: ValidateArgs) -> Result<Outcome> {
 
     // What ran where, over every graph compiled by the checks above.
     let section = DeviceSection::new(&device, &record, ctx.graphs.take(), &args.allow_precision);
-    let setup_checks = [
-        Check::of(
-            CheckId::ExecutionDevices,
-            setup::execution_devices(&section),
-            0.0,
-        ),
-        Check::of(CheckId::Precision, setup::precision(&section), 0.0),
-    ];
-    checks.splice(0..0, setup_checks);
+    checks.splice(0..0, setup::checks(&section));
 
     let report = ValidateReport {
         machine: Machine::detect(),

@@ -103,6 +103,15 @@ fn on(value: &str) -> bool {
     )
 }
 
+/// The two setup checks, from what every graph compiled read back: where it ran, and in what precision.
+pub fn checks(section: &DeviceSection) -> [super::Check; 2] {
+    use super::{Check, CheckId};
+    [
+        Check::of(CheckId::ExecutionDevices, execution_devices(section), 0.0),
+        Check::of(CheckId::Precision, precision(section), 0.0),
+    ]
+}
+
 /// Every graph ran on the device asked: `EXECUTION_DEVICES` of each names no other device, and NPUW's accuracy
 /// check (whose failover would move a failing subgraph at run time, after EXECUTION_DEVICES was read) is off.
 pub fn execution_devices(section: &DeviceSection) -> Finding {

@@ -263,15 +263,7 @@ pub(super) fn exec(
     }
 
     let section = DeviceSection::new(&device, &record, ctx.graphs.take(), &args.allow_precision);
-    let setup_checks = [
-        Check::of(
-            CheckId::ExecutionDevices,
-            setup::execution_devices(&section),
-            0.0,
-        ),
-        Check::of(CheckId::Precision, setup::precision(&section), 0.0),
-    ];
-    checks.splice(0..0, setup_checks);
+    checks.splice(0..0, setup::checks(&section));
 
     let report = ValidateReport {
         machine: Machine::detect(),
