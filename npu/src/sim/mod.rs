@@ -6,6 +6,7 @@
 //! `store=f32,ftz=off` nothing is rounded and it is a second executor of the graphs, independent of OpenVINO.
 
 pub mod eval;
+mod norms;
 pub mod numeric;
 mod ops;
 
