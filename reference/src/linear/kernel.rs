@@ -1,0 +1,237 @@
+//! The matrix-vector kernel of [`super::matvec`]: stored rows widened to f32 (in registers on the SIMD path), rows
+//! split across the rayon threads, each output summed in the fixed order the parent module documents.
+
+use super::{Elem, MappedMatrix};
+use rayon::prelude::*;
+
+/// Widens one row of stored values to f32 (exact).
+pub(super) fn widen(src: &[u8], elem: Elem, dst: &mut [f32]) {
+    match elem {
+        Elem::Bf16 => {
+            for (d, s) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *d = f32::from_bits((u16::from_le_bytes([s[0], s[1]]) as u32) << 16);
+            }
+        }
+        Elem::F16 => {
+            for (d, s) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *d = half::f16::from_le_bytes([s[0], s[1]]).to_f32();
+            }
+        }
+        Elem::F32 => {
+            for (d, s) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                *d = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+            }
+        }
+    }
+}
+
+/// One stored value widened to f32.
+#[inline(always)]
+fn value(src: &[u8], elem: Elem, i: usize) -> f32 {
+    match elem {
+        Elem::Bf16 => {
+            f32::from_bits((u16::from_le_bytes([src[2 * i], src[2 * i + 1]]) as u32) << 16)
+        }
+        Elem::F16 => half::f16::from_le_bytes([src[2 * i], src[2 * i + 1]]).to_f32(),
+        Elem::F32 => {
+            f32::from_le_bytes([src[4 * i], src[4 * i + 1], src[4 * i + 2], src[4 * i + 3]])
+        }
+    }
+}
+
+/// `y = x W^T` for `t` tokens: `x` is `[t, cols]` row-major f32, the result `[t, rows]`. Rows of `W` are split
+/// across the rayon threads; each row is read once for all tokens. The summation order is in the module docs.
+pub fn matvec(w: &MappedMatrix, x: &[f32], t: usize) -> Vec<f32> {
+    assert_eq!(x.len(), t * w.cols, "matvec: x must be [t, cols]");
+    let rows = w.rows;
+    // Per row, the t outputs; transposed to [t, rows] at the end.
+    let mut yt = vec![0f32; rows * t];
+    if rows == 0 || t == 0 {
+        return vec![0f32; rows * t];
+    }
+    let simd = simd_available(w.elem);
+    // About 16 tasks per thread (enough to balance them), each of at least 256 KiB of weights (so the scheduling
+    // costs nothing next to the reads). The split decides only which thread computes a row, never how.
+    let row_bytes = (w.cols * w.elem.size()).max(1);
+    let threads = rayon::current_num_threads().max(1);
+    let rows_per_task = rows
+        .div_ceil(16 * threads)
+        .max((256 << 10) / row_bytes)
+        .max(1);
+    yt.par_chunks_mut(rows_per_task * t)
+        .enumerate()
+        .for_each(|(task, out)| {
+            let first = task * rows_per_task;
+            for (k, y) in out.chunks_mut(t).enumerate() {
+                let row = w.row_bytes(first + k);
+                for (g, ys) in y.chunks_mut(GROUP).enumerate() {
+                    let xs = &x[g * GROUP * w.cols..(g * GROUP + ys.len()) * w.cols];
+                    dot_rows(row, w.elem, xs, w.cols, ys, simd);
+                }
+            }
+        });
+    if t == 1 {
+        return yt;
+    }
+    let mut y = vec![0f32; rows * t];
+    for r in 0..rows {
+        for j in 0..t {
+            y[j * rows + r] = yt[r * t + j];
+        }
+    }
+    y
+}
+
+/// Whether the SIMD kernel can run for this storage type on this CPU.
+fn simd_available(elem: Elem) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let base = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        match elem {
+            Elem::F16 => base && is_x86_feature_detected!("f16c"),
+            _ => base,
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = elem;
+        false
+    }
+}
+
+/// Tokens one pass over a weight row serves (a row is then re-read from the L1 cache for the next group).
+const GROUP: usize = 2;
+
+/// Lanes of the accumulators.
+const LANES: usize = 32;
+
+/// `ys[j] = Σ_i xs[j, i] · row[i]` for up to [`GROUP`] tokens `j`.
+fn dot_rows(row: &[u8], elem: Elem, xs: &[f32], n: usize, ys: &mut [f32], simd: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` is true only when the CPU has AVX2, FMA (and F16C for f16), checked by `simd_available`.
+        unsafe {
+            match ys.len() {
+                1 => x86::dot::<1>(row, elem, xs, n, ys),
+                _ => x86::dot::<GROUP>(row, elem, xs, n, ys),
+            }
+        }
+        return;
+    }
+    let _ = simd;
+    portable_dot(row, elem, xs, n, ys);
+}
+
+/// The portable kernel: the same order as the SIMD one, multiply and add rounded separately.
+pub(super) fn portable_dot(row: &[u8], elem: Elem, xs: &[f32], n: usize, ys: &mut [f32]) {
+    let main = n / LANES * LANES;
+    let mut wbuf = [0f32; LANES];
+    for (j, y) in ys.iter_mut().enumerate() {
+        let x = &xs[j * n..(j + 1) * n];
+        let mut acc = [0f32; LANES];
+        let mut i = 0;
+        while i < main {
+            widen(
+                &row[i * elem.size()..(i + LANES) * elem.size()],
+                elem,
+                &mut wbuf,
+            );
+            for l in 0..LANES {
+                acc[l] += x[i + l] * wbuf[l];
+            }
+            i += LANES;
+        }
+        let mut s = [0f32; 8];
+        for l in 0..8 {
+            s[l] = (acc[l] + acc[l + 8]) + (acc[l + 16] + acc[l + 24]);
+        }
+        for l in 0..4 {
+            s[l] += s[l + 4];
+        }
+        for l in 0..2 {
+            s[l] += s[l + 2];
+        }
+        let mut sum = s[0] + s[1];
+        for (k, &xk) in x.iter().enumerate().skip(main) {
+            sum += xk * value(row, elem, k);
+        }
+        *y = sum;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{Elem, LANES, value};
+    use std::arch::x86_64::*;
+
+    /// Eight stored values at element `i` widened to f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(row: &[u8], elem: Elem, i: usize) -> __m256 {
+        // SAFETY (all arms): the caller guarantees `i + 8 <= n`, so the bytes read are inside `row`; the loads are
+        // unaligned.
+        unsafe {
+            match elem {
+                Elem::Bf16 => {
+                    let h = _mm_loadu_si128(row.as_ptr().add(2 * i) as *const __m128i);
+                    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                }
+                Elem::F16 => {
+                    _mm256_cvtph_ps(_mm_loadu_si128(row.as_ptr().add(2 * i) as *const __m128i))
+                }
+                Elem::F32 => _mm256_loadu_ps(row.as_ptr().add(4 * i) as *const f32),
+            }
+        }
+    }
+
+    /// Adds lanes `l` and `l + 4`, then `l` and `l + 2`, then lanes 0 and 1.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn hsum(v: __m256) -> f32 {
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+        _mm_cvtss_f32(s1)
+    }
+
+    /// The SIMD kernel for `T` tokens (see the module docs for the order).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot<const T: usize>(
+        row: &[u8],
+        elem: Elem,
+        xs: &[f32],
+        n: usize,
+        ys: &mut [f32],
+    ) {
+        assert!(xs.len() >= T * n && ys.len() >= T && row.len() >= n * elem.size());
+        let main = n / LANES * LANES;
+        let mut acc = [[_mm256_setzero_ps(); 4]; T];
+        let mut i = 0;
+        while i < main {
+            // SAFETY: `i + LANES <= main <= n`, inside `row` and every token's slice of `xs`.
+            unsafe {
+                let w = [
+                    load8(row, elem, i),
+                    load8(row, elem, i + 8),
+                    load8(row, elem, i + 16),
+                    load8(row, elem, i + 24),
+                ];
+                for (j, a) in acc.iter_mut().enumerate() {
+                    let x = xs.as_ptr().add(j * n + i);
+                    for (q, (aq, wq)) in a.iter_mut().zip(&w).enumerate() {
+                        *aq = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(8 * q)), *wq, *aq);
+                    }
+                }
+            }
+            i += LANES;
+        }
+        for (j, a) in acc.iter().enumerate() {
+            let lanes = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+            let mut sum = hsum(lanes);
+            for k in main..n {
+                sum = xs[j * n + k].mul_add(value(row, elem, k), sum);
+            }
+            ys[j] = sum;
+        }
+    }
+}
