@@ -269,7 +269,7 @@ def main() -> None:
     if ref0.get("machine"):
         m = ref0["machine"]
         print(f"machine: f32 GEMM {m['gemm_gflops_per_s']:.1f} GFLOP/s (candle, {m['gemm_size']}^3), "
-              f"copy {m['copy_gb_per_s']:.1f} GB/s (read + write)")
+              f"read {m['read_gb_per_s']:.1f} GB/s, copy {m['copy_gb_per_s']:.1f} GB/s (read + write)")
     medians = {}
     print(f"{'median':<14}{'reference':>12}{'transformers':>14}{'ratio ref/hf':>14}")
     for key, label, fmt in KEYS:
@@ -277,6 +277,17 @@ def main() -> None:
         b = statistics.median(r[key] for r in runs["transformers"])
         medians[key] = {"reference": a, "transformers": b, "ratio": a / b}
         print(f"{label:<14}{fmt.format(shown(key, a)):>12}{fmt.format(shown(key, b)):>14}{a / b:>14.2f}")
+    m = ref0.get("machine")
+    if m:
+        gflops = statistics.median(r["prompt_gflops_per_s"] for r in runs["reference"])
+        print(f"reference prompt: {gflops:.1f} GFLOP/s = {100 * gflops / m['gemm_gflops_per_s']:.0f}% of the "
+              f"machine's GEMM rate")
+        weights = ref0.get("decode_weight_bytes_per_token")
+        if weights:
+            step = 1 / medians["decode_tokens_per_s"]["reference"]
+            read = weights / (m["read_gb_per_s"] * 1e9)
+            print(f"reference decode step: {1e3 * step:.1f} ms = {step / read:.2f}x the time to read its "
+                  f"{weights / 1e9:.2f} GB of weights once ({1e3 * read:.1f} ms at {m['read_gb_per_s']:.1f} GB/s)")
     same = [r["generated_ids"] == h["generated_ids"] for r, h in zip(runs["reference"], runs["transformers"])]
     print(f"greedy tokens identical in {sum(same)}/{len(same)} run pairs "
           f"(reference {ref0['generated_ids']}, transformers {hf0['generated_ids']})")

@@ -71,7 +71,7 @@ fn synth_then_bench_writes_every_figure() {
             r[key]
         );
     }
-    for key in ["gemm_gflops_per_s", "copy_gb_per_s"] {
+    for key in ["gemm_gflops_per_s", "copy_gb_per_s", "read_gb_per_s"] {
         assert!(r["machine"][key].as_f64().is_some_and(|x| x > 0.0), "{key}");
     }
     assert_eq!(r["prompt_tokens"], 70);

@@ -345,8 +345,9 @@ pub fn terminal(r: &BenchReport) -> String {
     );
     if let Some(m) = &r.machine {
         out += &format!(
-            "  machine  f32 GEMM {:.1} GFLOP/s ({n}x{n}x{n}, candle), copy {:.1} GB/s (read + write, {}), best of {}, {} threads\n",
+            "  machine  f32 GEMM {:.1} GFLOP/s ({n}x{n}x{n}, candle), read {:.1} GB/s, copy {:.1} GB/s (read + write, {}), best of {}, {} threads\n",
             m.gemm_gflops_per_s,
+            m.read_gb_per_s,
             m.copy_gb_per_s,
             size(m.copy_bytes as u64),
             m.repeats,
@@ -359,8 +360,8 @@ pub fn terminal(r: &BenchReport) -> String {
         );
         if let Some(rate) = r.decode_weight_gb_per_s {
             out += &format!(
-                "; decode streams weights at {:.0}% of the copy bandwidth",
-                100.0 * rate / m.copy_gb_per_s
+                "; a decode step takes {:.2}x the time to read its weights once at the read bandwidth",
+                m.read_gb_per_s / rate
             );
         }
         out += "\n";

@@ -1,4 +1,5 @@
-//! The machine's own limits, measured beside every benchmark: the f32 matrix-product rate and the memory bandwidth.
+//! The machine's own limits, measured beside every benchmark: the f32 matrix-product rate and the memory bandwidth
+//! (a copy, and a read alone: what a decode step does to its weights).
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
@@ -17,12 +18,16 @@ pub struct Machine {
     pub copy_bytes: usize,
     /// The best rate over the repeats, GB/s (10⁹ bytes), bytes read plus bytes written.
     pub copy_gb_per_s: f64,
+    /// The best rate of reading `copy_bytes` once (every thread summing its share), GB/s: the bound of a
+    /// matrix-vector product that streams its weights.
+    pub read_gb_per_s: f64,
     /// Repeats of each probe (the best is kept; one warm-up run before).
     pub repeats: usize,
 }
 
-/// Times an `n×n` by `n×n` f32 product through candle (the reference's own matrix product) and a parallel copy of
-/// `copy_bytes` bytes between two buffers touched beforehand, `repeats` times each after a warm-up.
+/// Times an `n×n` by `n×n` f32 product through candle (the reference's own matrix product), a parallel copy of
+/// `copy_bytes` bytes between two buffers touched beforehand and a parallel read of the source buffer, `repeats`
+/// times each after a warm-up.
 pub fn measure(gemm_size: usize, copy_bytes: usize, repeats: usize) -> Result<Machine> {
     let threads = candle_core::utils::get_num_threads().max(1);
     let repeats = repeats.max(1);
@@ -59,12 +64,67 @@ pub fn measure(gemm_size: usize, copy_bytes: usize, repeats: usize) -> Result<Ma
             best = best.min(seconds);
         }
     }
+    let mut best_read = f64::INFINITY;
+    for i in 0..=repeats {
+        let start = Instant::now();
+        let sums: Vec<u64> = std::thread::scope(|s| {
+            let handles: Vec<_> = src
+                .chunks(part)
+                .map(|from| s.spawn(move || read_sum(from)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_default())
+                .collect()
+        });
+        let seconds = start.elapsed().as_secs_f64();
+        std::hint::black_box(sums);
+        if i > 0 {
+            best_read = best_read.min(seconds);
+        }
+    }
     Ok(Machine {
         threads,
         gemm_size,
         gemm_gflops_per_s: gemm,
         copy_bytes,
         copy_gb_per_s: 2.0 * copy_bytes as f64 / best / 1e9,
+        read_gb_per_s: copy_bytes as f64 / best_read / 1e9,
         repeats,
     })
+}
+
+/// A wrapping sum of the bytes as 64-bit words in eight independent lanes (so the loads are not serialised by one
+/// dependency chain and the compiler vectorises them).
+fn read_sum(bytes: &[u8]) -> u64 {
+    let mut lanes = [0u64; 8];
+    let mut blocks = bytes.chunks_exact(64);
+    for block in &mut blocks {
+        for (lane, word) in lanes.iter_mut().zip(block.chunks_exact(8)) {
+            let word: [u8; 8] = word.try_into().unwrap_or_default();
+            *lane = lane.wrapping_add(u64::from_le_bytes(word));
+        }
+    }
+    let tail = blocks
+        .remainder()
+        .iter()
+        .fold(0u64, |a, &b| a.wrapping_add(b as u64));
+    lanes.iter().fold(tail, |a, &b| a.wrapping_add(b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_read_probe_reads_every_byte() {
+        let bytes: Vec<u8> = (0..1000u32).map(|i| (i * 7 % 251) as u8).collect();
+        // Byte k of each 8-byte word contributes b · 256^k; the 40-byte tail is summed byte by byte.
+        let mut expected = 0u64;
+        for (i, &b) in bytes.iter().enumerate() {
+            let weight = if i < 960 { 1u64 << (8 * (i % 8)) } else { 1 };
+            expected = expected.wrapping_add(b as u64 * weight);
+        }
+        assert_eq!(read_sum(&bytes), expected);
+    }
 }

