@@ -7,8 +7,9 @@
 //! - Few tokens (`T ≤` [`MATVEC_MAX_TOKENS`], decode): [`matvec`], a multi-threaded product that reads each weight
 //!   row once for all `T` tokens and widens the stored values in registers (AVX2/FMA/F16C when the CPU has them,
 //!   checked at run time; portable code otherwise).
-//! - More tokens (prompt): the matrix is widened to f32 in blocks of rows ([`BLOCK_ELEMENTS`] values at most) and
-//!   each block multiplied with candle's GEMM, so at most one block's f32 copy exists at a time.
+//! - More tokens (prompt): the matrix is widened to f32 in blocks of rows ([`BLOCK_ELEMENTS`] values at most, into
+//!   one buffer reused across calls) and each block multiplied with the `gemm` crate's product, called as candle
+//!   calls it (AVX-512 kernels where the CPU has them), so at most one block's f32 copy exists at a time.
 //!
 //! Summation order of [`matvec`] (fixed, independent of the thread count): for one output `y[t, o]`, the products
 //! `x[t, i] · w[o, i]` for `i < 32⌊n/32⌋` go to 32 lane accumulators, lane `i mod 32`, in increasing `i`; lanes
@@ -161,8 +162,14 @@ impl MappedMatrix {
 
     /// Rows `start..start + count` widened to f32 (exact), row-major, converted in parallel.
     pub fn rows_f32(&self, start: usize, count: usize) -> Vec<f32> {
+        let mut out = vec![0f32; count * self.cols];
+        self.widen_rows(start, &mut out);
+        out
+    }
+
+    /// Widens rows `start..` into `out` (`out.len() / cols` of them), in parallel.
+    fn widen_rows(&self, start: usize, out: &mut [f32]) {
         let cols = self.cols;
-        let mut out = vec![0f32; count * cols];
         let rows_per_task = (1 << 16) / cols.max(1) + 1;
         out.par_chunks_mut(rows_per_task * cols.max(1))
             .enumerate()
@@ -172,7 +179,6 @@ impl MappedMatrix {
                     widen(self.row_bytes(r), self.elem, dst);
                 }
             });
-        out
     }
 
     /// The whole matrix as an f32 tensor `[rows, cols]`.
@@ -220,24 +226,79 @@ impl MappedMatrix {
             let y = matvec(self, &xs, t);
             return Ok(Tensor::from_vec(y, (t, self.rows), &Device::Cpu)?);
         }
+        let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
+        let mut y = vec![0f32; t * self.rows];
         let block = (BLOCK_ELEMENTS / self.cols.max(1)).max(1);
-        let x = x.contiguous()?;
-        let mut parts = Vec::with_capacity(self.rows.div_ceil(block));
-        let mut start = 0;
-        while start < self.rows {
-            let count = block.min(self.rows - start);
-            let w = Tensor::from_vec(
-                self.rows_f32(start, count),
-                (count, self.cols),
-                &Device::Cpu,
-            )?;
-            parts.push(x.matmul(&w.t()?)?);
-            start += count;
-        }
-        if parts.len() == 1 {
-            return Ok(parts.pop().expect("one part"));
-        }
-        Ok(Tensor::cat(&parts, 1)?)
+        WIDENED.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            let mut start = 0;
+            while start < self.rows {
+                let count = block.min(self.rows - start);
+                let len = count * self.cols;
+                if buf.len() < len {
+                    buf.resize(len, 0.0);
+                }
+                let w = &mut buf[..len];
+                self.widen_rows(start, w);
+                gemm_into(&xs, t, self.cols, w, count, &mut y[start..], self.rows);
+                start += count;
+            }
+        });
+        Ok(Tensor::from_vec(y, (t, self.rows), &Device::Cpu)?)
+    }
+}
+
+thread_local! {
+    /// The f32 block of weight rows the GEMM path multiplies, kept between calls: a fresh buffer per block would
+    /// fault in and zero its pages every time.
+    static WIDENED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `y[:, ..count] = x wᵀ` for `x` `[t, k]` and `w` `[count, k]` (both row-major), written into the first `count`
+/// columns of `y`, a row-major matrix with rows `y_stride` apart: the `gemm` crate's product, called as candle
+/// calls it for `x.matmul(w.t())`, so the sums are candle's.
+fn gemm_into(
+    x: &[f32],
+    t: usize,
+    k: usize,
+    w: &[f32],
+    count: usize,
+    y: &mut [f32],
+    y_stride: usize,
+) {
+    assert!(x.len() >= t * k && w.len() >= count * k && count <= y_stride);
+    assert!(t == 0 || y.len() >= (t - 1) * y_stride + count);
+    let threads = candle_core::utils::get_num_threads();
+    let parallelism = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: the asserts keep every element the strides address inside the three slices: `x` is `t × k` with
+    // rows `k` apart, `wᵀ` is `k × count` read with row stride 1 and column stride `k` from `w`, and `y` holds
+    // `t` rows of `count` values `y_stride` apart.
+    unsafe {
+        gemm::gemm(
+            t,
+            count,
+            k,
+            y.as_mut_ptr(),
+            1,
+            y_stride as isize,
+            false,
+            x.as_ptr(),
+            1,
+            k as isize,
+            w.as_ptr(),
+            k as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
     }
 }
 
