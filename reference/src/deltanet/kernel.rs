@@ -22,9 +22,14 @@
 //!   right-hand side are zero, its `D` row is zero, it adds nothing to the state, `G` does not move, and its outputs
 //!   are dropped.
 //!
-//! On x86-64 CPUs with AVX2 and FMA the same code is compiled with those features (checked at run time) and each
-//! multiply-add is fused (one rounding); elsewhere it is rounded twice. Both are within f32 rounding of the tensor
-//! forms; neither is bit-identical to them (candle sums its products in another order).
+//! The loops are plain Rust written so the compiler vectorises them (a [`ROWS`] × [`COLS`] tile is eight AVX2
+//! accumulators). On x86-64 CPUs with AVX2 and FMA the same code is compiled with those features (checked at run
+//! time) and each multiply-add is fused (one rounding); elsewhere it is rounded twice. Both are within f32 rounding
+//! of the tensor forms; neither is bit-identical to them (candle sums its products in another order).
+//!
+//! Measured (T = 1024, Hv = 32, Dk = Dv = 128, a shared 2-core machine, runs of one binary interleaved): the
+//! portable build 202 ms, the AVX2 one 77 ms. An AVX-512F build of the same source measured the same as AVX2
+//! (76-81 ms both), so it is not kept; a 6 × 16 tile was slower (151 ms against 88 ms).
 
 use super::Inputs;
 use crate::error::{Error, Result};
