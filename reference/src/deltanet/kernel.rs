@@ -5,8 +5,8 @@
 //! - Heads are independent, so they are split across rayon tasks; each head walks its chunks in order, in
 //!   per-head scratch buffers, with the state kept in place in the output buffer.
 //! - Products are small blocked matrix products ([`gemm`]) on contiguous rows: each output is a chain of
-//!   multiply-adds over the inner index in increasing order. Keys are transposed once per chunk so that both `K Kᵀ`,
-//!   `Q Kᵀ` and the state update `Kᵀ D` read contiguous rows.
+//!   multiply-adds over the inner index in increasing order. Keys are transposed once per chunk so that `K Kᵀ`, `Q Kᵀ`
+//!   and the state update `Kᵀ D` all read contiguous rows.
 //! - The triangular system is not inverted: `(I + N) D = rhs` is solved by forward substitution, row `t` being
 //!   `D_t = rhs_t − Σ_{j<t} N[t, j] D_j` (the sum in increasing `j`). That is the substitution [`super::tri_inverse`]
 //!   performs, applied to the right-hand side instead of to the identity, so `(I + N)^-1` is never formed.
@@ -29,7 +29,8 @@
 //!
 //! Measured (T = 1024, Hv = 32, Dk = Dv = 128, a shared 2-core machine, runs of one binary interleaved): the
 //! portable build 202 ms, the AVX2 one 77 ms. An AVX-512F build of the same source measured the same as AVX2
-//! (76-81 ms both), so it is not kept; a 6 × 16 tile was slower (151 ms against 88 ms).
+//! (76-81 ms both), so it is not kept; a 6 × 16 tile was slower (151 ms against 82-88 ms
+//! in the runs before and after).
 
 use super::Inputs;
 use crate::error::{Error, Result};
@@ -41,10 +42,9 @@ const ROWS: usize = 4;
 /// Columns of one register tile of [`gemm`] (two AVX2 vectors).
 const COLS: usize = 16;
 
-/// The sizes of one sequence.
+/// The sizes of one head's sequence.
 #[derive(Debug, Clone, Copy)]
 struct Dims {
-    h: usize,
     t: usize,
     dk: usize,
     dv: usize,
@@ -64,24 +64,12 @@ pub(super) fn chunked(x: &Inputs, state: &Tensor, block: usize) -> Result<(Tenso
 
 /// [`chunked`] on the AVX2 + FMA build of the kernel (`simd`, which the CPU must have) or the portable one.
 fn chunked_on(x: &Inputs, state: &Tensor, block: usize, simd: bool) -> Result<(Tensor, Tensor)> {
-    let (h, t, dk, dv) = x.check(state)?;
     if block == 0 {
         return Err(Error::Input("chunk block size must be at least 1".into()));
     }
-    let dims = Dims { h, t, dk, dv };
-    with_slices(x, state, |[q, k, v, g, beta, s0]| {
-        let mut o = vec![0f32; h * t * dv];
-        let mut s = s0.to_vec();
-        o.par_chunks_mut((t * dv).max(1))
-            .zip(s.par_chunks_mut((dk * dv).max(1)))
-            .enumerate()
-            .for_each(|(head, (o, s))| {
-                let x = head_inputs([q, k, v, g, beta], dims, head);
-                chunked_head(x, o, s, dims, block, simd);
-            });
-        (o, s)
+    over_heads(x, state, |x, o, s, dims| {
+        chunked_head(x, o, s, dims, block, simd)
     })
-    .and_then(|(o, s)| tensors(o, s, dims))
 }
 
 /// The matrix form token by token (f32 CPU tensors, see [`applies`]): per token `[q;k]ᵀS` in one pass over `S`,
@@ -92,21 +80,32 @@ pub(super) fn matrix(x: &Inputs, state: &Tensor) -> Result<(Tensor, Tensor)> {
 
 /// [`matrix`] on the AVX2 + FMA build of the kernel (`simd`, which the CPU must have) or the portable one.
 fn matrix_on(x: &Inputs, state: &Tensor, simd: bool) -> Result<(Tensor, Tensor)> {
+    over_heads(x, state, |x, o, s, dims| matrix_head(x, o, s, dims, simd))
+}
+
+/// Runs `head(x, o, S, dims)` for every head, split across the rayon threads, `S` starting as the head's incoming
+/// state; returns `(o [H, T, Dv], S [H, Dk, Dv])`.
+fn over_heads(
+    x: &Inputs,
+    state: &Tensor,
+    head: impl Fn(Head, &mut [f32], &mut [f32], Dims) + Sync,
+) -> Result<(Tensor, Tensor)> {
     let (h, t, dk, dv) = x.check(state)?;
-    let dims = Dims { h, t, dk, dv };
-    with_slices(x, state, |[q, k, v, g, beta, s0]| {
+    let dims = Dims { t, dk, dv };
+    let (o, s) = with_slices(x, state, |[q, k, v, g, beta, s0]| {
         let mut o = vec![0f32; h * t * dv];
         let mut s = s0.to_vec();
         o.par_chunks_mut((t * dv).max(1))
             .zip(s.par_chunks_mut((dk * dv).max(1)))
             .enumerate()
-            .for_each(|(head, (o, s))| {
-                let x = head_inputs([q, k, v, g, beta], dims, head);
-                matrix_head(x, o, s, dims, simd);
-            });
+            .for_each(|(i, (o, s))| head(head_inputs([q, k, v, g, beta], dims, i), o, s, dims));
         (o, s)
-    })
-    .and_then(|(o, s)| tensors(o, s, dims))
+    })?;
+    let cpu = Device::Cpu;
+    Ok((
+        Tensor::from_vec(o, (h, t, dv), &cpu)?,
+        Tensor::from_vec(s, (h, dk, dv), &cpu)?,
+    ))
 }
 
 /// Calls `f` on the values of `q, k, v, g, beta, state`, borrowed from their storage (contiguous copies first
@@ -130,15 +129,6 @@ fn with_slices<R>(x: &Inputs, state: &Tensor, f: impl FnOnce([&[f32]; 6]) -> R) 
     }
     let slices: [&[f32]; 6] = slices.try_into().expect("six tensors");
     Ok(f(slices))
-}
-
-/// `o` `[H, T, Dv]` and `S` `[H, Dk, Dv]` as tensors.
-fn tensors(o: Vec<f32>, s: Vec<f32>, d: Dims) -> Result<(Tensor, Tensor)> {
-    let cpu = Device::Cpu;
-    Ok((
-        Tensor::from_vec(o, (d.h, d.t, d.dv), &cpu)?,
-        Tensor::from_vec(s, (d.h, d.dk, d.dv), &cpu)?,
-    ))
 }
 
 /// One head's inputs: `q`, `k` `[T, Dk]`, `v` `[T, Dv]`, `g`, `beta` `[T]`.
