@@ -46,7 +46,7 @@ fn widened(x: &Inputs, s0: &Tensor) -> (Inputs, Tensor) {
     (x, f(s0))
 }
 
-fn narrowed(t: &Tensor) -> Tensor {
+fn as_f32(t: &Tensor) -> Tensor {
     t.to_dtype(DType::F32).unwrap()
 }
 
@@ -67,7 +67,7 @@ fn fast_chunked_equals_tensor_form_and_oracle() {
                 let (o_seq, s_seq) = sequential(&x, &s0).unwrap();
                 let (x64, s64) = widened(&x, &s0);
                 let (o_64, s_64) = sequential(&x64, &s64).unwrap();
-                let (o_64, s_64) = (narrowed(&o_64), narrowed(&s_64));
+                let (o_64, s_64) = (as_f32(&o_64), as_f32(&s_64));
                 for block in BLOCKS {
                     let what = format!("Dk {dk} Dv {dv} g_min {g_min} T {t} block {block}");
                     let (o, s) = chunked(&x, &s0, block, Inverse::Substitution).unwrap();
