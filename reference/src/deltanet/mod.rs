@@ -208,27 +208,28 @@ pub fn sequential(x: &Inputs, state: &Tensor) -> Result<(Tensor, Tensor)> {
 /// `S' = d·S + k deltaᵀ`, with `d = exp(g)`. Inputs hold `T = 1`; returns `(o [H,1,Dv], S')`. f32 CPU tensors take
 /// the plain-memory kernel, everything else [`step_candle`].
 pub fn step(x: &Inputs, state: &Tensor) -> Result<(Tensor, Tensor)> {
-    check_one_token(x, state)?;
+    one_token(x, state)?;
     if kernel::applies(x, state) {
         return kernel::matrix(x, state);
     }
     step_candle(x, state)
 }
 
-fn check_one_token(x: &Inputs, state: &Tensor) -> Result<()> {
-    let (_, t, _, _) = x.check(state)?;
-    if t != 1 {
+/// The sizes `(H, T, Dk, Dv)` of a single-token input; an error unless `T = 1`.
+fn one_token(x: &Inputs, state: &Tensor) -> Result<(usize, usize, usize, usize)> {
+    let dims = x.check(state)?;
+    if dims.1 != 1 {
         return Err(Error::Input(format!(
-            "the matrix step takes one token, got {t}"
+            "the matrix step takes one token, got {}",
+            dims.1
         )));
     }
-    Ok(())
+    Ok(dims)
 }
 
 /// [`step`] written with tensor ops, for any dtype and device (the statement the f32 kernel is held to).
 pub fn step_candle(x: &Inputs, state: &Tensor) -> Result<(Tensor, Tensor)> {
-    check_one_token(x, state)?;
-    let (h, _, dk, _) = x.check(state)?;
+    let (h, _, dk, _) = one_token(x, state)?;
     let qk = Tensor::cat(&[&x.q, &x.k], 1)?; // [H, 2, Dk]
     let read = qk.matmul(state)?; // [H, 2, Dv]: qᵀS, kᵀS
     let q_s = read.narrow(1, 0, 1)?;
@@ -244,7 +245,8 @@ pub fn step_candle(x: &Inputs, state: &Tensor) -> Result<(Tensor, Tensor)> {
 
 /// The chunkwise-parallel form over blocks of `block` tokens; the last block is padded and masked, so any length
 /// and any block size give the sequential result. With forward substitution on f32 CPU tensors this runs the
-/// plain-memory kernel; otherwise [`chunked_candle`].
+/// plain-memory kernel (which also sums each decay exponent `G_t − G_j` directly rather than as a difference of
+/// cumulative sums, keeping strong decays at the sequential form's accuracy); otherwise [`chunked_candle`].
 pub fn chunked(
     x: &Inputs,
     state: &Tensor,
