@@ -6,6 +6,11 @@
 //! forward substitution, block doubling or the series inverse), `tri_inverse_{inverse}` (one chunk's triangular
 //! inverse alone, `C{C}`). Token-by-token forms stop at T = 1024, the chunked ones go to 4096.
 //!
+//! The inputs are f32, so `matrix` and `chunked_substitution_*` run the plain-memory f32 kernels (the fast paths of
+//! `deltanet::run`, `step` and `chunked`); `matrix_candle` (T = 1) and `chunked_substitution_candle_C64` (T ≤ 1024)
+//! time the same forms written with tensor ops (`step_candle`, `chunked_candle`), which is what the doubling and
+//! series forms and `sequential` always run.
+//!
 //! Inputs are random with the model's statistics: q and k l2-normalised (q also scaled by Dk^-0.5), v ~ N(0, 1),
 //! per-token decays exp(g) in about [0.37, 1), beta in (0, 1); the state starts from N(0, 0.1²).
 //!
@@ -71,11 +76,20 @@ fn forms(c: &mut Criterion) {
                 b.iter(|| deltanet::run(form, &x, &s).unwrap())
             });
         }
+        if t <= 1024 {
+            let name = "chunked_substitution_candle_C64";
+            group.bench_with_input(BenchmarkId::new(name, id(t)), &t, |b, _| {
+                b.iter(|| deltanet::chunked_candle(&x, &s, 64, Inverse::Substitution).unwrap())
+            });
+        }
     }
     // One decode step.
     let (x, s) = inputs(1, 1);
     group.bench_with_input(BenchmarkId::new("matrix", id(1)), &1, |b, _| {
         b.iter(|| deltanet::step(&x, &s).unwrap())
+    });
+    group.bench_with_input(BenchmarkId::new("matrix_candle", id(1)), &1, |b, _| {
+        b.iter(|| deltanet::step_candle(&x, &s).unwrap())
     });
     group.bench_with_input(BenchmarkId::new("sequential", id(1)), &1, |b, _| {
         b.iter(|| deltanet::sequential(&x, &s).unwrap())

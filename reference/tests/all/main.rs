@@ -3,6 +3,7 @@
 mod common;
 mod conventions;
 mod deltanet;
+mod deltanet_kernel;
 mod fp16_output;
 mod goldens;
 mod manifest;

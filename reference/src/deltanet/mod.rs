@@ -12,6 +12,13 @@
 //! Per token: `S ← exp(g_t) S; delta = beta_t (v_t − Sᵀk_t); S ← S + k_t deltaᵀ; o_t = Sᵀq_t`.
 //! [`sequential`] is that loop, the oracle. [`step`] is the single-token matrix form of the NPU decoder.
 //! [`chunked`] processes blocks of tokens with a triangular inverse computed by one of three [`Inverse`] methods.
+//!
+//! Every form is written here with tensor ops ([`chunk`], [`step_candle`]): that is the readable statement of the
+//! math, the one the FP16SIM and OpenVINO graphs mirror, and the only path in f64. For f32 CPU tensors, [`chunked`]
+//! with forward substitution, [`step`] and the matrix form of [`run`] take plain-memory kernels instead (the
+//! `kernel` module: the same formulas, heads across threads, no per-op overhead), held to these by tests.
+
+mod kernel;
 
 use crate::error::{Error, Result};
 use crate::masks;
@@ -156,12 +163,13 @@ impl Inputs {
 pub fn run(form: Form, x: &Inputs, state: &Tensor) -> Result<(Tensor, Tensor)> {
     match form {
         Form::Sequential => sequential(x, state),
+        Form::Matrix if kernel::applies(x, state) => kernel::matrix(x, state),
         Form::Matrix => {
             let (_, t, _, _) = x.check(state)?;
             let mut s = state.clone();
             let mut outs = Vec::with_capacity(t);
             for i in 0..t {
-                let (o, s_next) = step(&x.narrow(i, 1)?, &s)?;
+                let (o, s_next) = step_candle(&x.narrow(i, 1)?, &s)?;
                 outs.push(o);
                 s = s_next;
             }
@@ -197,14 +205,31 @@ pub fn sequential(x: &Inputs, state: &Tensor) -> Result<(Tensor, Tensor)> {
 }
 
 /// One token in the NPU decoder's matrix form: `[q;k]ᵀS` in one product, `o = d·qᵀS + (q·k)·delta`,
-/// `S' = d·S + k deltaᵀ`, with `d = exp(g)`. Inputs hold `T = 1`; returns `(o [H,1,Dv], S')`.
+/// `S' = d·S + k deltaᵀ`, with `d = exp(g)`. Inputs hold `T = 1`; returns `(o [H,1,Dv], S')`. f32 CPU tensors take
+/// the plain-memory kernel, everything else [`step_candle`].
 pub fn step(x: &Inputs, state: &Tensor) -> Result<(Tensor, Tensor)> {
-    let (h, t, dk, _) = x.check(state)?;
-    if t != 1 {
+    one_token(x, state)?;
+    if kernel::applies(x, state) {
+        return kernel::matrix(x, state);
+    }
+    step_candle(x, state)
+}
+
+/// The sizes `(H, T, Dk, Dv)` of a single-token input; an error unless `T = 1`.
+fn one_token(x: &Inputs, state: &Tensor) -> Result<(usize, usize, usize, usize)> {
+    let dims = x.check(state)?;
+    if dims.1 != 1 {
         return Err(Error::Input(format!(
-            "the matrix step takes one token, got {t}"
+            "the matrix step takes one token, got {}",
+            dims.1
         )));
     }
+    Ok(dims)
+}
+
+/// [`step`] written with tensor ops, for any dtype and device (the statement the f32 kernel is held to).
+pub fn step_candle(x: &Inputs, state: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (h, _, dk, _) = one_token(x, state)?;
     let qk = Tensor::cat(&[&x.q, &x.k], 1)?; // [H, 2, Dk]
     let read = qk.matmul(state)?; // [H, 2, Dv]: qᵀS, kᵀS
     let q_s = read.narrow(1, 0, 1)?;
@@ -219,8 +244,24 @@ pub fn step(x: &Inputs, state: &Tensor) -> Result<(Tensor, Tensor)> {
 }
 
 /// The chunkwise-parallel form over blocks of `block` tokens; the last block is padded and masked, so any length
-/// and any block size give the sequential result.
+/// and any block size give the sequential result. With forward substitution on f32 CPU tensors this runs the
+/// plain-memory kernel (which also sums each decay exponent `G_t − G_j` directly rather than as a difference of
+/// cumulative sums, keeping strong decays at the sequential form's accuracy); otherwise [`chunked_candle`].
 pub fn chunked(
+    x: &Inputs,
+    state: &Tensor,
+    block: usize,
+    inverse: Inverse,
+) -> Result<(Tensor, Tensor)> {
+    if inverse == Inverse::Substitution && kernel::applies(x, state) {
+        return kernel::chunked(x, state, block);
+    }
+    chunked_candle(x, state, block, inverse)
+}
+
+/// [`chunked`] written with tensor ops, block by block with [`chunk`], for any dtype, device and inverse (the
+/// statement the f32 kernel is held to).
+pub fn chunked_candle(
     x: &Inputs,
     state: &Tensor,
     block: usize,
