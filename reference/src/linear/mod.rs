@@ -1,14 +1,20 @@
 //! Linear layers whose weights stay as the checkpoint stores them.
 //!
-//! A [`Linear`] holds either a candle tensor (f64 runs, compressed formats) or a [`MappedMatrix`]: the
-//! memory-mapped bf16, f16 or f32 bytes of a `[out, in]` matrix, never converted as a whole. Widening bf16 or f16
-//! to f32 is exact, so both paths compute the same products; only the order of the f32 sums differs from candle's.
+//! A [`Linear`] holds a candle tensor (f64 runs), a [`MappedMatrix`]: the memory-mapped bf16, f16 or f32 bytes of a
+//! `[out, in]` matrix (or an owned buffer of f16-rounded values), never converted as a whole, or a [`PackedMatrix`]:
+//! the INT4/INT8 codes and f16 scales of a quantised matrix. Widening bf16 or f16 to f32 is exact, and so is the
+//! dequantised weight `f32(code) · f32(scale)`, so every path computes the same products; only the order of the f32
+//! sums differs from candle's.
 //!
 //! - Few tokens (`T ≤` [`MATVEC_MAX_TOKENS`], decode): [`matvec`], a multi-threaded product that reads each weight
 //!   row once for all `T` tokens and widens the stored values in registers (AVX2/FMA/F16C when the CPU has them,
 //!   checked at run time; portable code otherwise).
 //! - More tokens (prompt): the matrix is widened to f32 in blocks of rows ([`BLOCK_ELEMENTS`] values at most) and
 //!   each block multiplied with candle's GEMM, so at most one block's f32 copy exists at a time.
+//!
+//! A [`PackedMatrix`] goes the same two ways: [`matvec_packed`] widens each code times its scale in registers and
+//! sums in the order below, so it equals [`matvec`] on the dequantised matrix stored as f32 bit for bit; longer
+//! calls dequantise blocks of rows and use the GEMM.
 //!
 //! Summation order of [`matvec`] (fixed, independent of the thread count): for one output `y[t, o]`, the products
 //! `x[t, i] · w[o, i]` for `i < 32⌊n/32⌋` go to 32 lane accumulators, lane `i mod 32`, in increasing `i`; lanes
@@ -23,9 +29,13 @@ use rayon::prelude::*;
 use std::sync::Arc;
 
 mod kernel;
+mod packed;
+mod quant_kernel;
 
 pub use kernel::matvec;
 use kernel::widen;
+pub use packed::PackedMatrix;
+pub use quant_kernel::matvec_packed;
 
 /// Calls with at most this many tokens use [`matvec`]; longer ones the blocked GEMM.
 pub const MATVEC_MAX_TOKENS: usize = 8;
@@ -202,51 +212,68 @@ impl MappedMatrix {
 
     /// `x W^T` for `x` `[T, cols]` f32 → `[T, rows]`: [`matvec`] for few tokens, the blocked GEMM otherwise.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (t, n) = x.dims2()?;
-        if n != self.cols {
-            return Err(Error::Input(format!(
-                "linear: input has {n} features, the weight [{}, {}] expects {}",
-                self.rows, self.cols, self.cols
-            )));
-        }
-        if x.dtype() != DType::F32 {
-            return Err(Error::Input(format!(
-                "linear: a mapped weight takes f32 inputs, not {:?}",
-                x.dtype()
-            )));
-        }
+        let t = check_input(x, self.rows, self.cols, "a mapped")?;
         if t <= MATVEC_MAX_TOKENS {
             let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
             let y = matvec(self, &xs, t);
             return Ok(Tensor::from_vec(y, (t, self.rows), &Device::Cpu)?);
         }
         let block = (BLOCK_ELEMENTS / self.cols.max(1)).max(1);
-        let x = x.contiguous()?;
-        let mut parts = Vec::with_capacity(self.rows.div_ceil(block));
-        let mut start = 0;
-        while start < self.rows {
-            let count = block.min(self.rows - start);
-            let w = Tensor::from_vec(
-                self.rows_f32(start, count),
-                (count, self.cols),
-                &Device::Cpu,
-            )?;
-            parts.push(x.matmul(&w.t()?)?);
-            start += count;
-        }
-        if parts.len() == 1 {
-            return Ok(parts.pop().expect("one part"));
-        }
-        Ok(Tensor::cat(&parts, 1)?)
+        blocked_gemm(x, self.rows, self.cols, block, |s, c| self.rows_f32(s, c))
     }
 }
 
-/// A linear layer's weight `[out, in]`: mapped as stored, or a tensor of the run's dtype.
+/// Checks that `x` is `[T, cols]` f32 for a `[rows, cols]` weight (`what`: "a mapped", "a quantised"); gives `T`.
+fn check_input(x: &Tensor, rows: usize, cols: usize, what: &str) -> Result<usize> {
+    let (t, n) = x.dims2()?;
+    if n != cols {
+        return Err(Error::Input(format!(
+            "linear: input has {n} features, the weight [{rows}, {cols}] expects {cols}"
+        )));
+    }
+    if x.dtype() != DType::F32 {
+        return Err(Error::Input(format!(
+            "linear: {what} weight takes f32 inputs, not {:?}",
+            x.dtype()
+        )));
+    }
+    Ok(t)
+}
+
+/// `x W^T` with `W` `[rows, cols]` widened to f32 `block` rows at a time by `rows_f32(start, count)`, each block
+/// multiplied with candle's GEMM and the parts concatenated along the outputs.
+fn blocked_gemm(
+    x: &Tensor,
+    rows: usize,
+    cols: usize,
+    block: usize,
+    rows_f32: impl Fn(usize, usize) -> Vec<f32>,
+) -> Result<Tensor> {
+    let block = block.max(1);
+    let x = x.contiguous()?;
+    let mut parts = Vec::with_capacity(rows.div_ceil(block));
+    let mut start = 0;
+    while start < rows {
+        let count = block.min(rows - start);
+        let w = Tensor::from_vec(rows_f32(start, count), (count, cols), &Device::Cpu)?;
+        parts.push(x.matmul(&w.t()?)?);
+        start += count;
+    }
+    match parts.len() {
+        0 => Ok(Tensor::zeros((x.dim(0)?, 0), DType::F32, &Device::Cpu)?),
+        1 => Ok(parts.pop().expect("one part")),
+        _ => Ok(Tensor::cat(&parts, 1)?),
+    }
+}
+
+/// A linear layer's weight `[out, in]`: mapped as stored, packed codes and scales, or a tensor of the run's dtype.
 #[derive(Debug, Clone)]
 pub enum Linear {
-    /// Read in place from the checkpoint (f32 runs of bf16, f16 and f32 weights).
+    /// Read in place (f32 runs): the checkpoint's bf16, f16 or f32 weights, or an owned buffer of f16-rounded ones.
     Mapped(MappedMatrix),
-    /// A tensor held in memory (f64 runs, quantised or f16-rounded weights).
+    /// Quantised codes and f16 scales (f32 runs of INT4/INT8 weights).
+    Packed(PackedMatrix),
+    /// A tensor held in memory (f64 runs).
     Dense(Tensor),
 }
 
@@ -255,6 +282,7 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Linear::Mapped(m) => m.forward(x),
+            Linear::Packed(m) => m.forward(x),
             Linear::Dense(w) => crate::ops::linear(x, w),
         }
     }
@@ -263,6 +291,7 @@ impl Linear {
     pub fn gather(&self, ids: &[u32]) -> Result<Tensor> {
         match self {
             Linear::Mapped(m) => m.gather(ids),
+            Linear::Packed(m) => m.gather(ids),
             Linear::Dense(w) => {
                 let ids = Tensor::from_vec(ids.to_vec(), ids.len(), w.device())?;
                 Ok(w.index_select(&ids, 0)?)
@@ -270,10 +299,11 @@ impl Linear {
         }
     }
 
-    /// The weight as a tensor (f32 for a mapped weight; a full copy).
+    /// The weight as a tensor (f32 for a mapped or packed weight: a full copy, dequantised for a packed one).
     pub fn to_tensor(&self) -> Result<Tensor> {
         match self {
             Linear::Mapped(m) => m.to_tensor(),
+            Linear::Packed(m) => m.to_tensor(),
             Linear::Dense(w) => Ok(w.clone()),
         }
     }
