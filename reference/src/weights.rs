@@ -10,7 +10,8 @@
 //! dequantised exactly, or rounded to f16; [`WeightStore::quantized`] gives the codes and scales themselves. In an f32
 //! run, [`WeightStore::linear`] keeps a quantised matrix as its codes and scales ([`Linear::Packed`]) and an
 //! f16-rounded one as f16 ([`Linear::Mapped`] on an owned buffer), each built a block of rows at a time straight
-//! from the mapped checkpoint bytes, so no f32 copy of a whole matrix is ever made.
+//! from the mapped checkpoint bytes, so no f32 copy of a whole matrix is ever made; the checkpoint pages each block
+//! was read from are then handed back ([`SharedMap::release`]).
 
 use crate::error::{Error, Result};
 use crate::linear::{Elem, Linear, MappedMatrix, PackedMatrix, SharedMap};
@@ -299,14 +300,18 @@ impl WeightStore {
                 )));
             }
         };
-        PackedMatrix::from_row_blocks(kind, rows, cols, Self::block_rows(cols), |r| {
-            self.quantized_rows(spec, r)?
-                .ok_or_else(|| raw.err("not quantised under this format".into()))
+        let packed = PackedMatrix::from_row_blocks(kind, rows, cols, Self::block_rows(cols), |r| {
+            let q = self
+                .quantized_rows(spec, r.clone())?
+                .ok_or_else(|| raw.err("not quantised under this format".into()))?;
+            raw.rows(r, rows).release();
+            Ok(q)
         })
         .map_err(|e| match e {
             Error::Input(m) => raw.err(m),
             e => e,
-        })
+        })?;
+        Ok(packed)
     }
 
     /// A matrix rounded to f16 (as [`WeightStore::load`] rounds it), held as f16 bytes and read by the f16 matvec;
@@ -325,6 +330,7 @@ impl WeightStore {
                 for (v, out) in part.values_f64()?.into_iter().zip(dst.chunks_exact_mut(2)) {
                     out.copy_from_slice(&round_f16(v).to_le_bytes());
                 }
+                part.release();
                 Ok(())
             })?;
         MappedMatrix::new(&SharedMap::from_vec(bytes), 0, rows, cols, Elem::F16)
@@ -579,6 +585,13 @@ impl Raw<'_> {
             name: self.name,
             dtype: self.dtype,
         }
+    }
+
+    /// Hands back the resident pages of these bytes in the shard's map (read once, converted: see
+    /// [`SharedMap::release`]).
+    fn release(&self) {
+        let start = self.bytes.as_ptr() as usize - self.file.mmap.bytes().as_ptr() as usize;
+        self.file.mmap.release(start..start + self.bytes.len());
     }
 
     fn unsupported(&self, dtype: StDtype) -> Error {

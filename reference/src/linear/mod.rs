@@ -92,24 +92,53 @@ impl AsRef<[u8]> for MmapBytes {
     }
 }
 
-/// A shared memory map that matrices can point into.
+/// A shared memory map (or owned buffer) that matrices can point into.
 #[derive(Clone)]
-pub struct SharedMap(Arc<dyn AsRef<[u8]> + Send + Sync>);
+pub struct SharedMap(
+    Arc<dyn AsRef<[u8]> + Send + Sync>,
+    /// The same bytes when they are a memory map.
+    Option<Arc<MmapBytes>>,
+);
 
 impl SharedMap {
     /// Shares a memory map.
     pub fn from_mmap(map: Mmap) -> Self {
-        SharedMap(Arc::new(MmapBytes(map)))
+        let map = Arc::new(MmapBytes(map));
+        SharedMap(map.clone(), Some(map))
     }
 
-    /// Shares an owned buffer (tests, benches).
+    /// Shares an owned buffer (f16-rounded weights, tests, benches).
     pub fn from_vec(bytes: Vec<u8>) -> Self {
-        SharedMap(Arc::new(bytes))
+        SharedMap(Arc::new(bytes), None)
     }
 
     /// The bytes.
     pub fn bytes(&self) -> &[u8] {
         (*self.0).as_ref()
+    }
+
+    /// Hands back this process's resident pages of the bytes `range` of a read-only file map (Unix `MADV_DONTNEED`,
+    /// the pages at its ends included): a later read faults them in again from the file, so the bytes never change.
+    /// For bytes read once, e.g. a matrix quantised at load. Nothing for an owned buffer, elsewhere than Unix, or
+    /// when the range is outside the map; best effort.
+    pub fn release(&self, range: std::ops::Range<usize>) {
+        #[cfg(unix)]
+        if let Some(map) = &self.1
+            && range.start <= range.end
+            && range.end <= map.0.len()
+        {
+            // SAFETY: the map is a read-only file mapping (`Mmap`), never written: dropping its pages only makes the
+            // next read fetch the same bytes from the file again.
+            let _ = unsafe {
+                map.0.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    range.start,
+                    range.len(),
+                )
+            };
+        }
+        #[cfg(not(unix))]
+        let _ = range;
     }
 }
 

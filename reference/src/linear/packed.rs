@@ -2,7 +2,7 @@
 //! ever being widened as a whole.
 
 use super::quant_kernel::{PackedRow, matvec_packed};
-use super::{BLOCK_ELEMENTS, MATVEC_MAX_TOKENS, blocked_gemm, check_input};
+use super::{MATVEC_MAX_TOKENS, blocked_gemm, check_input};
 use crate::error::{Error, Result};
 use crate::quant::{QuantKind, QuantizedMatrix};
 use candle_core::{Device, Tensor};
@@ -10,6 +10,10 @@ use half::f16;
 use rayon::prelude::*;
 use std::ops::Range;
 use std::sync::Arc;
+
+/// The most weights dequantised at once on the GEMM path: 16 MiB of f32, small enough that the allocator reuses the
+/// buffer from one block to the next instead of mapping (and faulting in) fresh pages each time.
+const PACKED_BLOCK_ELEMENTS: usize = 4 << 20;
 
 /// A quantised `[rows, cols]` matrix (INT4 or INT8 symmetric, see [`crate::quant`]) as compact codes and f16
 /// scales; its weights are `f32(code) · f32(scale)`, exactly the values of [`QuantizedMatrix::dequantize`].
@@ -247,7 +251,7 @@ impl PackedMatrix {
     }
 
     /// `x W^T` for `x` `[T, cols]` f32 → `[T, rows]`: [`matvec_packed`] for few tokens, otherwise blocks of rows
-    /// dequantised to f32 ([`BLOCK_ELEMENTS`] values at most) and multiplied with candle's GEMM.
+    /// dequantised to f32 ([`PACKED_BLOCK_ELEMENTS`] values at most) and multiplied with candle's GEMM.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let t = check_input(x, self.rows, self.cols, "a quantised")?;
         if t <= MATVEC_MAX_TOKENS {
@@ -255,7 +259,7 @@ impl PackedMatrix {
             let y = matvec_packed(self, &xs, t);
             return Ok(Tensor::from_vec(y, (t, self.rows), &Device::Cpu)?);
         }
-        let block = (BLOCK_ELEMENTS / self.cols.max(1)).max(1);
+        let block = (PACKED_BLOCK_ELEMENTS / self.cols.max(1)).max(1);
         blocked_gemm(x, self.rows, self.cols, block, |s, c| self.rows_f32(s, c))
     }
 

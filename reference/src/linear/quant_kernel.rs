@@ -44,10 +44,40 @@ impl PackedRow<'_> {
         self.code(i) as f32 * f32::from(self.scales[i / self.group])
     }
 
-    /// Weights `start..start + dst.len()` of the row.
+    /// Weights `start..start + dst.len()` of the row (a group at a time, two int4 codes a byte where whole bytes
+    /// fall inside the group).
     pub fn widen(&self, start: usize, dst: &mut [f32]) {
-        for (k, d) in dst.iter_mut().enumerate() {
-            *d = self.value(start + k);
+        let end = start + dst.len();
+        let mut i = start;
+        while i < end {
+            let g = i / self.group;
+            let stop = ((g + 1) * self.group).min(end);
+            let s = f32::from(self.scales[g]);
+            let out = &mut dst[i - start..stop - start];
+            if self.int4 {
+                let mut k = 0;
+                if i & 1 == 1 {
+                    out[0] = self.code(i) as f32 * s;
+                    k = 1;
+                }
+                let pairs = (out.len() - k) / 2;
+                let first = (i + k) / 2;
+                for (pair, &byte) in out[k..k + 2 * pairs]
+                    .chunks_exact_mut(2)
+                    .zip(&self.codes[first..first + pairs])
+                {
+                    pair[0] = (((byte << 4) as i8) >> 4) as f32 * s;
+                    pair[1] = ((byte as i8) >> 4) as f32 * s;
+                }
+                if k + 2 * pairs < out.len() {
+                    out[out.len() - 1] = self.code(stop - 1) as f32 * s;
+                }
+            } else {
+                for (d, &c) in out.iter_mut().zip(&self.codes[i..stop]) {
+                    *d = (c as i8) as f32 * s;
+                }
+            }
+            i = stop;
         }
     }
 }
