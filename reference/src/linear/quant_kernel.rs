@@ -242,7 +242,8 @@ mod x86 {
             let w = match segment {
                 Some(seg) => {
                     if i == end {
-                        s = _mm256_set1_ps(f32::from(row.scales[g]));
+                        // The f16 scale widened in every lane by F16C (exact, as `f32::from`).
+                        s = _mm256_cvtph_ps(_mm_set1_epi16(row.scales[g].to_bits() as i16));
                         g += 1;
                         end += seg;
                     }
