@@ -21,6 +21,7 @@ use crate::quant::{
 };
 use crate::schema::TensorSpec;
 use candle_core::{DType, Device, Tensor};
+use half::slice::HalfFloatSliceExt;
 use memmap2::Mmap;
 use rayon::prelude::*;
 use safetensors::tensor::{Dtype as StDtype, Metadata, TensorInfo};
@@ -327,8 +328,23 @@ impl WeightStore {
             .try_for_each(|(b, dst)| -> Result<()> {
                 let start = b * block;
                 let part = raw.rows(start..start + dst.len() / 2 / cols.max(1), rows);
-                for (v, out) in part.values_f64()?.into_iter().zip(dst.chunks_exact_mut(2)) {
-                    out.copy_from_slice(&round_f16(v).to_le_bytes());
+                if part.dtype == StDtype::F64 {
+                    for (v, out) in part.values_f64()?.into_iter().zip(dst.chunks_exact_mut(2)) {
+                        out.copy_from_slice(&round_f16(v).to_le_bytes());
+                    }
+                } else {
+                    // bf16, f16 and f32 values are exact in f32, so rounding them from f32 (vectorised, after the
+                    // same clamp to ±65504) gives round_f16's results.
+                    let mut v = part.values_f32()?;
+                    let max = f32::from(half::f16::MAX);
+                    for x in &mut v {
+                        *x = x.clamp(-max, max);
+                    }
+                    let mut h = vec![half::f16::ZERO; v.len()];
+                    h.convert_from_f32_slice(&v);
+                    for (x, out) in h.iter().zip(dst.chunks_exact_mut(2)) {
+                        out.copy_from_slice(&x.to_le_bytes());
+                    }
                 }
                 part.release();
                 Ok(())
