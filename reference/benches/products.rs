@@ -9,12 +9,18 @@
 //! The group `mapped` times the same products on bf16 weights read in place ([`reference::linear::MappedMatrix`]:
 //! the widening matvec for T ≤ 8, blocked widening and GEMM above), names `mapped/{weight}_{out}x{in}/T{T}`.
 //!
+//! The group `quant` times the decode products (T = 1 and 4) on INT4 (group 128) and INT8 (per row) weights at the
+//! same shapes, names `quant/{kernel}/{out}x{in}_T{T}`: `matvec_int4_g128` and `matvec_int8` read the packed codes
+//! and scales ([`reference::linear::PackedMatrix`]), `dense_int4_g128` is the path these weights took before (the
+//! dequantised f32 matrix through candle's `matmul`), and `matvec_bf16` the bf16 widening matvec on the same shape.
+//!
 //! `cargo bench -p reference --bench products [-- FILTER]`.
 
 use candle_core::{Device, Tensor};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use reference::linear::{Elem, MappedMatrix, SharedMap};
+use reference::linear::{Elem, MappedMatrix, PackedMatrix, SharedMap};
 use reference::ops::linear;
+use reference::quant::{quantize_int4_sym, quantize_int8_sym};
 use std::time::Duration;
 
 /// (name, out, in) of every distinct projection shape of a layer.
@@ -105,5 +111,75 @@ fn mapped(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, products, mapped);
+/// Random `[out, inp]` f32 weights as the synthetic checkpoints scale them.
+fn random_f32(out: usize, inp: usize) -> Vec<f32> {
+    Tensor::randn(0f32, 1.0 / (inp as f32).sqrt(), (out, inp), &Device::Cpu)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+}
+
+fn quant(c: &mut Criterion) {
+    let mut group = c.benchmark_group("quant");
+    group
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
+    let dev = Device::Cpu;
+    let shapes = [
+        ("in_proj_qkv", 8192, 4096),
+        ("gate_proj", 12288, 4096),
+        ("down_proj", 4096, 12288),
+        ("lm_head", 248320, 4096),
+    ];
+    for (name, out, inp) in shapes {
+        let w = random_f32(out, inp);
+        let bf16 = {
+            let bytes: Vec<u8> = w
+                .iter()
+                .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+                .collect();
+            MappedMatrix::new(&SharedMap::from_vec(bytes), 0, out, inp, Elem::Bf16).unwrap()
+        };
+        let lm_head = name == "lm_head";
+        // The LM head is INT8 in the exports; the projections INT4 (the int8 variant is timed on them too).
+        let int4 = (!lm_head).then(|| {
+            PackedMatrix::from_quantized(&quantize_int4_sym(&w, out, inp, 128).unwrap()).unwrap()
+        });
+        let int8 = PackedMatrix::from_quantized(&quantize_int8_sym(&w, out, inp).unwrap()).unwrap();
+        drop(w);
+        for t in [1, 4] {
+            if lm_head && t > 1 {
+                continue;
+            }
+            let x = Tensor::randn(0f32, 1.0, (t, inp), &dev).unwrap();
+            let shape = format!("{out}x{inp}_T{t}");
+            group.throughput(Throughput::Elements((2 * t * out * inp) as u64));
+            if let Some(int4) = &int4 {
+                group.bench_with_input(BenchmarkId::new("matvec_int4_g128", &shape), &t, |b, _| {
+                    b.iter(|| int4.forward(&x).unwrap())
+                });
+                if out * inp <= 12288 * 4096 {
+                    let dense = int4.to_tensor().unwrap();
+                    group.bench_with_input(
+                        BenchmarkId::new("dense_int4_g128", &shape),
+                        &t,
+                        |b, _| b.iter(|| linear(&x, &dense).unwrap()),
+                    );
+                }
+            }
+            group.bench_with_input(BenchmarkId::new("matvec_int8", &shape), &t, |b, _| {
+                b.iter(|| int8.forward(&x).unwrap())
+            });
+            group.bench_with_input(BenchmarkId::new("matvec_bf16", &shape), &t, |b, _| {
+                b.iter(|| bf16.forward(&x).unwrap())
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, products, mapped, quant);
 criterion_main!(benches);

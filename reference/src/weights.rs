@@ -7,16 +7,23 @@
 //!
 //! A store opened with a [`WeightFormat`] other than f32 hands out the weights the compressed export runs: each
 //! tensor the format selects is quantised from its checkpoint value (converted to f32, exactly for bf16/f16/f32) and
-//! dequantised exactly, or rounded to f16; [`WeightStore::quantized`] gives the codes and scales themselves.
+//! dequantised exactly, or rounded to f16; [`WeightStore::quantized`] gives the codes and scales themselves. In an f32
+//! run, [`WeightStore::linear`] keeps a quantised matrix as its codes and scales ([`Linear::Packed`]) and an
+//! f16-rounded one as f16 ([`Linear::Mapped`] on an owned buffer), each built a block of rows at a time straight
+//! from the mapped checkpoint bytes, so no f32 copy of a whole matrix is ever made; the checkpoint pages each block
+//! was read from are then handed back ([`SharedMap::release`]).
 
 use crate::error::{Error, Result};
-use crate::linear::{Elem, Linear, MappedMatrix, SharedMap};
+use crate::linear::{Elem, Linear, MappedMatrix, PackedMatrix, SharedMap};
 use crate::quant::{
-    QuantizedMatrix, Storage, WeightFormat, quantize_int4_sym, quantize_int8_sym, round_f16,
+    QuantKind, QuantizedMatrix, Storage, WeightFormat, quantize_int4_sym, quantize_int8_sym,
+    round_f16,
 };
 use crate::schema::TensorSpec;
 use candle_core::{DType, Device, Tensor};
+use half::slice::HalfFloatSliceExt;
 use memmap2::Mmap;
+use rayon::prelude::*;
 use safetensors::tensor::{Dtype as StDtype, Metadata, TensorInfo};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -251,14 +258,99 @@ impl WeightStore {
         }
     }
 
-    /// A matrix `[out, in]` for a linear layer or an embedding: read in place from the mapped checkpoint when the
-    /// run is f32, the format keeps the tensor as stored and it is bf16, f16 or f32 (see [`crate::linear`]);
-    /// otherwise the tensor [`WeightStore::load`] returns. Either way the values are the same.
+    /// A matrix `[out, in]` for a linear layer or an embedding. In an f32 run: read in place from the mapped
+    /// checkpoint when the format keeps the tensor as stored and it is bf16, f16 or f32; the codes and scales
+    /// ([`Linear::Packed`]) when the format quantises it; the f16-rounded values held as f16 when the format rounds it
+    /// (see [`crate::linear`]). Otherwise (f64 runs) the tensor [`WeightStore::load`] returns. The values are the same
+    /// on every path.
     pub fn linear(&self, spec: &TensorSpec) -> Result<Linear> {
-        Ok(match self.mapped(spec)? {
-            Some(m) => Linear::Mapped(m),
-            None => Linear::Dense(self.load(spec)?),
+        if let Some(m) = self.mapped(spec)? {
+            return Ok(Linear::Mapped(m));
+        }
+        if self.dtype == DType::F32
+            && let &[rows, cols] = spec.shape.as_slice()
+        {
+            match self.storage(spec) {
+                Storage::Int4Sym { .. } | Storage::Int8Sym => {
+                    return Ok(Linear::Packed(self.packed(spec, rows, cols)?));
+                }
+                Storage::F16 => return Ok(Linear::Mapped(self.rounded_f16(spec, rows, cols)?)),
+                Storage::Float => {}
+            }
+        }
+        Ok(Linear::Dense(self.load(spec)?))
+    }
+
+    /// Rows per block when a matrix is quantised or rounded a block at a time (about 1 M values: 4 MB of f32).
+    fn block_rows(cols: usize) -> usize {
+        ((1 << 20) / cols.max(1)).max(1)
+    }
+
+    /// A quantised matrix as codes and scales, quantised from the checkpoint bytes a block of rows at a time (in
+    /// parallel); the codes are those of [`WeightStore::quantized`] (quantisation is per row or per group of a row).
+    fn packed(&self, spec: &TensorSpec, rows: usize, cols: usize) -> Result<PackedMatrix> {
+        let full_name = self.full_name(spec);
+        let raw = self.raw(&full_name, &spec.shape)?;
+        let kind = match self.storage(spec) {
+            Storage::Int4Sym { group } => QuantKind::Int4Sym { group },
+            Storage::Int8Sym => QuantKind::Int8Sym,
+            other => {
+                return Err(raw.err(format!(
+                    "the {} format stores this tensor as {other:?}, not quantised",
+                    self.format
+                )));
+            }
+        };
+        let packed = PackedMatrix::from_row_blocks(kind, rows, cols, Self::block_rows(cols), |r| {
+            let q = self
+                .quantized_rows(spec, r.clone())?
+                .ok_or_else(|| raw.err("not quantised under this format".into()))?;
+            raw.rows(r, rows).release();
+            Ok(q)
         })
+        .map_err(|e| match e {
+            Error::Input(m) => raw.err(m),
+            e => e,
+        })?;
+        Ok(packed)
+    }
+
+    /// A matrix rounded to f16 (as [`WeightStore::load`] rounds it), held as f16 bytes and read by the f16 matvec;
+    /// rounded from the checkpoint bytes a block of rows at a time (in parallel).
+    fn rounded_f16(&self, spec: &TensorSpec, rows: usize, cols: usize) -> Result<MappedMatrix> {
+        let full_name = self.full_name(spec);
+        let raw = self.raw(&full_name, &spec.shape)?;
+        let block = Self::block_rows(cols);
+        let mut bytes = vec![0u8; rows * cols * 2];
+        bytes
+            .par_chunks_mut((block * cols * 2).max(1))
+            .enumerate()
+            .try_for_each(|(b, dst)| -> Result<()> {
+                let start = b * block;
+                let part = raw.rows(start..start + dst.len() / 2 / cols.max(1), rows);
+                if part.dtype == StDtype::F64 {
+                    for (v, out) in part.values_f64()?.into_iter().zip(dst.chunks_exact_mut(2)) {
+                        out.copy_from_slice(&round_f16(v).to_le_bytes());
+                    }
+                } else {
+                    // bf16, f16 and f32 values are exact in f32, so rounding them from f32 (vectorised, after the
+                    // same clamp to ±65504) gives round_f16's results.
+                    let mut v = part.values_f32()?;
+                    let max = f32::from(half::f16::MAX);
+                    for x in &mut v {
+                        *x = x.clamp(-max, max);
+                    }
+                    let mut h = vec![half::f16::ZERO; v.len()];
+                    h.convert_from_f32_slice(&v);
+                    for (x, out) in h.iter().zip(dst.chunks_exact_mut(2)) {
+                        out.copy_from_slice(&x.to_le_bytes());
+                    }
+                }
+                part.release();
+                Ok(())
+            })?;
+        MappedMatrix::new(&SharedMap::from_vec(bytes), 0, rows, cols, Elem::F16)
+            .map_err(|e| raw.err(e.to_string()))
     }
 
     /// The matrix as stored, when [`WeightStore::linear`] reads it in place.
@@ -283,10 +375,19 @@ impl WeightStore {
         }
     }
 
-    /// The bytes per element [`WeightStore::linear`] reads for this matrix when it reads it in place, `None` when it
-    /// holds a converted tensor instead.
+    /// The bytes per element [`WeightStore::linear`] reads for this matrix when it holds it as whole stored values
+    /// (read in place, or rounded to f16 in an f32 run: 2), `None` when it holds a converted tensor or packed INT4/INT8
+    /// codes instead.
     pub fn read_in_place_bytes(&self, spec: &TensorSpec) -> Result<Option<usize>> {
-        Ok(self.mapped(spec)?.map(|m| m.elem().size()))
+        if let Some(m) = self.mapped(spec)? {
+            return Ok(Some(m.elem().size()));
+        }
+        Ok(
+            match (self.dtype, self.storage(spec), spec.shape.as_slice()) {
+                (DType::F32, Storage::F16, [_, _]) => Some(2),
+                _ => None,
+            },
+        )
     }
 
     /// The codes and scales of a tensor the store's format quantises (`None` when it stays float or f16): the
@@ -318,13 +419,9 @@ impl WeightStore {
         if rows.start > rows.end || rows.end > total {
             return Err(raw.err(format!("rows {rows:?} of a tensor of {total} rows")));
         }
-        let row_bytes = raw.bytes.len() / total.max(1);
         let mut shape = spec.shape.clone();
         shape[0] = rows.len();
-        let part = Raw {
-            bytes: &raw.bytes[rows.start * row_bytes..rows.end * row_bytes],
-            ..raw
-        };
+        let part = raw.rows(rows, total);
         let part_spec = TensorSpec {
             shape,
             ..spec.clone()
@@ -493,6 +590,24 @@ impl Raw<'_> {
             key: self.name.to_string(),
             message,
         }
+    }
+
+    /// Rows `rows` of a tensor of `total` rows (a range already checked against `total`).
+    fn rows(&self, rows: std::ops::Range<usize>, total: usize) -> Raw<'_> {
+        let row_bytes = self.bytes.len() / total.max(1);
+        Raw {
+            bytes: &self.bytes[rows.start * row_bytes..rows.end * row_bytes],
+            file: self.file,
+            name: self.name,
+            dtype: self.dtype,
+        }
+    }
+
+    /// Hands back the resident pages of these bytes in the shard's map (read once, converted: see
+    /// [`SharedMap::release`]).
+    fn release(&self) {
+        let start = self.bytes.as_ptr() as usize - self.file.mmap.bytes().as_ptr() as usize;
+        self.file.mmap.release(start..start + self.bytes.len());
     }
 
     fn unsupported(&self, dtype: StDtype) -> Error {

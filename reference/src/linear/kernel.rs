@@ -83,7 +83,7 @@ pub fn matvec(w: &MappedMatrix, x: &[f32], t: usize) -> Vec<f32> {
 }
 
 /// Whether the SIMD kernel can run for this storage type on this CPU.
-fn simd_available(elem: Elem) -> bool {
+pub(super) fn simd_available(elem: Elem) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         let base = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
@@ -100,10 +100,10 @@ fn simd_available(elem: Elem) -> bool {
 }
 
 /// Tokens one pass over a weight row serves (a row is then re-read from the L1 cache for the next group).
-const GROUP: usize = 2;
+pub(super) const GROUP: usize = 2;
 
 /// Lanes of the accumulators.
-const LANES: usize = 32;
+pub(super) const LANES: usize = 32;
 
 /// `ys[j] = Σ_i xs[j, i] · row[i]` for up to [`GROUP`] tokens `j`.
 fn dot_rows(row: &[u8], elem: Elem, xs: &[f32], n: usize, ys: &mut [f32], simd: bool) {
@@ -141,17 +141,7 @@ pub(super) fn portable_dot(row: &[u8], elem: Elem, xs: &[f32], n: usize, ys: &mu
             }
             i += LANES;
         }
-        let mut s = [0f32; 8];
-        for l in 0..8 {
-            s[l] = (acc[l] + acc[l + 8]) + (acc[l + 16] + acc[l + 24]);
-        }
-        for l in 0..4 {
-            s[l] += s[l + 4];
-        }
-        for l in 0..2 {
-            s[l] += s[l + 2];
-        }
-        let mut sum = s[0] + s[1];
+        let mut sum = combine(&acc);
         for (k, &xk) in x.iter().enumerate().skip(main) {
             sum += xk * value(row, elem, k);
         }
@@ -159,8 +149,24 @@ pub(super) fn portable_dot(row: &[u8], elem: Elem, xs: &[f32], n: usize, ys: &mu
     }
 }
 
+/// The 32 lane accumulators combined in the documented order: `(l + (l+8)) + ((l+16) + (l+24))` for `l < 8`, then
+/// the 8 lanes reduced as `(l, l+4)`, `(l, l+2)`, `(l, l+1)` (what the SIMD path's adds and [`x86::hsum`] do).
+pub(super) fn combine(acc: &[f32; LANES]) -> f32 {
+    let mut s = [0f32; 8];
+    for l in 0..8 {
+        s[l] = (acc[l] + acc[l + 8]) + (acc[l + 16] + acc[l + 24]);
+    }
+    for l in 0..4 {
+        s[l] += s[l + 4];
+    }
+    for l in 0..2 {
+        s[l] += s[l + 2];
+    }
+    s[0] + s[1]
+}
+
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     use super::{Elem, LANES, value};
     use std::arch::x86_64::*;
 
@@ -192,7 +198,7 @@ mod x86 {
     /// Adds lanes `l` and `l + 4`, then `l` and `l + 2`, then lanes 0 and 1.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn hsum(v: __m256) -> f32 {
+    pub(in crate::linear) fn hsum(v: __m256) -> f32 {
         let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
         let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));

@@ -1,8 +1,10 @@
 //! Linear layers whose weights stay as the checkpoint stores them.
 //!
-//! A [`Linear`] holds either a candle tensor (f64 runs, compressed formats) or a [`MappedMatrix`]: the
-//! memory-mapped bf16, f16 or f32 bytes of a `[out, in]` matrix, never converted as a whole. Widening bf16 or f16
-//! to f32 is exact, so both paths compute the same products; only the order of the f32 sums differs from candle's.
+//! A [`Linear`] holds a candle tensor (f64 runs), a [`MappedMatrix`]: the memory-mapped bf16, f16 or f32 bytes of a
+//! `[out, in]` matrix (or an owned buffer of f16-rounded values), never converted as a whole, or a [`PackedMatrix`]:
+//! the INT4/INT8 codes and f16 scales of a quantised matrix. Widening bf16 or f16 to f32 is exact, and so is the
+//! dequantised weight `f32(code) · f32(scale)`, so every path computes the same products; only the order of the f32
+//! sums differs from candle's.
 //!
 //! - Few tokens (`T ≤` [`MATVEC_MAX_TOKENS`], decode): [`matvec`], a multi-threaded product that reads each weight
 //!   row once for all `T` tokens and widens the stored values in registers (AVX2/FMA/F16C when the CPU has them,
@@ -10,6 +12,10 @@
 //! - More tokens (prompt): the matrix is widened to f32 in blocks of rows ([`BLOCK_ELEMENTS`] values at most, into
 //!   one buffer reused across calls) and each block multiplied with the `gemm` crate's product, called as candle
 //!   calls it (AVX-512 kernels where the CPU has them), so at most one block's f32 copy exists at a time.
+//!
+//! A [`PackedMatrix`] goes the same two ways: [`matvec_packed`] widens each code times its scale in registers and
+//! sums in the order below, so it equals [`matvec`] on the dequantised matrix stored as f32 bit for bit; longer
+//! calls dequantise blocks of rows and use the GEMM.
 //!
 //! Summation order of [`matvec`] (fixed, independent of the thread count): for one output `y[t, o]`, the products
 //! `x[t, i] · w[o, i]` for `i < 32⌊n/32⌋` go to 32 lane accumulators, lane `i mod 32`, in increasing `i`; lanes
@@ -24,9 +30,13 @@ use rayon::prelude::*;
 use std::sync::Arc;
 
 mod kernel;
+mod packed;
+mod quant_kernel;
 
 pub use kernel::matvec;
 use kernel::widen;
+pub use packed::PackedMatrix;
+pub use quant_kernel::matvec_packed;
 
 /// Calls with at most this many tokens use [`matvec`]; longer ones the blocked GEMM.
 pub const MATVEC_MAX_TOKENS: usize = 8;
@@ -83,24 +93,53 @@ impl AsRef<[u8]> for MmapBytes {
     }
 }
 
-/// A shared memory map that matrices can point into.
+/// A shared memory map (or owned buffer) that matrices can point into.
 #[derive(Clone)]
-pub struct SharedMap(Arc<dyn AsRef<[u8]> + Send + Sync>);
+pub struct SharedMap(
+    Arc<dyn AsRef<[u8]> + Send + Sync>,
+    /// The same bytes when they are a memory map.
+    Option<Arc<MmapBytes>>,
+);
 
 impl SharedMap {
     /// Shares a memory map.
     pub fn from_mmap(map: Mmap) -> Self {
-        SharedMap(Arc::new(MmapBytes(map)))
+        let map = Arc::new(MmapBytes(map));
+        SharedMap(map.clone(), Some(map))
     }
 
-    /// Shares an owned buffer (tests, benches).
+    /// Shares an owned buffer (f16-rounded weights, tests, benches).
     pub fn from_vec(bytes: Vec<u8>) -> Self {
-        SharedMap(Arc::new(bytes))
+        SharedMap(Arc::new(bytes), None)
     }
 
     /// The bytes.
     pub fn bytes(&self) -> &[u8] {
         (*self.0).as_ref()
+    }
+
+    /// Hands back this process's resident pages of the bytes `range` of a read-only file map (Unix `MADV_DONTNEED`,
+    /// the pages at its ends included): a later read faults them in again from the file, so the bytes never change.
+    /// For bytes read once, e.g. a matrix quantised at load. Nothing for an owned buffer, elsewhere than Unix, or
+    /// when the range is outside the map; best effort.
+    pub fn release(&self, range: std::ops::Range<usize>) {
+        #[cfg(unix)]
+        if let Some(map) = &self.1
+            && range.start <= range.end
+            && range.end <= map.0.len()
+        {
+            // SAFETY: the map is a read-only file mapping (`Mmap`), never written: dropping its pages only makes the
+            // next read fetch the same bytes from the file again.
+            let _ = unsafe {
+                map.0.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    range.start,
+                    range.len(),
+                )
+            };
+        }
+        #[cfg(not(unix))]
+        let _ = range;
     }
 }
 
@@ -208,44 +247,66 @@ impl MappedMatrix {
 
     /// `x W^T` for `x` `[T, cols]` f32 → `[T, rows]`: [`matvec`] for few tokens, the blocked GEMM otherwise.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (t, n) = x.dims2()?;
-        if n != self.cols {
-            return Err(Error::Input(format!(
-                "linear: input has {n} features, the weight [{}, {}] expects {}",
-                self.rows, self.cols, self.cols
-            )));
-        }
-        if x.dtype() != DType::F32 {
-            return Err(Error::Input(format!(
-                "linear: a mapped weight takes f32 inputs, not {:?}",
-                x.dtype()
-            )));
-        }
+        let t = check_input(x, self.rows, self.cols, "a mapped")?;
         if t <= MATVEC_MAX_TOKENS {
             let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
             let y = matvec(self, &xs, t);
             return Ok(Tensor::from_vec(y, (t, self.rows), &Device::Cpu)?);
         }
-        let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
-        let mut y = vec![0f32; t * self.rows];
         let block = (BLOCK_ELEMENTS / self.cols.max(1)).max(1);
-        WIDENED.with(|buf| {
-            let mut buf = buf.borrow_mut();
-            let mut start = 0;
-            while start < self.rows {
-                let count = block.min(self.rows - start);
-                let len = count * self.cols;
-                if buf.len() < len {
-                    buf.resize(len, 0.0);
-                }
-                let w = &mut buf[..len];
-                self.widen_rows(start, w);
-                gemm_into(&xs, t, self.cols, w, count, &mut y[start..], self.rows);
-                start += count;
-            }
-        });
-        Ok(Tensor::from_vec(y, (t, self.rows), &Device::Cpu)?)
+        blocked_gemm(x, self.rows, self.cols, block, |s, out| {
+            self.widen_rows(s, out)
+        })
     }
+}
+
+/// Checks that `x` is `[T, cols]` f32 for a `[rows, cols]` weight (`what`: "a mapped", "a quantised"); gives `T`.
+fn check_input(x: &Tensor, rows: usize, cols: usize, what: &str) -> Result<usize> {
+    let (t, n) = x.dims2()?;
+    if n != cols {
+        return Err(Error::Input(format!(
+            "linear: input has {n} features, the weight [{rows}, {cols}] expects {cols}"
+        )));
+    }
+    if x.dtype() != DType::F32 {
+        return Err(Error::Input(format!(
+            "linear: {what} weight takes f32 inputs, not {:?}",
+            x.dtype()
+        )));
+    }
+    Ok(t)
+}
+
+/// `x W^T` with `W` `[rows, cols]` widened to f32 `block` rows at a time by `fill(start, out)` (rows `start..` into
+/// `out`, `out.len() / cols` of them) into one buffer reused across calls, each block multiplied by [`gemm_into`]
+/// straight into its columns of the output.
+fn blocked_gemm(
+    x: &Tensor,
+    rows: usize,
+    cols: usize,
+    block: usize,
+    fill: impl Fn(usize, &mut [f32]),
+) -> Result<Tensor> {
+    let (t, _) = x.dims2()?;
+    let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
+    let mut y = vec![0f32; t * rows];
+    let block = block.max(1);
+    WIDENED.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        let mut start = 0;
+        while start < rows {
+            let count = block.min(rows - start);
+            let len = count * cols;
+            if buf.len() < len {
+                buf.resize(len, 0.0);
+            }
+            let w = &mut buf[..len];
+            fill(start, w);
+            gemm_into(&xs, t, cols, w, count, &mut y[start..], rows);
+            start += count;
+        }
+    });
+    Ok(Tensor::from_vec(y, (t, rows), &Device::Cpu)?)
 }
 
 thread_local! {
@@ -302,12 +363,14 @@ fn gemm_into(
     }
 }
 
-/// A linear layer's weight `[out, in]`: mapped as stored, or a tensor of the run's dtype.
+/// A linear layer's weight `[out, in]`: mapped as stored, packed codes and scales, or a tensor of the run's dtype.
 #[derive(Debug, Clone)]
 pub enum Linear {
-    /// Read in place from the checkpoint (f32 runs of bf16, f16 and f32 weights).
+    /// Read in place (f32 runs): the checkpoint's bf16, f16 or f32 weights, or an owned buffer of f16-rounded ones.
     Mapped(MappedMatrix),
-    /// A tensor held in memory (f64 runs, quantised or f16-rounded weights).
+    /// Quantised codes and f16 scales (f32 runs of INT4/INT8 weights).
+    Packed(PackedMatrix),
+    /// A tensor held in memory (f64 runs).
     Dense(Tensor),
 }
 
@@ -316,6 +379,7 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Linear::Mapped(m) => m.forward(x),
+            Linear::Packed(m) => m.forward(x),
             Linear::Dense(w) => crate::ops::linear(x, w),
         }
     }
@@ -324,6 +388,7 @@ impl Linear {
     pub fn gather(&self, ids: &[u32]) -> Result<Tensor> {
         match self {
             Linear::Mapped(m) => m.gather(ids),
+            Linear::Packed(m) => m.gather(ids),
             Linear::Dense(w) => {
                 let ids = Tensor::from_vec(ids.to_vec(), ids.len(), w.device())?;
                 Ok(w.index_select(&ids, 0)?)
@@ -331,10 +396,11 @@ impl Linear {
         }
     }
 
-    /// The weight as a tensor (f32 for a mapped weight; a full copy).
+    /// The weight as a tensor (f32 for a mapped or packed weight: a full copy, dequantised for a packed one).
     pub fn to_tensor(&self) -> Result<Tensor> {
         match self {
             Linear::Mapped(m) => m.to_tensor(),
+            Linear::Packed(m) => m.to_tensor(),
             Linear::Dense(w) => Ok(w.clone()),
         }
     }

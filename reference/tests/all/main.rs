@@ -9,6 +9,7 @@ mod goldens;
 mod manifest;
 mod model;
 mod nncf;
+mod packed;
 mod precision;
 mod quant;
 mod rope;
