@@ -390,6 +390,32 @@ impl WeightStore {
         )
     }
 
+    /// The bytes a matrix-vector product over this matrix reads, as [`WeightStore::linear`] holds it: the stored
+    /// elements when read in place, 2 per weight rounded to f16, the codes (INT4 two to a byte, a row starting on a
+    /// byte) and f16 scales of packed INT4/INT8 weights in an f32 run, and the run's dtype otherwise.
+    pub fn linear_bytes(&self, spec: &TensorSpec) -> Result<u64> {
+        let (rows, cols) = match spec.shape.as_slice() {
+            &[rows, cols] => (rows as u64, cols as u64),
+            other => {
+                return Err(Error::Input(format!(
+                    "{}: a linear weight is a matrix, not {other:?}",
+                    self.full_name(spec)
+                )));
+            }
+        };
+        if let Some(size) = self.read_in_place_bytes(spec)? {
+            return Ok(rows * cols * size as u64);
+        }
+        let run = if self.dtype == DType::F64 { 8 } else { 4 };
+        Ok(match (self.dtype, self.storage(spec)) {
+            (DType::F32, Storage::Int4Sym { group }) => {
+                rows * cols.div_ceil(2) + 2 * rows * cols.div_ceil(group.max(1) as u64)
+            }
+            (DType::F32, Storage::Int8Sym) => rows * cols + 2 * rows,
+            _ => rows * cols * run,
+        })
+    }
+
     /// The codes and scales of a tensor the store's format quantises (`None` when it stays float or f16): the
     /// constants an OpenVINO graph stores so that `f32(code) · f32(scale)` equals what [`WeightStore::load`] returns.
     pub fn quantized(&self, spec: &TensorSpec) -> Result<Option<QuantizedMatrix>> {

@@ -14,8 +14,9 @@ use reference::backend::{RunRecord, greedy};
 use reference::config::Config;
 use reference::deltanet::Form;
 use reference::quant::WeightFormat;
-use reference::schema::{Param, Role, Schema};
+use reference::schema::{Param, Role, Schema, TensorSpec};
 use reference::synthetic::Rng;
+use reference::weights::WeightStore;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -115,13 +116,36 @@ pub fn prompt_ids(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
 
 /// Parameters a decode step reads from memory: every projection and the LM head (one row of the embedding aside).
 fn decode_weight_parameters(c: &Config) -> u64 {
+    decode_matrices(c)
+        .iter()
+        .map(|t| t.shape.iter().product::<usize>() as u64)
+        .sum()
+}
+
+/// The matrices a decode step multiplies: every projection of every layer, then the LM head (the embedding when
+/// they are tied).
+fn decode_matrices(c: &Config) -> Vec<TensorSpec> {
     let s = Schema::new(c);
-    let layers: u64 = (0..c.num_layers())
+    let mut specs: Vec<TensorSpec> = (0..c.num_layers())
         .flat_map(|i| s.layer_tensors(i))
         .filter(|t| t.role() == Role::Projection)
-        .map(|t| t.shape.iter().product::<usize>() as u64)
-        .sum();
-    layers + (c.vocab_size * c.hidden_size) as u64
+        .collect();
+    specs.push(s.global(if c.tie_word_embeddings {
+        Param::EmbedTokens
+    } else {
+        Param::LmHead
+    }));
+    specs
+}
+
+/// The bytes of weights a reference decode step reads, as the store holds them (stored bf16, packed INT4/INT8
+/// codes and scales, f16, or the run's dtype).
+fn decode_weight_bytes(c: &Config, store: &WeightStore) -> Result<u64> {
+    let mut total = 0;
+    for spec in decode_matrices(c) {
+        total += store.linear_bytes(&spec)?;
+    }
+    Ok(total)
 }
 
 /// Runs `qwen35 bench`.
@@ -168,7 +192,7 @@ pub fn exec(args: BenchArgs) -> Result<Outcome> {
     let start = Instant::now();
     let (dir, config, store) = args.model.open()?;
     let ids = prompt_ids(args.prompt_tokens, config.vocab_size, args.seed);
-    let (mut backend, shape, bytes_per_weight): (
+    let (mut backend, shape, decode_weight_bytes_per_token): (
         Box<dyn reference::backend::Backend>,
         RunShape,
         Option<u64>,
@@ -180,18 +204,11 @@ pub fn exec(args: BenchArgs) -> Result<Outcome> {
                 decode: opts.decode,
                 piece: opts.prefill_block,
             };
-            // Weights the reference reads in place (f32 runs of float weights) cost their stored size.
-            let lm_head = Schema::new(&config).global(if config.tie_word_embeddings {
-                Param::EmbedTokens
-            } else {
-                Param::LmHead
-            });
-            let bytes = if args.model.dtype == Dtype::F64 {
-                8
-            } else {
-                store.read_in_place_bytes(&lm_head)?.unwrap_or(4) as u64
-            };
-            (Box::new(b), shape, Some(bytes))
+            (
+                Box::new(b),
+                shape,
+                Some(decode_weight_bytes(&config, &store)?),
+            )
         }
         Plan::OpenVino(settings) => {
             let b = open_device(&config, &store, settings, false)?;
@@ -209,7 +226,7 @@ pub fn exec(args: BenchArgs) -> Result<Outcome> {
                 piece: Some(settings.block),
             };
             let bytes = match (args.model.weights, settings.compile.precision.hint()) {
-                (WeightFormat::F32, "f32") => Some(4),
+                (WeightFormat::F32, "f32") => Some(4 * decode_weight_parameters(&config)),
                 _ => None,
             };
             (Box::new(b), shape, bytes)
@@ -245,8 +262,6 @@ pub fn exec(args: BenchArgs) -> Result<Outcome> {
     let prompt_flops = flops::prompt(&config, &shape, ids.len());
     let decode_flops = flops::decode(&config, &shape, ids.len(), args.decode_tokens);
     let decode_tokens_per_s = args.decode_tokens as f64 / generation.decode_seconds.max(1e-12);
-    let decode_weight_bytes_per_token =
-        bytes_per_weight.map(|b| b * decode_weight_parameters(&config));
     let report = BenchReport {
         schema_version: 1,
         model: dir.display().to_string(),
