@@ -180,11 +180,21 @@ pub fn open_reference(
 /// Fails unless `prompt` tokens and `generate` greedy tokens fit a device's static context (the last generated token
 /// is never fed back, so it needs no slot): a long prompt is refused, never cut.
 pub fn check_context(prompt: usize, generate: usize, context: usize) -> Result<()> {
+    check_context_of(prompt, generate, context, "--context")
+}
+
+/// [`check_context`] for a context that comes from `source` (a flag, or an IR's manifest), which the error names.
+pub fn check_context_of(
+    prompt: usize,
+    generate: usize,
+    context: usize,
+    source: &str,
+) -> Result<()> {
     let needed = prompt + generate.saturating_sub(1);
     if needed > context {
         bail!(
             "{prompt} prompt tokens and {generate} generated need {needed} cache slots, but the static context holds \
-             {context} (--context)"
+             {context} ({source})"
         );
     }
     Ok(())

@@ -337,6 +337,12 @@ fn a_static_context_in_the_manifest_brings_the_over_long_check_back() {
             .contains("static context of 64"),
         "{over}"
     );
+    // The commands' own refusal names where the context came from: the manifest, not a flag `--ir` refuses.
+    let command = over["details"]["command_error"].as_str().unwrap();
+    assert!(
+        command.contains("manifest.json") && !command.contains("--context"),
+        "{command}"
+    );
     // The length check defaults to the context less the decode step's slot.
     assert_eq!(check(&v, "length")["details"]["max_length"], 63);
     for id in SKIPPED {

@@ -75,6 +75,7 @@ impl IrContext<'_> {
             eos: self.eos,
             thresholds: &self.thresholds,
             context: self.ir.manifest.context,
+            context_source: "the `context` of the IR's manifest.json",
         }
     }
 }

@@ -15,7 +15,7 @@
 //! the logits only, and a backend without a static context has no over-long prompt to refuse.
 
 use super::{Context, Finding, StateDiff, details};
-use crate::backends::check_context;
+use crate::backends::check_context_of;
 use crate::commands::compare_devices::LabelledPrompt;
 use crate::compare::Thresholds;
 use crate::metrics::{TensorError, TokenAgreement, exceeds, values};
@@ -35,6 +35,8 @@ pub struct Lengths<'a> {
     pub thresholds: &'a Thresholds,
     /// The static context (`None`: the backend has none).
     pub context: Option<usize>,
+    /// Where the context comes from, as error messages name it (`--context`, or an IR's manifest).
+    pub context_source: &'static str,
 }
 
 impl Context<'_> {
@@ -45,6 +47,7 @@ impl Context<'_> {
             eos: self.eos,
             thresholds: &self.thresholds,
             context: Some(self.settings.graph.context),
+            context_source: "--context",
         }
     }
 }
@@ -325,7 +328,7 @@ pub fn over_long(ctx: &Lengths, device: &mut dyn Backend) -> Result<Finding> {
         });
     };
     let ids = pattern(ctx.set, context + 1);
-    let command = match check_context(ids.len(), 1, context) {
+    let command = match check_context_of(ids.len(), 1, context, ctx.context_source) {
         Ok(()) => bail!("the commands' context check accepted {} tokens", ids.len()),
         Err(e) => format!("{e:#}"),
     };
