@@ -201,48 +201,17 @@ impl MappedMatrix {
 
     /// Rows `start..start + count` widened to f32 (exact), row-major, converted in parallel.
     pub fn rows_f32(&self, start: usize, count: usize) -> Vec<f32> {
-        let mut out = vec![0f32; count * self.cols];
-        self.widen_rows(start, &mut out);
-        out
-    }
-
-    /// Widens rows `start..` into `out` (`out.len() / cols` of them), in parallel.
-    fn widen_rows(&self, start: usize, out: &mut [f32]) {
-        let cols = self.cols;
-        let rows_per_task = (1 << 16) / cols.max(1) + 1;
-        out.par_chunks_mut(rows_per_task * cols.max(1))
-            .enumerate()
-            .for_each(|(task, chunk)| {
-                for (k, dst) in chunk.chunks_mut(cols.max(1)).enumerate() {
-                    let r = start + task * rows_per_task + k;
-                    widen(self.row_bytes(r), self.elem, dst);
-                }
-            });
+        rows_f32(self, start, count)
     }
 
     /// The whole matrix as an f32 tensor `[rows, cols]`.
     pub fn to_tensor(&self) -> Result<Tensor> {
-        Ok(Tensor::from_vec(
-            self.rows_f32(0, self.rows),
-            (self.rows, self.cols),
-            &Device::Cpu,
-        )?)
+        to_tensor(self)
     }
 
     /// The rows `ids` (an embedding lookup) as an f32 tensor `[ids.len(), cols]`.
     pub fn gather(&self, ids: &[u32]) -> Result<Tensor> {
-        let mut out = vec![0f32; ids.len() * self.cols];
-        for (dst, &id) in out.chunks_mut(self.cols.max(1)).zip(ids) {
-            let r = id as usize;
-            if r >= self.rows {
-                return Err(Error::Input(format!(
-                    "row {r} is outside a matrix of {} rows",
-                    self.rows
-                )));
-            }
-            widen(self.row_bytes(r), self.elem, dst);
-        }
-        Ok(Tensor::from_vec(out, (ids.len(), self.cols), &Device::Cpu)?)
+        gather(self, ids)
     }
 
     /// `x W^T` for `x` `[T, cols]` f32 → `[T, rows]`: [`matvec`] for few tokens, the blocked GEMM otherwise.
@@ -255,9 +224,76 @@ impl MappedMatrix {
         }
         let block = (BLOCK_ELEMENTS / self.cols.max(1)).max(1);
         blocked_gemm(x, self.rows, self.cols, block, |s, out| {
-            self.widen_rows(s, out)
+            widen_rows(self, s, out)
         })
     }
+}
+
+impl WidenRows for MappedMatrix {
+    fn shape(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+
+    fn widen_row(&self, r: usize, dst: &mut [f32]) {
+        widen(self.row_bytes(r), self.elem, dst);
+    }
+}
+
+/// A matrix whose rows can be widened to f32 one at a time, exactly: stored bf16/f16/f32 values, or INT4/INT8
+/// codes times their scales. The whole-row helpers below serve both kinds.
+trait WidenRows: Sync {
+    /// `(rows, cols)`.
+    fn shape(&self) -> (usize, usize);
+
+    /// Row `r` into `dst` (`cols` values).
+    fn widen_row(&self, r: usize, dst: &mut [f32]);
+}
+
+/// Widens rows `start..` of `m` into `out` (`out.len() / cols` of them), in parallel.
+fn widen_rows(m: &impl WidenRows, start: usize, out: &mut [f32]) {
+    let cols = m.shape().1.max(1);
+    let rows_per_task = (1 << 16) / cols + 1;
+    out.par_chunks_mut(rows_per_task * cols)
+        .enumerate()
+        .for_each(|(task, chunk)| {
+            for (k, dst) in chunk.chunks_mut(cols).enumerate() {
+                m.widen_row(start + task * rows_per_task + k, dst);
+            }
+        });
+}
+
+/// Rows `start..start + count` of `m` widened to f32, row-major.
+fn rows_f32(m: &impl WidenRows, start: usize, count: usize) -> Vec<f32> {
+    let mut out = vec![0f32; count * m.shape().1];
+    widen_rows(m, start, &mut out);
+    out
+}
+
+/// The whole of `m` widened, an f32 tensor `[rows, cols]` (a full copy: 4 bytes per weight).
+fn to_tensor(m: &impl WidenRows) -> Result<Tensor> {
+    let (rows, cols) = m.shape();
+    Ok(Tensor::from_vec(
+        rows_f32(m, 0, rows),
+        (rows, cols),
+        &Device::Cpu,
+    )?)
+}
+
+/// The rows `ids` of `m` (an embedding lookup) widened, an f32 tensor `[ids.len(), cols]`; an id outside the
+/// matrix is an error.
+fn gather(m: &impl WidenRows, ids: &[u32]) -> Result<Tensor> {
+    let (rows, cols) = m.shape();
+    let mut out = vec![0f32; ids.len() * cols];
+    for (dst, &id) in out.chunks_mut(cols.max(1)).zip(ids) {
+        let r = id as usize;
+        if r >= rows {
+            return Err(Error::Input(format!(
+                "row {r} is outside a matrix of {rows} rows"
+            )));
+        }
+        m.widen_row(r, dst);
+    }
+    Ok(Tensor::from_vec(out, (ids.len(), cols), &Device::Cpu)?)
 }
 
 /// Checks that `x` is `[T, cols]` f32 for a `[rows, cols]` weight (`what`: "a mapped", "a quantised"); gives `T`.

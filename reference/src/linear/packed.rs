@@ -2,7 +2,10 @@
 //! ever being widened as a whole.
 
 use super::quant_kernel::{PackedRow, matvec_packed};
-use super::{MATVEC_MAX_TOKENS, blocked_gemm, check_input};
+use super::{
+    MATVEC_MAX_TOKENS, WidenRows, blocked_gemm, check_input, gather, rows_f32, to_tensor,
+    widen_rows,
+};
 use crate::error::{Error, Result};
 use crate::quant::{QuantKind, QuantizedMatrix};
 use candle_core::{Device, Tensor};
@@ -212,47 +215,17 @@ impl PackedMatrix {
 
     /// Rows `start..start + count` dequantised to f32 (exact), row-major, in parallel.
     pub fn rows_f32(&self, start: usize, count: usize) -> Vec<f32> {
-        let mut out = vec![0f32; count * self.cols];
-        self.widen_rows(start, &mut out);
-        out
-    }
-
-    /// Dequantises rows `start..` into `out` (`out.len() / cols` of them), in parallel.
-    fn widen_rows(&self, start: usize, out: &mut [f32]) {
-        let cols = self.cols.max(1);
-        let rows_per_task = (1 << 16) / cols + 1;
-        out.par_chunks_mut(rows_per_task * cols)
-            .enumerate()
-            .for_each(|(task, chunk)| {
-                for (k, dst) in chunk.chunks_mut(cols).enumerate() {
-                    self.row(start + task * rows_per_task + k).widen(0, dst);
-                }
-            });
+        rows_f32(self, start, count)
     }
 
     /// The whole matrix dequantised, an f32 tensor `[rows, cols]` (a full copy: 4 bytes per weight).
     pub fn to_tensor(&self) -> Result<Tensor> {
-        Ok(Tensor::from_vec(
-            self.rows_f32(0, self.rows),
-            (self.rows, self.cols),
-            &Device::Cpu,
-        )?)
+        to_tensor(self)
     }
 
     /// The rows `ids` (an embedding lookup) dequantised, an f32 tensor `[ids.len(), cols]`.
     pub fn gather(&self, ids: &[u32]) -> Result<Tensor> {
-        let mut out = vec![0f32; ids.len() * self.cols];
-        for (dst, &id) in out.chunks_mut(self.cols.max(1)).zip(ids) {
-            let r = id as usize;
-            if r >= self.rows {
-                return Err(Error::Input(format!(
-                    "row {r} is outside a matrix of {} rows",
-                    self.rows
-                )));
-            }
-            self.row(r).widen(0, dst);
-        }
-        Ok(Tensor::from_vec(out, (ids.len(), self.cols), &Device::Cpu)?)
+        gather(self, ids)
     }
 
     /// `x W^T` for `x` `[T, cols]` f32 → `[T, rows]`: [`matvec_packed`] for few tokens, otherwise blocks of rows
@@ -266,7 +239,7 @@ impl PackedMatrix {
         }
         let block = (PACKED_BLOCK_ELEMENTS / self.cols.max(1)).max(1);
         blocked_gemm(x, self.rows, self.cols, block, |s, out| {
-            self.widen_rows(s, out)
+            widen_rows(self, s, out)
         })
     }
 
@@ -275,7 +248,17 @@ impl PackedMatrix {
     pub(super) fn forward_gemm(&self, x: &Tensor, block: usize) -> Result<Tensor> {
         check_input(x, self.rows, self.cols, "a quantised")?;
         blocked_gemm(x, self.rows, self.cols, block, |s, out| {
-            self.widen_rows(s, out)
+            widen_rows(self, s, out)
         })
+    }
+}
+
+impl WidenRows for PackedMatrix {
+    fn shape(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+
+    fn widen_row(&self, r: usize, dst: &mut [f32]) {
+        self.row(r).widen(0, dst);
     }
 }
