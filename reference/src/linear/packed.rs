@@ -229,7 +229,7 @@ impl PackedMatrix {
     }
 
     /// `x W^T` for `x` `[T, cols]` f32 → `[T, rows]`: [`matvec_packed`] for few tokens, otherwise blocks of rows
-    /// dequantised to f32 ([`PACKED_BLOCK_ELEMENTS`] values at most) and multiplied with the GEMM.
+    /// dequantised to f32 (`PACKED_BLOCK_ELEMENTS` values at most) and multiplied with the GEMM.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let t = check_input(x, self.rows, self.cols, "a quantised")?;
         if t <= MATVEC_MAX_TOKENS {

@@ -83,7 +83,7 @@ impl PackedRow<'_> {
 }
 
 /// `y = x W^T` for `t` tokens: `x` is `[t, cols]` row-major f32, the result `[t, rows]`. Rows of `W` are split
-/// across the rayon threads; each row is read once for every [`GROUP`] tokens. The summation order is that of
+/// across the rayon threads; each row is read once for every `GROUP` tokens. The summation order is that of
 /// [`super::matvec`].
 pub fn matvec_packed(w: &PackedMatrix, x: &[f32], t: usize) -> Vec<f32> {
     assert_eq!(x.len(), t * w.cols(), "matvec: x must be [t, cols]");
