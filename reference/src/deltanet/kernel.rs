@@ -4,7 +4,7 @@
 //! The math is the one [`super::chunk`] and [`super::step_candle`] state with tensor ops; only the evaluation differs:
 //! - Heads are independent, so they are split across rayon tasks; each head walks its chunks in order, in
 //!   per-head scratch buffers, with the state kept in place in the output buffer.
-//! - Products are small blocked matrix products ([`gemm`]) on contiguous rows: each output is a chain of
+//! - Products are small blocked matrix products ([`super::tiles`]) on contiguous rows: each output is a chain of
 //!   multiply-adds over the inner index in increasing order. Keys are transposed once per chunk so that `K Kᵀ`, `Q Kᵀ`
 //!   and the state update `Kᵀ D` all read contiguous rows.
 //! - The triangular system is not inverted: `(I + N) D = rhs` is solved by forward substitution, row `t` being
@@ -22,7 +22,7 @@
 //!   right-hand side are zero, its `D` row is zero, it adds nothing to the state, `G` does not move, and its outputs
 //!   are dropped.
 //!
-//! The loops are plain Rust written so the compiler vectorises them (a [`ROWS`] × [`COLS`] tile is eight AVX2
+//! The loops are plain Rust written so the compiler vectorises them (a [`super::tiles`] register tile is eight AVX2
 //! accumulators). On x86-64 CPUs with AVX2 and FMA the same code is compiled with those features (checked at run
 //! time) and each multiply-add is fused (one rounding); elsewhere it is rounded twice. Both are within f32 rounding
 //! of the tensor forms; neither is bit-identical to them (candle sums its products in another order).
@@ -33,14 +33,10 @@
 //! in the runs before and after).
 
 use super::Inputs;
+use super::tiles::{COLS, Tri, gemm, madd};
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Storage, Tensor};
 use rayon::prelude::*;
-
-/// Rows of one register tile of [`gemm`].
-const ROWS: usize = 4;
-/// Columns of one register tile of [`gemm`] (two AVX2 vectors).
-const COLS: usize = 16;
 
 /// The sizes of one head's sequence.
 #[derive(Debug, Clone, Copy)]
@@ -211,12 +207,6 @@ mod x86 {
     }
 }
 
-/// `a·b + c`, fused (one rounding) when `FMA`.
-#[inline(always)]
-fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
-    if FMA { a.mul_add(b, c) } else { a * b + c }
-}
-
 /// Per-head scratch of the chunked form, sized for chunks of up to `c` tokens.
 struct Scratch {
     /// Chunk-local `G = cumsum(g)`: `[c]`.
@@ -233,18 +223,6 @@ struct Scratch {
     ks: Vec<f32>,
     /// The right-hand side, then the solution `D`: `[c, Dv]`.
     delta: Vec<f32>,
-}
-
-/// Which part of a [`gemm`] is known zero or not wanted.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Tri {
-    /// Everything.
-    Full,
-    /// `a` is lower triangular (`a[i, p] = 0` for `p > i`): sums stop at the tile's last row.
-    LowerA,
-    /// Only `c[i, j]` with `j ≤ i` is wanted: tiles wholly above the diagonal are skipped (entries above the
-    /// diagonal of the tiles computed hold partial garbage the caller ignores).
-    LowerC,
 }
 
 #[inline(always)]
@@ -431,83 +409,6 @@ fn solve_lower<const FMA: bool>(n: &[f32], l: usize, d: &mut [f32], dv: usize) {
             }
         }
         c0 += width;
-    }
-}
-
-/// `c += a b` for dense row-major `a` `[m, k]`, `b` `[k, n]`, `c` `[m, n]`. Each output is one chain of
-/// multiply-adds over `p` in increasing order (so a tile and an edge give the same numbers), computed [`ROWS`] ×
-/// [`COLS`] at a time in registers.
-#[inline(always)]
-fn gemm<const FMA: bool>(
-    a: &[f32],
-    b: &[f32],
-    c: &mut [f32],
-    (m, k, n): (usize, usize, usize),
-    tri: Tri,
-) {
-    let mut i0 = 0;
-    while i0 < m {
-        let rows = ROWS.min(m - i0);
-        // The inner length for these rows: a lower triangular `a` is zero past the last row's diagonal.
-        let kend = if tri == Tri::LowerA {
-            k.min(i0 + rows)
-        } else {
-            k
-        };
-        let mut j0 = 0;
-        while j0 < n {
-            if tri == Tri::LowerC && j0 >= i0 + rows {
-                break;
-            }
-            let cols = COLS.min(n - j0);
-            if rows == ROWS && cols == COLS {
-                tile::<FMA>(kend, &a[i0 * k..], k, &b[j0..], n, &mut c[i0 * n + j0..], n);
-            } else {
-                for i in 0..rows {
-                    let arow = &a[(i0 + i) * k..(i0 + i) * k + kend];
-                    let crow = &mut c[(i0 + i) * n + j0..(i0 + i) * n + j0 + cols];
-                    for (jj, cv) in crow.iter_mut().enumerate() {
-                        let mut acc = *cv;
-                        for (p, &av) in arow.iter().enumerate() {
-                            acc = madd::<FMA>(av, b[p * n + j0 + jj], acc);
-                        }
-                        *cv = acc;
-                    }
-                }
-            }
-            j0 += cols;
-        }
-        i0 += rows;
-    }
-}
-
-/// One full [`ROWS`] × [`COLS`] tile of [`gemm`]: `c[r, :COLS] += Σ_{p<k} a[r, p] b[p, :COLS]`.
-#[inline(always)]
-fn tile<const FMA: bool>(
-    k: usize,
-    a: &[f32],
-    lda: usize,
-    b: &[f32],
-    ldb: usize,
-    c: &mut [f32],
-    ldc: usize,
-) {
-    let mut acc = [[0f32; COLS]; ROWS];
-    let arows: [&[f32]; ROWS] = std::array::from_fn(|r| &a[r * lda..r * lda + k]);
-    for (r, accr) in acc.iter_mut().enumerate() {
-        accr.copy_from_slice(&c[r * ldc..r * ldc + COLS]);
-    }
-    for p in 0..k {
-        let bp: &[f32; COLS] = b[p * ldb..p * ldb + COLS].try_into().unwrap();
-        for (accr, arow) in acc.iter_mut().zip(&arows) {
-            let av = arow[p];
-            for (x, &bv) in accr.iter_mut().zip(bp) {
-                *x = madd::<FMA>(av, bv, *x);
-            }
-        }
-    }
-    for (r, accr) in acc.iter().enumerate() {
-        c[r * ldc..r * ldc + COLS].copy_from_slice(accr);
     }
 }
 

@@ -19,6 +19,7 @@
 //! `kernel` module: the same formulas, heads across threads, no per-op overhead), held to these by tests.
 
 mod kernel;
+mod tiles;
 
 use crate::error::{Error, Result};
 use crate::masks;
