@@ -14,19 +14,16 @@
 //! was read from are then handed back ([`SharedMap::release`]).
 
 use crate::error::{Error, Result};
-use crate::linear::{Elem, Linear, MappedMatrix, PackedMatrix, SharedMap};
-use crate::quant::{
-    QuantKind, QuantizedMatrix, Storage, WeightFormat, quantize_int4_sym, quantize_int8_sym,
-    round_f16,
-};
+use crate::linear::{Elem, Linear, MappedMatrix, SharedMap};
+use crate::quant::{Storage, WeightFormat, round_f16};
 use crate::schema::TensorSpec;
 use candle_core::{DType, Device, Tensor};
-use half::slice::HalfFloatSliceExt;
 use memmap2::Mmap;
-use rayon::prelude::*;
 use safetensors::tensor::{Dtype as StDtype, Metadata, TensorInfo};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+
+mod compressed;
 
 struct ShardFile {
     path: PathBuf,
@@ -93,7 +90,7 @@ impl WeightStore {
     }
 
     /// [`WeightStore::open`] with the weights compressed as `format` prescribes (see [`WeightFormat::storage`]):
-    /// [`WeightStore::decoder`] and [`WeightStore::get`] return the dequantised (or f16-rounded) values, exact in f32
+    /// [`WeightStore::load`] and [`WeightStore::linear`] return the dequantised (or f16-rounded) values, exact in f32
     /// and widened exactly for F64 runs.
     pub fn open_with_format(dir: &Path, dtype: DType, format: WeightFormat) -> Result<Self> {
         format.validate()?;
@@ -281,78 +278,6 @@ impl WeightStore {
         Ok(Linear::Dense(self.load(spec)?))
     }
 
-    /// Rows per block when a matrix is quantised or rounded a block at a time (about 1 M values: 4 MB of f32).
-    fn block_rows(cols: usize) -> usize {
-        ((1 << 20) / cols.max(1)).max(1)
-    }
-
-    /// A quantised matrix as codes and scales, quantised from the checkpoint bytes a block of rows at a time (in
-    /// parallel); the codes are those of [`WeightStore::quantized`] (quantisation is per row or per group of a row).
-    fn packed(&self, spec: &TensorSpec, rows: usize, cols: usize) -> Result<PackedMatrix> {
-        let full_name = self.full_name(spec);
-        let raw = self.raw(&full_name, &spec.shape)?;
-        let kind = match self.storage(spec) {
-            Storage::Int4Sym { group } => QuantKind::Int4Sym { group },
-            Storage::Int8Sym => QuantKind::Int8Sym,
-            other => {
-                return Err(raw.err(format!(
-                    "the {} format stores this tensor as {other:?}, not quantised",
-                    self.format
-                )));
-            }
-        };
-        let packed = PackedMatrix::from_row_blocks(kind, rows, cols, Self::block_rows(cols), |r| {
-            let q = self
-                .quantized_rows(spec, r.clone())?
-                .ok_or_else(|| raw.err("not quantised under this format".into()))?;
-            raw.rows(r, rows).release();
-            Ok(q)
-        })
-        .map_err(|e| match e {
-            Error::Input(m) => raw.err(m),
-            e => e,
-        })?;
-        Ok(packed)
-    }
-
-    /// A matrix rounded to f16 (as [`WeightStore::load`] rounds it), held as f16 bytes and read by the f16 matvec;
-    /// rounded from the checkpoint bytes a block of rows at a time (in parallel).
-    fn rounded_f16(&self, spec: &TensorSpec, rows: usize, cols: usize) -> Result<MappedMatrix> {
-        let full_name = self.full_name(spec);
-        let raw = self.raw(&full_name, &spec.shape)?;
-        let block = Self::block_rows(cols);
-        let mut bytes = vec![0u8; rows * cols * 2];
-        bytes
-            .par_chunks_mut((block * cols * 2).max(1))
-            .enumerate()
-            .try_for_each(|(b, dst)| -> Result<()> {
-                let start = b * block;
-                let part = raw.rows(start..start + dst.len() / 2 / cols.max(1), rows);
-                if part.dtype == StDtype::F64 {
-                    for (v, out) in part.values_f64()?.into_iter().zip(dst.chunks_exact_mut(2)) {
-                        out.copy_from_slice(&round_f16(v).to_le_bytes());
-                    }
-                } else {
-                    // bf16, f16 and f32 values are exact in f32, so rounding them from f32 (vectorised, after the
-                    // same clamp to ±65504) gives round_f16's results.
-                    let mut v = part.values_f32()?;
-                    let max = f32::from(half::f16::MAX);
-                    for x in &mut v {
-                        *x = x.clamp(-max, max);
-                    }
-                    let mut h = vec![half::f16::ZERO; v.len()];
-                    h.convert_from_f32_slice(&v);
-                    for (x, out) in h.iter().zip(dst.chunks_exact_mut(2)) {
-                        out.copy_from_slice(&x.to_le_bytes());
-                    }
-                }
-                part.release();
-                Ok(())
-            })?;
-        MappedMatrix::new(&SharedMap::from_vec(bytes), 0, rows, cols, Elem::F16)
-            .map_err(|e| raw.err(e.to_string()))
-    }
-
     /// The matrix as stored, when [`WeightStore::linear`] reads it in place.
     fn mapped(&self, spec: &TensorSpec) -> Result<Option<MappedMatrix>> {
         let full_name = self.full_name(spec);
@@ -414,45 +339,6 @@ impl WeightStore {
             (DType::F32, Storage::Int8Sym) => rows * cols + 2 * rows,
             _ => rows * cols * run,
         })
-    }
-
-    /// The codes and scales of a tensor the store's format quantises (`None` when it stays float or f16): the
-    /// constants an OpenVINO graph stores so that `f32(code) · f32(scale)` equals what [`WeightStore::load`] returns.
-    pub fn quantized(&self, spec: &TensorSpec) -> Result<Option<QuantizedMatrix>> {
-        let full_name = self.full_name(spec);
-        let raw = self.raw(&full_name, &spec.shape)?;
-        if self.storage(spec).is_quantized() {
-            self.quantize(&raw, spec).map(Some)
-        } else {
-            Ok(None)
-        }
-    }
-
-    /// [`WeightStore::quantized`] for the rows `rows` of the matrix only: quantisation is per row (one scale per row
-    /// or per group of a row), so these are exactly those rows of the whole tensor's codes and scales. Lets a large
-    /// tensor be compressed in pieces, never whole in f32.
-    pub fn quantized_rows(
-        &self,
-        spec: &TensorSpec,
-        rows: std::ops::Range<usize>,
-    ) -> Result<Option<QuantizedMatrix>> {
-        let full_name = self.full_name(spec);
-        let raw = self.raw(&full_name, &spec.shape)?;
-        if !self.storage(spec).is_quantized() {
-            return Ok(None);
-        }
-        let total = spec.shape.first().copied().unwrap_or(0);
-        if rows.start > rows.end || rows.end > total {
-            return Err(raw.err(format!("rows {rows:?} of a tensor of {total} rows")));
-        }
-        let mut shape = spec.shape.clone();
-        shape[0] = rows.len();
-        let part = raw.rows(rows, total);
-        let part_spec = TensorSpec {
-            shape,
-            ..spec.clone()
-        };
-        self.quantize(&part, &part_spec).map(Some)
     }
 
     /// The checkpoint files this store maps (one per shard).
@@ -541,33 +427,6 @@ impl WeightStore {
             (other, _) => return Err(raw.unsupported(other)),
         };
         Ok(tensor)
-    }
-
-    /// Quantises a tensor as the store's format prescribes for it: a matrix `[out, in]`, or a conv kernel
-    /// `[C, 1, K]` as the matrix `[C, K]` (one row per channel).
-    fn quantize(&self, raw: &Raw, spec: &TensorSpec) -> Result<QuantizedMatrix> {
-        let shape = spec.shape.as_slice();
-        let (rows, cols) = match *shape {
-            [rows, cols] => (rows, cols),
-            [rows, 1, cols] => (rows, cols),
-            _ => {
-                return Err(raw.err(format!(
-                    "only matrices and [C, 1, K] kernels are quantised, this one has shape {shape:?}"
-                )));
-            }
-        };
-        let w = raw.values_f32()?;
-        let q = match self.storage(spec) {
-            Storage::Int4Sym { group } => quantize_int4_sym(&w, rows, cols, group),
-            Storage::Int8Sym => quantize_int8_sym(&w, rows, cols),
-            other => {
-                return Err(raw.err(format!(
-                    "the {} format stores this tensor as {other:?}, not quantised",
-                    self.format
-                )));
-            }
-        };
-        q.map_err(|e| raw.err(format!("{} quantisation: {e}", self.format)))
     }
 
     /// A tensor of the store's dtype from f32 values (widened exactly for F64 runs).
