@@ -8,8 +8,8 @@ use candle_core::Tensor;
 use std::collections::BTreeMap;
 
 /// The names of the taps, shared by every backend that writes them (the reference, the OpenVINO graphs) and by
-/// whoever reads them. A layer's tap is `layers.{i}.{name}` ([`layer`]); a mixer's own taps are
-/// `layers.{i}.{mixer}.{name}`, the mixer being [`LINEAR_ATTN`] or [`SELF_ATTN`].
+/// whoever reads them. A layer's tap is `layers.{i}.{name}` ([`names::layer`]); a mixer's own taps are
+/// `layers.{i}.{mixer}.{name}`, the mixer being [`names::LINEAR_ATTN`] or [`names::SELF_ATTN`].
 pub mod names {
     /// Token embeddings `[T, H]`.
     pub const EMBEDDINGS: &str = "embeddings";

@@ -97,7 +97,7 @@ pub fn find_draft(context: &[u32], max_ngram: usize, max_draft: usize) -> Vec<u3
 /// n-gram of the context ([`find_draft`]) and verified in one forward call of [last token, drafts] with the logits
 /// of every row; the longest prefix of the draft that matches the argmax chain is accepted, and the row after it
 /// gives one more token. A recurrent state cannot be rolled back past rejected drafts, so on a partial match the
-/// state taken before the verify call is restored and the accepted tokens are fed again. Stops as [`greedy`] does
+/// state taken before the verify call is restored and the accepted tokens are fed again. Stops as [`super::greedy`] does
 /// (after `max_new` tokens, a token in `stop`, or logits holding a NaN) and needs no more cache slots than it.
 pub fn prompt_lookup(
     backend: &mut dyn Backend,

@@ -35,7 +35,7 @@ pub struct SliceDiff {
     /// One comparison per index along the axis, each against its own slice's scale (indices are of the whole
     /// tensor as compared).
     pub slices: Vec<Diff>,
-    /// The whole tensor's comparison (the measure [`diff`] gives).
+    /// The whole tensor's comparison (the measure [`super::diff`] gives).
     pub whole: Diff,
     /// The precision the floor is taken from (see the type's documentation).
     pub epsilon: f64,
