@@ -18,6 +18,12 @@ pub trait Executor {
     /// Sets every input by name, runs, and returns every output by name.
     fn run(&mut self, inputs: &[(&str, &Tensor)]) -> Result<BTreeMap<String, Tensor>>;
 
+    /// Forgets what the graph keeps between runs: a stateful IR's variables start again from their initial values
+    /// (a fresh infer request). A graph whose states are ports keeps nothing: the default does nothing.
+    fn reset(&mut self) -> Result<()> {
+        Ok(())
+    }
+
     /// Runs with every input the graph declares taken by name from `offered` (an engine offers what a block may
     /// need; a graph declares what it reads, e.g. a per-layer DeltaNet graph no attention mask); a declared input
     /// that is not offered is an error. Returns every output by name.
@@ -110,6 +116,7 @@ impl Executor for SimSession {
 /// An inference session on one graph compiled by OpenVINO.
 pub struct Session {
     info: ExecInfo,
+    model: openvino::CompiledModel,
     request: InferRequest,
 }
 
@@ -117,11 +124,20 @@ fn to_ov(t: &Tensor) -> std::result::Result<openvino::Tensor, String> {
     let dims: Vec<i64> = t.dims().iter().map(|&d| d as i64).collect();
     let shape = Shape::new(&dims).map_err(|e| e.to_string())?;
     let flat = t.flatten_all().map_err(|e| e.to_string())?;
+    let err = |e: candle_core::Error| e.to_string();
     let (ty, bytes): (ElementType, Vec<u8>) = match t.dtype() {
         DType::F32 => (
             ElementType::F32,
             flat.to_vec1::<f32>()
-                .map_err(|e| e.to_string())?
+                .map_err(err)?
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect(),
+        ),
+        DType::F16 => (
+            ElementType::F16,
+            flat.to_vec1::<half::f16>()
+                .map_err(err)?
                 .iter()
                 .flat_map(|x| x.to_le_bytes())
                 .collect(),
@@ -129,17 +145,32 @@ fn to_ov(t: &Tensor) -> std::result::Result<openvino::Tensor, String> {
         DType::I64 => (
             ElementType::I64,
             flat.to_vec1::<i64>()
-                .map_err(|e| e.to_string())?
+                .map_err(err)?
                 .iter()
                 .flat_map(|x| x.to_le_bytes())
                 .collect(),
         ),
-        other => return Err(format!("host tensors must be f32 or i64, got {other:?}")),
+        DType::I32 => (
+            ElementType::I32,
+            flat.to_vec1::<i32>()
+                .map_err(err)?
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect(),
+        ),
+        DType::U8 => (ElementType::Boolean, flat.to_vec1::<u8>().map_err(err)?),
+        other => {
+            return Err(format!(
+                "host tensors must be f32, f16, i64, i32 or boolean, got {other:?}"
+            ));
+        }
     };
     let mut out = openvino::Tensor::new(ty, &shape).map_err(|e| e.to_string())?;
-    out.get_raw_data_mut()
-        .map_err(|e| e.to_string())?
-        .copy_from_slice(&bytes);
+    if !bytes.is_empty() {
+        out.get_raw_data_mut()
+            .map_err(|e| e.to_string())?
+            .copy_from_slice(&bytes);
+    }
     Ok(out)
 }
 
@@ -151,8 +182,11 @@ fn from_ov(t: &openvino::Tensor) -> std::result::Result<Tensor, String> {
         .iter()
         .map(|&d| d as usize)
         .collect();
-    let raw = t.get_raw_data().map_err(|e| e.to_string())?;
     let dev = &Device::Cpu;
+    if shape.contains(&0) {
+        return Tensor::zeros(shape, DType::F32, dev).map_err(|e| e.to_string());
+    }
+    let raw = t.get_raw_data().map_err(|e| e.to_string())?;
     let tensor = match t.get_element_type().map_err(|e| e.to_string())? {
         ElementType::F32 => {
             let v: Vec<f32> = raw
@@ -175,6 +209,13 @@ fn from_ov(t: &openvino::Tensor) -> std::result::Result<Tensor, String> {
                 .collect();
             Tensor::from_vec(v, shape, dev)
         }
+        ElementType::I32 => {
+            let v: Vec<i64> = raw
+                .chunks_exact(4)
+                .map(|c| i64::from(i32::from_le_bytes(c.try_into().unwrap_or([0; 4]))))
+                .collect();
+            Tensor::from_vec(v, shape, dev)
+        }
         other => return Err(format!("unsupported output element type {other:?}")),
     };
     tensor.map_err(|e| e.to_string())
@@ -194,6 +235,7 @@ impl Session {
             })?;
         Ok(Session {
             info: compiled.info,
+            model: compiled.model,
             request,
         })
     }
@@ -237,5 +279,14 @@ impl Executor for Session {
             out.insert(name, t);
         }
         Ok(out)
+    }
+
+    /// A fresh infer request: a stateful IR's variables start from their initial values.
+    fn reset(&mut self) -> Result<()> {
+        self.request = self
+            .model
+            .create_infer_request()
+            .map_err(|e| self.err(format!("creating the request: {}", openvino_message(&e))))?;
+        Ok(())
     }
 }

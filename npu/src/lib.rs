@@ -1,6 +1,7 @@
 //! The OpenVINO side of qwen35-parity: finding the runtime, querying devices, compiling with explicit options, the
-//! static NPU-style graphs of the Qwen3.5 decoder written as OpenVINO IR, and graphs made elsewhere (an external
-//! stateful IR such as optimum-intel's export) as a backend.
+//! static NPU-style graphs of the Qwen3.5 decoder written as OpenVINO IR, and graph sets (this project's own, or
+//! made elsewhere: a porter's explicit-cache graphs, optimum-intel's stateful export, it made stateless) run through
+//! one engine as a backend.
 #![deny(missing_docs)]
 
 pub mod devices;
@@ -8,6 +9,7 @@ pub mod engine;
 pub mod error;
 pub mod external;
 pub mod graphs;
+pub mod graphset;
 pub mod infer;
 pub mod ir;
 pub mod pages;

@@ -4,9 +4,9 @@
 
 use candle_core::{DType, Tensor};
 use npu::devices::CompileOptions;
-use npu::external::ExternalBackend;
+use npu::engine::DecoderEngine;
 use npu::external::constants::{checkpoint_name, compressed_weights};
-use npu::external::manifest::IrManifest;
+use npu::graphset::manifest;
 use reference::backend::{Backend, ReferenceBackend, greedy, teacher_forced};
 use reference::config::Config;
 use reference::model::{Model, RunOptions};
@@ -37,9 +37,21 @@ fn reference(format: WeightFormat) -> ReferenceBackend {
     ReferenceBackend::new(model, RunOptions::default(), false, &format.name()).unwrap()
 }
 
-fn external(name: &str) -> ExternalBackend {
+fn open_dir(dir: &std::path::Path) -> npu::Result<DecoderEngine> {
     let (config, _) = tiny(WeightFormat::F32);
-    ExternalBackend::open_dir(&ir(name), config, "CPU", &CompileOptions::default()).unwrap()
+    let set = manifest::open(dir)?;
+    DecoderEngine::open(&set, config, "CPU", &CompileOptions::default(), None)
+}
+
+fn external(name: &str) -> DecoderEngine {
+    open_dir(&ir(name)).unwrap()
+}
+
+/// The IR file of a one-file set.
+fn files(name: &str) -> (PathBuf, PathBuf, Option<String>) {
+    let set = manifest::open(&ir(name)).unwrap();
+    let g = &set.decoder().unwrap().graphs[0];
+    (g.xml.clone(), g.bin.clone(), set.reference_weights.clone())
 }
 
 /// A chat prompt of the tiny model (the golden's), cut to `n` tokens.
@@ -91,9 +103,9 @@ fn compare(
 
 #[test]
 fn the_int4_export_holds_exactly_the_weights_of_the_nncf_rule() {
-    let m = IrManifest::open(&ir("tiny-int4")).unwrap();
-    let weights = compressed_weights(&m.xml, &m.bin).unwrap();
-    let format = WeightFormat::parse(m.reference_weights.as_deref().unwrap()).unwrap();
+    let (xml, bin, reference_weights) = files("tiny-int4");
+    let weights = compressed_weights(&xml, &bin).unwrap();
+    let format = WeightFormat::parse(reference_weights.as_deref().unwrap()).unwrap();
     assert_eq!(format, WeightFormat::Int4Nncf { group: 32 });
     let (config, store) = tiny(format);
     let specs = Schema::new(&config).tensors();
@@ -156,9 +168,9 @@ fn the_int4_export_holds_exactly_the_weights_of_the_nncf_rule() {
 
 #[test]
 fn the_f32_export_holds_no_compressed_weight_and_constant_names_map_explicitly() {
-    let m = IrManifest::open(&ir("tiny-f32")).unwrap();
-    assert!(compressed_weights(&m.xml, &m.bin).unwrap().is_empty());
-    assert_eq!(m.reference_weights.as_deref(), Some("f32"));
+    let (xml, bin, reference_weights) = files("tiny-f32");
+    assert!(compressed_weights(&xml, &bin).unwrap().is_empty());
+    assert_eq!(reference_weights.as_deref(), Some("f32"));
     assert_eq!(
         checkpoint_name("__module.model.model.layers.7.linear_attn/aten::_convolution/Reshape")
             .unwrap(),
@@ -239,40 +251,26 @@ fn a_manifest_port_the_ir_does_not_have_is_named() {
     }
     let text = r#"{"inputs": {"input_ids": {"name": "tokens"}}, "outputs": {"logits": {"name": "logits"}}}"#;
     std::fs::write(dir.path().join("manifest.json"), text).unwrap();
-    let (config, _) = tiny(WeightFormat::F32);
-    let e = ExternalBackend::open_dir(
-        dir.path(),
-        config.clone(),
-        "CPU",
-        &CompileOptions::default(),
-    )
-    .err()
-    .unwrap()
-    .to_string();
-    assert!(e.contains("`inputs.input_ids` names `tokens`"), "{e}");
+    let e = open_dir(dir.path()).err().unwrap().to_string();
+    assert!(
+        e.contains("`inputs.input_ids`") && e.contains("names input `tokens`"),
+        "{e}"
+    );
 
     // A manifest key missing, and an IR input mapped to no role.
     std::fs::write(dir.path().join("manifest.json"), r#"{"inputs": {}}"#).unwrap();
-    let e = IrManifest::open(dir.path()).unwrap_err().to_string();
-    assert!(e.contains("key `outputs` is missing"), "{e}");
+    let e = manifest::open(dir.path()).unwrap_err().to_string();
+    assert!(e.contains("`outputs`: missing"), "{e}");
     let text = r#"{"inputs": {"input_ids": {"name": "input_ids"}}, "outputs": {"logits": {"name": "logits"}}}"#;
     std::fs::write(dir.path().join("manifest.json"), text).unwrap();
-    let e = ExternalBackend::open_dir(
-        dir.path(),
-        config.clone(),
-        "CPU",
-        &CompileOptions::default(),
-    )
-    .err()
-    .unwrap()
-    .to_string();
+    let e = open_dir(dir.path()).err().unwrap().to_string();
     assert!(e.contains("has input `attention_mask`"), "{e}");
 
     // Without a manifest: optimum-intel's names; without the .bin: the file is named.
     std::fs::remove_file(dir.path().join("manifest.json")).unwrap();
-    assert!(IrManifest::open(dir.path()).is_ok());
+    assert!(manifest::open(dir.path()).is_ok());
     std::fs::remove_file(dir.path().join("openvino_model.bin")).unwrap();
-    let e = IrManifest::open(dir.path()).unwrap_err().to_string();
+    let e = manifest::open(dir.path()).unwrap_err().to_string();
     assert!(
         e.contains("openvino_model.bin") && e.contains("does not exist"),
         "{e}"
@@ -289,9 +287,7 @@ fn a_static_context_in_the_manifest_is_enforced() {
     let mut m: serde_json::Value = serde_json::from_str(&text).unwrap();
     m["context"] = 16.into();
     std::fs::write(dir.path().join("manifest.json"), m.to_string()).unwrap();
-    let (config, _) = tiny(WeightFormat::F32);
-    let mut device =
-        ExternalBackend::open_dir(dir.path(), config, "CPU", &CompileOptions::default()).unwrap();
+    let mut device = open_dir(dir.path()).unwrap();
     assert_eq!(device.record().context, Some(16));
     // 12 prompt tokens and 5 generated (4 fed back) fill 16 slots; one more token is refused, naming the context,
     // and the position stays where it was.
@@ -299,7 +295,7 @@ fn a_static_context_in_the_manifest_is_enforced() {
     assert_eq!(g.tokens.len(), 5);
     assert_eq!(device.position().unwrap(), 16);
     let e = device.forward(&[1], false).unwrap_err().to_string();
-    assert!(e.contains("static context of 16"), "{e}");
+    assert!(e.contains("static context holds 16"), "{e}");
     assert_eq!(device.position().unwrap(), 16);
     let e = greedy(&mut device, &prompt(17), 1, &[], false, |_| Ok(()))
         .unwrap_err()
@@ -311,6 +307,9 @@ fn a_static_context_in_the_manifest_is_enforced() {
 
     m["context"] = 0.into();
     std::fs::write(dir.path().join("manifest.json"), m.to_string()).unwrap();
-    let e = IrManifest::open(dir.path()).unwrap_err().to_string();
-    assert!(e.contains("`context` is 0"), "{e}");
+    let e = manifest::open(dir.path()).unwrap_err().to_string();
+    assert!(
+        e.contains("`context`") && e.contains("whole number ≥ 1"),
+        "{e}"
+    );
 }

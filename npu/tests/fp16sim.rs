@@ -100,7 +100,7 @@ fn exact_fp16sim_agrees_with_openvino_on_every_layer_graph() {
                         &CompileOptions::default(),
                     )
                     .unwrap();
-                    let mut state = HostLayerState::zeros(&config, layer, 64).unwrap();
+                    let mut state = HostLayerState::zeros(&config, layer).unwrap();
                     let mut out = runner.run(&input, 0, &mut state).unwrap();
                     out.extend(state.dump_tensors(layer).unwrap());
                     outputs.push(out);
@@ -192,7 +192,7 @@ fn fp16_arithmetic_moves_the_numbers_by_fp16_precision() {
         let mut runner =
             LayerRunner::new(&builder, layer, 16, device, &CompileOptions::default()).unwrap();
         assert_eq!(runner.info().device, device);
-        let mut state = HostLayerState::zeros(&config, layer, 64).unwrap();
+        let mut state = HostLayerState::zeros(&config, layer).unwrap();
         let out = runner.run(&taps["embeddings"], 0, &mut state).unwrap();
         outputs.insert(device, out);
     }

@@ -4,10 +4,10 @@
 use crate::options::{FormArgs, GraphArgs, ModelArgs};
 use anyhow::{Result, bail};
 use npu::devices::{CompileOptions, InferencePrecision, device_config};
+use npu::engine::DecoderEngine as ExternalBackend;
 use npu::engine::{DEFAULT_BLOCK, DecoderEngine};
-use npu::external::ExternalBackend;
-use npu::external::manifest::IrManifest;
 use npu::graphs::{Builder, DEFAULT_CONTEXT, GraphOptions};
+use npu::graphset::GraphSet as IrManifest;
 use npu::sim::NumericModel;
 use reference::backend::{Backend, ReferenceBackend};
 use reference::config::Config;
@@ -210,8 +210,8 @@ pub fn open_external(
     compile: &CompileOptions,
 ) -> Result<ExternalBackend> {
     refuse_sim(device, dir)?;
-    let manifest = IrManifest::open(dir)?;
-    let backend = ExternalBackend::open(manifest, config.clone(), device, compile)?;
+    let manifest = npu::graphset::manifest::open(dir)?;
+    let backend = ExternalBackend::open(&manifest, config.clone(), device, compile, None)?;
     warn_precision(device, &backend, compile);
     Ok(backend)
 }
@@ -265,7 +265,8 @@ pub struct ExternalIr {
 impl ExternalIr {
     /// Reads the manifest of `dir` and opens the checkpoint with `model`'s options.
     pub fn open(dir: &Path, model: &ModelArgs) -> Result<Self> {
-        let manifest = IrManifest::open(dir)?;
+        let manifest = npu::graphset::manifest::open(dir)
+            .map_err(|e| anyhow::Error::new(e).context(format!("--ir {}", dir.display())))?;
         let model = ModelArgs {
             model: model.model.clone().or_else(|| {
                 manifest
@@ -316,7 +317,7 @@ impl ExternalIr {
     pub fn compile(&self, device: &str, compile: &CompileOptions) -> Result<ExternalBackend> {
         refuse_sim(device, &self.dir)?;
         let backend =
-            ExternalBackend::open(self.manifest.clone(), self.config.clone(), device, compile)
+            ExternalBackend::open(&self.manifest, self.config.clone(), device, compile, None)
                 .map_err(|e| {
                     anyhow::Error::new(e).context(format!("--ir {}", self.dir.display()))
                 })?;

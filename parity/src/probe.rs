@@ -301,7 +301,7 @@ pub fn probe(
             (Some(x), Mode::Chained) => x.clone(),
             _ => trace.input(layer)?.clone(),
         };
-        let mut state = HostLayerState::zeros(config, layer, device.context())?;
+        let mut state = HostLayerState::zeros(config, layer)?;
         let mut pieces: BTreeMap<String, Vec<Tensor>> = BTreeMap::new();
         let mut drift = Vec::new();
         for (b, &(start, end)) in trace.blocks.iter().enumerate() {
@@ -309,7 +309,7 @@ pub fn probe(
                 state = HostLayerState::from_snapshot(
                     config,
                     layer,
-                    device.context(),
+                    Some(device.context()),
                     &trace.states[b],
                 )?;
             }

@@ -147,7 +147,7 @@ fn the_f32_export_passes_every_check_that_applies_and_the_others_are_skipped() {
     // Against the reference: the very tokens, logits to f32 rounding; layers and states not exposed.
     let cmp = &v["compare"]["devices"][0];
     assert_eq!(cmp["greedy_matched"], cmp["greedy_total"]);
-    assert_eq!(cmp["record"]["backend"], "external-ir");
+    assert_eq!(cmp["record"]["backend"], "graph-set");
     assert!(cmp["logits"]["nmse"].as_f64().unwrap() < 1e-10);
     // The prompt in pieces of 1 and 16, the state carried inside the IR, gives the one call's tokens and logits.
     let blocks = check(&v, "blocks");
@@ -334,7 +334,7 @@ fn a_static_context_in_the_manifest_brings_the_over_long_check_back() {
         over["details"]["device_error"]
             .as_str()
             .unwrap()
-            .contains("static context of 64"),
+            .contains("static context holds 64"),
         "{over}"
     );
     // The commands' own refusal names where the context came from: the manifest, not a flag `--ir` refuses.

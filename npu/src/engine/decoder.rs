@@ -1,33 +1,55 @@
-//! The whole-decoder graphs on a device, as a [`Backend`]: padded prompt blocks, single-token decode, the caches
-//! on the host.
+//! A decoder graph set on a device, as a [`Backend`]: this project's graphs built from the checkpoint, or a set's
+//! files made elsewhere, run through the one interface description ([`crate::graphset`]): prompts in blocks by the
+//! set's host rule, every explicit state kept on the host in the dump's layout and handed between calls (so it can be
+//! compared, snapshot and restored), a stateful set's caches left inside OpenVINO.
 
-use super::{BlockInputs, Collector, HostLayerState};
-use crate::devices::CompileOptions;
+use super::HostLayerState;
+use crate::devices::{CompileOptions, ExecInfo, IrPorts, compile_ir, read_ports};
 use crate::error::{Error, Result};
-use crate::graphs::{Builder, ports};
-use crate::infer::{Executor, prepare};
+use crate::graphs::Builder;
+use crate::graphset::check::{Resolved, Subject, resolve};
+use crate::graphset::layout::{self, Call};
+use crate::graphset::{GraphSet, InputRole, Interface, LogitRows, PromptRule, own};
+use crate::infer::{Executor, Session, prepare};
 use crate::ir::SharedBin;
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use reference::backend::{Backend, Forward, RunRecord, Snapshot};
 use reference::config::Config;
 use reference::taps::names;
 use std::collections::BTreeMap;
 
-/// The whole-decoder graphs compiled on a device: one for prompt blocks of `block` tokens and one for single-token
-/// decode, with every cache kept on the host and handed between calls.
+/// The backend's name in run records of a set read from files.
+pub const SET_BACKEND: &str = "graph-set";
+
+/// Why a stateful set's state cannot be compared, as reports say it.
+pub const STATE_NOT_EXPOSED: &str = "not exposed: a stateful IR keeps its caches inside OpenVINO, whose C API \
+     cannot read them; a stateless form (explicit state ports) exposes them";
+
+/// One graph of the set, ready to run.
+struct SetGraph {
+    /// Tokens per call (`None`: any).
+    tokens: Option<usize>,
+    exec: Box<dyn Executor>,
+    ports: Resolved,
+}
+
+/// The decoder graphs of a set compiled on a device.
 pub struct DecoderEngine {
-    prefill: Option<Box<dyn Executor>>,
-    decode: Box<dyn Executor>,
-    block: usize,
-    context: usize,
+    graphs: Vec<SetGraph>,
+    interface: Interface,
+    rule: PromptRule,
+    context: Option<usize>,
+    context_source: String,
     config: Config,
     states: Vec<HostLayerState>,
     position: usize,
+    embeddings: Option<Tensor>,
     record: RunRecord,
 }
 
 impl DecoderEngine {
-    /// Builds and compiles the decoder graphs (prompt blocks of `block` tokens, and 1 token) for `device`.
+    /// Builds and compiles this project's decoder graphs (prompt blocks of `block` tokens, and 1 token) for
+    /// `device`.
     pub fn new(
         builder: &Builder,
         block: usize,
@@ -40,6 +62,9 @@ impl DecoderEngine {
             ));
         }
         let start = std::time::Instant::now();
+        let config = builder.config().clone();
+        let interface = own::decoder(&config, builder.options().taps);
+        let context = builder.options().context;
         // On an OpenVINO device both graphs stream their constants to one `.bin` and point into it: the weights are
         // compressed and written once, never held in memory, and while each graph compiles the file's pages (which
         // the CPU plugin reads once, copying the weights into its own layout) are handed back every 250 ms
@@ -51,9 +76,28 @@ impl DecoderEngine {
             let bin = SharedBin::create(&scratch.0.join("weights.bin"))?;
             Some((scratch, bin))
         };
-        let session = |tokens: usize| -> Result<Box<dyn Executor>> {
+        let mut sizes = vec![1];
+        if block > 1 {
+            sizes.push(block);
+        }
+        let mut graphs = Vec::new();
+        for &tokens in &sizes {
             let bin = shared.as_ref().map(|(_, bin)| bin);
             let graph = builder.decoder_graph_on(tokens, bin)?;
+            let name = graph.name().to_string();
+            let ports = resolve(
+                &Subject {
+                    source: "this project's decoder graphs",
+                    part: "decoder",
+                    file: &name,
+                    tokens: Some(tokens),
+                    layer: None,
+                    context: Some(context),
+                },
+                &config,
+                &interface,
+                &IrPorts::of_graph(&graph),
+            )?;
             let releaser = match bin {
                 Some(bin) => Some(crate::pages::Releaser::start(
                     vec![bin.path()?],
@@ -61,114 +105,415 @@ impl DecoderEngine {
                 )),
                 None => None,
             };
-            let executor = prepare(graph, device, opts)?;
+            let exec = prepare(graph, device, opts)?;
             drop(releaser);
-            Ok(executor)
-        };
-        let decode = session(1)?;
-        let prefill = if block > 1 {
-            Some(session(block)?)
-        } else {
-            None
-        };
+            graphs.push(SetGraph {
+                tokens: Some(tokens),
+                exec,
+                ports,
+            });
+        }
         drop(shared);
-        let config = builder.config().clone();
-        let graph = *builder.options();
-        let context = graph.context;
-        let states = (0..config.num_layers())
-            .map(|l| HostLayerState::zeros(&config, l, context))
-            .collect::<Result<_>>()?;
-        let infos: Vec<_> = prefill.iter().chain([&decode]).map(|e| e.info()).collect();
+        // The prompt-block graph first, as the record describes it.
+        graphs.reverse();
+        let infos: Vec<&ExecInfo> = graphs.iter().map(|g| g.exec.info()).collect();
         let record = RunRecord {
             compile_seconds: Some(start.elapsed().as_secs_f64()),
             ..record_of(&infos, builder, block, opts)?
         };
+        Self::assemble(
+            graphs,
+            interface,
+            Some(context),
+            "--context".into(),
+            config,
+            None,
+            record,
+        )
+    }
+
+    /// Compiles the decoder graphs of a set read from files for `device` (an OpenVINO device), each checked against
+    /// the set's description first. `config` is the checkpoint's the set was made from; `embeddings` (`[V, H]`, the
+    /// checkpoint's table) is needed when the set takes host-side embeddings.
+    pub fn open(
+        set: &GraphSet,
+        config: Config,
+        device: &str,
+        opts: &CompileOptions,
+        embeddings: Option<Tensor>,
+    ) -> Result<Self> {
+        if crate::sim::NumericModel::is_sim(device) {
+            return Err(Error::Config(format!(
+                "{device} evaluates this project's own graphs; {} runs on an OpenVINO device",
+                set.source
+            )));
+        }
+        crate::runtime::load()?;
+        let start = std::time::Instant::now();
+        let part = set.decoder()?;
+        let interface = part.interface.clone();
+        if interface.has("embeddings") && embeddings.is_none() {
+            return Err(Error::Config(format!(
+                "{}: the set takes host-side embeddings; give the checkpoint's embedding table",
+                set.source
+            )));
+        }
+        let mut opts = opts.clone();
+        if interface.stateful && device.starts_with("CPU") {
+            opts.device_config
+                .entry("KV_CACHE_PRECISION".into())
+                .or_insert_with(|| opts.precision.hint().to_string());
+        }
+        let mut core = crate::runtime::core()?;
+        let mut graphs = Vec::new();
+        for g in &part.graphs {
+            let file = g.xml.display().to_string();
+            let ports = resolve(
+                &Subject {
+                    source: &set.source,
+                    part: &part.key,
+                    file: &file,
+                    tokens: g.tokens,
+                    layer: None,
+                    context: set.context,
+                },
+                &config,
+                &interface,
+                &read_ports(&g.xml, &g.bin)?,
+            )?;
+            let name = g
+                .xml
+                .file_stem()
+                .map_or_else(|| file.clone(), |s| s.to_string_lossy().into_owned());
+            let compiled = compile_ir(&mut core, &g.xml, &g.bin, &name, device, &opts)?;
+            graphs.push(SetGraph {
+                tokens: g.tokens,
+                exec: Box::new(Session::new(compiled)?),
+                ports,
+            });
+        }
+        graphs.sort_by_key(|g| std::cmp::Reverse(g.tokens.unwrap_or(usize::MAX)));
+        let infos: Vec<&ExecInfo> = graphs.iter().map(|g| g.exec.info()).collect();
+        let record = set_record(set, &infos, device, &opts, start.elapsed().as_secs_f64())?;
+        Self::assemble(
+            graphs,
+            interface,
+            set.context,
+            format!("the `context` of {}", set.source),
+            config,
+            embeddings,
+            record,
+        )
+    }
+
+    fn assemble(
+        graphs: Vec<SetGraph>,
+        interface: Interface,
+        context: Option<usize>,
+        context_source: String,
+        config: Config,
+        embeddings: Option<Tensor>,
+        record: RunRecord,
+    ) -> Result<Self> {
+        let states = if interface.stateful {
+            Vec::new()
+        } else {
+            (0..config.num_layers())
+                .map(|l| HostLayerState::zeros(&config, l))
+                .collect::<Result<_>>()?
+        };
+        if interface.logit_rows == LogitRows::Last && interface.prompt == PromptRule::Padded {
+            return Err(Error::Config(
+                "a set whose logits are the last slot's only cannot pad its prompt blocks (the last slot would be a \
+                 padded one): give `\"prompt\": \"blocks\"`"
+                    .into(),
+            ));
+        }
         Ok(DecoderEngine {
-            prefill,
-            decode,
-            block,
+            rule: interface.prompt,
+            graphs,
+            interface,
             context,
+            context_source,
             config,
             states,
             position: 0,
+            embeddings,
             record,
         })
     }
 
-    /// What the graphs (prompt, decode) were prepared with.
-    pub fn infos(&self) -> Vec<&crate::devices::ExecInfo> {
-        self.prefill
-            .iter()
-            .chain(std::iter::once(&self.decode))
-            .map(|e| e.info())
-            .collect()
+    /// What the graphs were prepared with, the largest block first.
+    pub fn infos(&self) -> Vec<&ExecInfo> {
+        self.graphs.iter().map(|g| g.exec.info()).collect()
     }
 
-    /// The static KV context.
-    pub fn context(&self) -> usize {
+    /// The static KV context, if the set has one.
+    pub fn context(&self) -> Option<usize> {
         self.context
     }
 
-    /// The per-layer states after the last call.
+    /// The interface the graphs are run through.
+    pub fn interface(&self) -> &Interface {
+        &self.interface
+    }
+
+    /// The per-layer states after the last call (none for a stateful set).
     pub fn states(&self) -> &[HostLayerState] {
         &self.states
     }
 
-    /// Runs `ids` through the graph of `tokens` slots (`ids.len() <= tokens`), updating the states; returns the
-    /// outputs of the valid rows.
-    fn run_block(&mut self, ids: &[u32], tokens: usize) -> Result<BTreeMap<String, Tensor>> {
-        let valid = ids.len();
-        let b = BlockInputs::new(tokens, valid, self.position, self.position, self.context)?;
-        let mut padded: Vec<i64> = ids.iter().map(|&x| x as i64).collect();
-        padded.resize(tokens, 0);
-        let mut inputs = vec![(
-            ports::INPUT_IDS.to_string(),
-            Tensor::from_vec(padded, tokens, &Device::Cpu)?,
-        )];
-        inputs.extend(b.named());
-        for (i, s) in self.states.iter().enumerate() {
-            inputs.extend(s.feed(&ports::layer_prefix(i)));
+    /// The token counts of the static graphs, smallest first (empty for a dynamic set).
+    pub fn blocks(&self) -> Vec<usize> {
+        let mut b: Vec<usize> = self.graphs.iter().filter_map(|g| g.tokens).collect();
+        b.sort_unstable();
+        b
+    }
+
+    /// Whether the graphs take `token_valid` (so a prompt block can be padded).
+    pub fn takes_token_valid(&self) -> bool {
+        self.interface.has("token_valid")
+    }
+
+    /// Whether hidden states come out of the graphs (taps).
+    pub fn has_taps(&self) -> bool {
+        self.graphs.iter().any(|g| !g.ports.taps.is_empty())
+    }
+
+    /// The host rule for prompts.
+    pub fn prompt_rule(&self) -> PromptRule {
+        self.rule
+    }
+
+    /// Changes the host rule for prompts (padded blocks need `token_valid`).
+    pub fn set_prompt_rule(&mut self, rule: PromptRule) -> Result<()> {
+        if rule == PromptRule::Padded && !self.takes_token_valid() && !self.blocks().is_empty() {
+            return Err(Error::Config(
+                "padded prompt blocks need a `token_valid` input, which the set does not map"
+                    .into(),
+            ));
         }
-        let session = if tokens == 1 {
-            &mut self.decode
-        } else {
-            self.prefill
-                .as_mut()
-                .ok_or_else(|| Error::Interface("no prompt-block graph".into()))?
+        self.rule = rule;
+        Ok(())
+    }
+
+    /// The calls a run of `n` tokens makes: (graph index, tokens of the call).
+    fn plan(&self, n: usize) -> Result<Vec<(usize, usize)>> {
+        if let Some(i) = self.graphs.iter().position(|g| g.tokens.is_none()) {
+            return Ok(vec![(i, n)]);
+        }
+        let index = |t: usize| self.graphs.iter().position(|g| g.tokens == Some(t));
+        let single = index(1);
+        let mut blocks: Vec<usize> = self.blocks().into_iter().filter(|&b| b > 1).collect();
+        blocks.sort_unstable();
+        let no_single = |rest: usize| {
+            Error::Config(format!(
+                "a call of {rest} token(s) needs a 1-token graph or padding, and the set has neither (graphs of {} \
+                 tokens, prompt rule `{}`)",
+                self.blocks()
+                    .iter()
+                    .map(|b| b.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                self.rule.name()
+            ))
         };
-        let mut r = session.run_declared(&inputs)?;
-        for (i, s) in self.states.iter_mut().enumerate() {
-            s.take_from(&mut r, &ports::layer_prefix(i), valid)?;
+        let padded = self.rule == PromptRule::Padded && self.takes_token_valid();
+        if n == 1 {
+            return match (single, blocks.first()) {
+                (Some(i), _) => Ok(vec![(i, 1)]),
+                (None, Some(&b)) if padded => Ok(vec![(index(b).unwrap_or(0), 1)]),
+                _ => Err(no_single(1)),
+            };
+        }
+        let Some(&largest) = blocks.last() else {
+            let i = single.ok_or_else(|| no_single(n))?;
+            return Ok(vec![(i, 1); n]);
+        };
+        let mut calls = Vec::new();
+        let mut rest = n;
+        if padded {
+            while rest >= largest {
+                calls.push((index(largest).unwrap_or(0), largest));
+                rest -= largest;
+            }
+            if rest > 0 {
+                let b = *blocks.iter().find(|&&b| b >= rest).unwrap_or(&largest);
+                calls.push((index(b).unwrap_or(0), rest));
+            }
+        } else {
+            for &b in blocks.iter().rev() {
+                while rest >= b {
+                    calls.push((index(b).unwrap_or(0), b));
+                    rest -= b;
+                }
+            }
+            if rest > 0 {
+                let i = single.ok_or_else(|| no_single(rest))?;
+                calls.extend(std::iter::repeat_n((i, 1), rest));
+            }
+        }
+        Ok(calls)
+    }
+
+    /// One call of graph `g` on `ids` (at most its tokens), updating the states; the logits of its real rows and
+    /// its taps.
+    fn call(&mut self, g: usize, ids: &[u32]) -> Result<(Tensor, BTreeMap<String, Tensor>)> {
+        let graph = &mut self.graphs[g];
+        let tokens = graph.tokens.unwrap_or(ids.len());
+        let call = Call {
+            ids,
+            tokens,
+            past: self.position,
+            context: self.context,
+        };
+        let config = &self.config;
+        let graph_name = graph.exec.info().graph.clone();
+        let at = |key: &str| format!("{graph_name} `{key}`");
+        let mut inputs: Vec<(String, Tensor)> = Vec::new();
+        for (role, port) in &graph.ports.inputs {
+            let t = match role {
+                InputRole::Embeddings => {
+                    let table = self.embeddings.as_ref().ok_or_else(|| {
+                        Error::Interface("the set takes embeddings, and none were given".into())
+                    })?;
+                    let mut padded: Vec<u32> = ids.to_vec();
+                    padded.resize(tokens, 0);
+                    let rows =
+                        table.index_select(&Tensor::from_vec(padded, tokens, &Device::Cpu)?, 0)?;
+                    layout::rows(config, &port.spec(), &rows, &call, &at(&port.key))?
+                }
+                other => layout::fill(config, *other, &port.spec(), &call, &at(&port.key))?,
+            };
+            inputs.push((port.name.clone(), t));
+        }
+        for st in &graph.ports.states {
+            let state = self.states[st.layer].get(st.kind).ok_or_else(|| {
+                Error::Interface(format!("layer {} has no {}", st.layer, st.kind.key()))
+            })?;
+            inputs.push((
+                st.input.clone(),
+                layout::state_in(config, st.kind, &st.spec, state, &call, &at(&st.key))?,
+            ));
+        }
+        let refs: Vec<(&str, &Tensor)> = inputs.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let mut out = graph.exec.run(&refs)?;
+        let valid = ids.len();
+        for st in &graph.ports.states {
+            let t = out.remove(&st.output).ok_or_else(|| {
+                Error::Interface(format!("the graph gave no output `{}`", st.output))
+            })?;
+            let before = self.states[st.layer].get(st.kind).ok_or_else(|| {
+                Error::Interface(format!("layer {} has no {}", st.layer, st.kind.key()))
+            })?;
+            let new = layout::state_out(
+                st.kind,
+                &st.spec,
+                st.update,
+                &t,
+                before,
+                &call,
+                &at(&st.key),
+            )?;
+            self.states[st.layer].set(st.kind, new)?;
+        }
+        let port = &graph.ports.output;
+        let raw = out
+            .remove(&port.name)
+            .ok_or_else(|| Error::Interface(format!("the graph gave no output `{}`", port.name)))?;
+        let logits = match self.interface.logit_rows {
+            LogitRows::All => {
+                let l = layout::from_port(
+                    &raw,
+                    &port.shape,
+                    &[crate::graphset::Axis::Tokens, crate::graphset::Axis::Vocab],
+                    &at(&port.key),
+                )?;
+                l.narrow(0, 0, valid)?
+            }
+            LogitRows::Last => {
+                if valid < tokens {
+                    return Err(Error::Interface(
+                        "the last slot of a padded call is not a token: its logits mean nothing"
+                            .into(),
+                    ));
+                }
+                layout::from_port(
+                    &raw,
+                    &port.shape,
+                    &[crate::graphset::Axis::Vocab],
+                    &at(&port.key),
+                )?
+                .unsqueeze(0)?
+            }
+        };
+        let mut taps = BTreeMap::new();
+        for (dump, name) in &graph.ports.taps {
+            if let Some(t) = out.remove(name) {
+                let t = t.to_dtype(DType::F32)?;
+                taps.insert(dump.clone(), t.narrow(0, 0, valid.min(t.dim(0)?))?);
+            }
         }
         self.position += valid;
-        r.into_iter()
-            .map(|(k, v)| Ok((k, v.narrow(0, 0, valid)?)))
-            .collect()
+        Ok((logits, taps))
     }
 
     /// [`Backend::forward`]: the graph calls over `ids` and their outputs, token-major.
-    fn forward_blocks(&mut self, ids: &[u32], all_logits: bool) -> Result<Forward> {
+    fn forward_calls(&mut self, ids: &[u32], all_logits: bool) -> Result<Forward> {
         if ids.is_empty() {
             return Err(Error::Input("no tokens to run".into()));
         }
         self.config.check_token_ids(ids)?;
-        let tokens = if ids.len() == 1 { 1 } else { self.block };
-        let mut collected = Collector::default();
-        for piece in ids.chunks(tokens) {
-            let r = self.run_block(piece, tokens)?;
-            for (name, t) in &r {
-                collected.push(name, t, piece.len())?;
-            }
+        if let Some(context) = self.context
+            && self.position + ids.len() > context
+        {
+            return Err(Error::Input(format!(
+                "{} tokens after {} need {} cache slots, but the static context holds {context} ({})",
+                ids.len(),
+                self.position,
+                self.position + ids.len(),
+                self.context_source
+            )));
         }
-        let mut taps = collected.finish()?;
-        let logits = taps.remove(names::LOGITS).ok_or_else(|| {
-            Error::Interface(format!("the graph has no output `{}`", names::LOGITS))
-        })?;
+        // Logits of every position from a set that gives the last one's only: one token per call.
+        let plan = if all_logits && self.interface.logit_rows == LogitRows::Last && ids.len() > 1 {
+            let single = self
+                .graphs
+                .iter()
+                .position(|g| g.tokens.is_none_or(|t| t == 1))
+                .ok_or_else(|| {
+                    Error::Config(
+                        "the logits of every position need a 1-token graph when the set gives the last slot's \
+                         only"
+                            .into(),
+                    )
+                })?;
+            vec![(single, 1); ids.len()]
+        } else {
+            self.plan(ids.len())?
+        };
+        let mut logits = Vec::with_capacity(plan.len());
+        let mut taps: BTreeMap<String, Vec<Tensor>> = BTreeMap::new();
+        let mut done = 0;
+        for (g, n) in plan {
+            let (l, t) = self.call(g, &ids[done..done + n])?;
+            logits.push(l);
+            for (k, v) in t {
+                taps.entry(k).or_default().push(v);
+            }
+            done += n;
+        }
+        let logits = Tensor::cat(&logits, 0)?;
         let logits = if all_logits {
             logits
         } else {
             logits.narrow(0, logits.dim(0)? - 1, 1)?
         };
+        let mut taps: BTreeMap<String, Tensor> = taps
+            .into_iter()
+            .map(|(k, v)| Ok((k, Tensor::cat(&v, 0)?)))
+            .collect::<Result<_>>()?;
+        taps.remove(names::LOGITS);
         Ok(Forward { logits, taps })
     }
 }
@@ -183,21 +528,40 @@ impl Backend for DecoderEngine {
     }
 
     fn reset(&mut self) -> reference::Result<()> {
-        self.states = (0..self.config.num_layers())
-            .map(|l| HostLayerState::zeros(&self.config, l, self.context))
-            .collect::<Result<_>>()
-            .map_err(into_reference)?;
+        if !self.interface.stateful {
+            self.states = (0..self.config.num_layers())
+                .map(|l| HostLayerState::zeros(&self.config, l))
+                .collect::<Result<_>>()
+                .map_err(into_reference)?;
+        }
+        for g in &mut self.graphs {
+            g.exec.reset().map_err(into_reference)?;
+        }
         self.position = 0;
         Ok(())
     }
 
-    /// One token runs through the single-token graph; more run in padded blocks of the prompt graph (or token by
-    /// token when the prompt block is 1).
+    /// One token runs through the single-token graph; more by the set's host rule (padded blocks, or full blocks
+    /// then single tokens; a dynamic graph takes the whole call).
     fn forward(&mut self, ids: &[u32], all_logits: bool) -> reference::Result<Forward> {
-        self.forward_blocks(ids, all_logits).map_err(into_reference)
+        self.forward_calls(ids, all_logits).map_err(into_reference)
+    }
+
+    fn exposes_state(&self) -> bool {
+        !self.interface.stateful
+    }
+
+    fn position(&self) -> reference::Result<usize> {
+        Ok(self.position)
     }
 
     fn snapshot(&self) -> reference::Result<Snapshot> {
+        if self.interface.stateful {
+            return Err(reference::Error::Backend(format!(
+                "the state of {} is {STATE_NOT_EXPOSED}",
+                self.record.device.clone().unwrap_or_default()
+            )));
+        }
         let mut tensors = BTreeMap::new();
         for (i, s) in self.states.iter().enumerate() {
             tensors.extend(s.dump_tensors(i).map_err(into_reference)?);
@@ -209,6 +573,11 @@ impl Backend for DecoderEngine {
     }
 
     fn restore(&mut self, snapshot: &Snapshot) -> reference::Result<()> {
+        if self.interface.stateful {
+            return Err(reference::Error::Backend(format!(
+                "cannot set the state: it is {STATE_NOT_EXPOSED}"
+            )));
+        }
         let states = (0..self.config.num_layers())
             .map(|i| HostLayerState::from_snapshot(&self.config, i, self.context, snapshot))
             .collect::<Result<Vec<_>>>()
@@ -219,11 +588,54 @@ impl Backend for DecoderEngine {
     }
 }
 
+/// What a set read from files ran: the device, the precision that took effect, every property, the model cache.
+fn set_record(
+    set: &GraphSet,
+    infos: &[&ExecInfo],
+    device: &str,
+    opts: &CompileOptions,
+    seconds: f64,
+) -> Result<RunRecord> {
+    let info = *infos
+        .first()
+        .ok_or_else(|| Error::Interface("no compiled graph to describe".into()))?;
+    let d = crate::devices::describe(&crate::runtime::core()?, device);
+    Ok(RunRecord {
+        backend: SET_BACKEND.into(),
+        device: Some(device.to_string()),
+        runtime: Some(crate::runtime::load()?.version.clone()),
+        device_name: Some(d.full_name),
+        driver: d.driver_version,
+        dtype: "f32".into(),
+        precision_requested: Some(opts.precision.hint().into()),
+        precision: Some(info.precision.clone()),
+        execution_devices: info.execution_devices.clone(),
+        properties: info.properties.clone(),
+        weights: set
+            .reference_weights
+            .clone()
+            .unwrap_or_else(|| "as exported".into()),
+        deltanet_prefill: "as exported".into(),
+        deltanet_decode: "as exported".into(),
+        output_scale: 1.0,
+        prefill_block: None,
+        block: set.decoder_blocks().last().copied(),
+        context: set.context,
+        taps: false,
+        compile_seconds: Some(seconds),
+        cache_dir: info.cache_dir.as_ref().map(|d| d.display().to_string()),
+        from_cache: infos
+            .iter()
+            .filter_map(|i| Some((i.graph.clone(), i.loaded_from_cache?)))
+            .collect(),
+    })
+}
+
 /// What a device ran, from what its graphs were prepared with (`infos`, the first one standing for all but the
 /// model cache, which is recorded per graph): the device's own name and driver (OpenVINO devices), the precision
 /// that took effect, every property, the graph options, the weight format and the model cache.
 pub fn record_of(
-    infos: &[&crate::devices::ExecInfo],
+    infos: &[&ExecInfo],
     builder: &Builder,
     block: usize,
     opts: &CompileOptions,
@@ -280,7 +692,7 @@ pub fn record_of(
 }
 
 /// An error of this crate as the backend interface's error (which is the reference's).
-fn into_reference(e: Error) -> reference::Error {
+pub(crate) fn into_reference(e: Error) -> reference::Error {
     match e {
         Error::Reference(e) => e,
         Error::Input(m) => reference::Error::Input(m),

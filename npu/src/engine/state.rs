@@ -1,15 +1,14 @@
-//! The state of one layer on the host, handed to the graphs through the layer kind's state ports.
+//! The state of one layer on the host, in the dump's layout: what a set's state ports carry between calls, converted
+//! to and from each port's own layout by [`crate::graphset::layout`].
 
 use crate::error::{Error, Result};
-use crate::graphs::ports;
+use crate::graphset::StateKind;
 use candle_core::{DType, Device, Tensor};
 use reference::backend::Snapshot;
 use reference::config::{Config, LayerKind};
 use reference::model::state_names;
-use std::collections::BTreeMap;
 
-/// The state of one layer, kept on the host between graph calls and handed to the graphs through the layer kind's
-/// [`ports::StatePorts`].
+/// The state of one layer, kept on the host between graph calls in the dump's layout.
 #[derive(Debug, Clone)]
 pub enum HostLayerState {
     /// Conv `[C, K]` and recurrent `[Hv, Dk, Dv]` states.
@@ -19,20 +18,18 @@ pub enum HostLayerState {
         /// Recurrent state.
         recurrent: Tensor,
     },
-    /// A static KV cache `[Hkv, CTX, D]` of which the first `len` slots are filled.
+    /// The KV cache's filled positions, `[Hkv, P, D]` each.
     Attention {
         /// Keys.
         keys: Tensor,
         /// Values.
         values: Tensor,
-        /// Filled slots.
-        len: usize,
     },
 }
 
 impl HostLayerState {
-    /// The zero state of `layer`.
-    pub fn zeros(config: &Config, layer: usize, context: usize) -> Result<Self> {
+    /// The state of `layer` before any token.
+    pub fn zeros(config: &Config, layer: usize) -> Result<Self> {
         let dev = &Device::Cpu;
         Ok(match config.layer_types[layer] {
             LayerKind::Linear => HostLayerState::Linear {
@@ -52,43 +49,71 @@ impl HostLayerState {
                 )?,
             },
             LayerKind::Full => {
-                let shape = (config.num_key_value_heads, context, config.head_dim);
+                let shape = (config.num_key_value_heads, 0, config.head_dim);
                 HostLayerState::Attention {
                     keys: Tensor::zeros(shape, DType::F32, dev)?,
                     values: Tensor::zeros(shape, DType::F32, dev)?,
-                    len: 0,
                 }
             }
         })
     }
 
-    /// The state under the dump's names: `conv_state`/`recurrent_state` or `key_cache`/`value_cache` (filled part).
+    /// The tensor of one of this layer's states.
+    pub fn get(&self, kind: StateKind) -> Option<&Tensor> {
+        match (self, kind) {
+            (HostLayerState::Linear { conv, .. }, StateKind::Conv) => Some(conv),
+            (HostLayerState::Linear { recurrent, .. }, StateKind::Recurrent) => Some(recurrent),
+            (HostLayerState::Attention { keys, .. }, StateKind::Keys) => Some(keys),
+            (HostLayerState::Attention { values, .. }, StateKind::Values) => Some(values),
+            _ => None,
+        }
+    }
+
+    /// Replaces one of this layer's states.
+    pub fn set(&mut self, kind: StateKind, t: Tensor) -> Result<()> {
+        let slot = match (self, kind) {
+            (HostLayerState::Linear { conv, .. }, StateKind::Conv) => conv,
+            (HostLayerState::Linear { recurrent, .. }, StateKind::Recurrent) => recurrent,
+            (HostLayerState::Attention { keys, .. }, StateKind::Keys) => keys,
+            (HostLayerState::Attention { values, .. }, StateKind::Values) => values,
+            (s, k) => {
+                return Err(Error::Interface(format!(
+                    "a {} layer has no {}",
+                    s.kind().name(),
+                    k.key()
+                )));
+            }
+        };
+        *slot = t;
+        Ok(())
+    }
+
+    /// The state under the dump's names: `conv_state`/`recurrent_state`, or `key_cache`/`value_cache` (none before
+    /// the first token).
     pub fn dump_tensors(&self, layer: usize) -> Result<Vec<(String, Tensor)>> {
         Ok(match self {
             HostLayerState::Linear { conv, recurrent } => {
                 let [c, r] = state_names(layer, LayerKind::Linear);
                 vec![(c, conv.clone()), (r, recurrent.clone())]
             }
-            HostLayerState::Attention { len: 0, .. } => vec![],
-            HostLayerState::Attention { keys, values, len } => {
+            HostLayerState::Attention { keys, .. } if keys.dim(1)? == 0 => vec![],
+            HostLayerState::Attention { keys, values } => {
                 let [k, v] = state_names(layer, LayerKind::Full);
-                vec![
-                    (k, keys.narrow(1, 0, *len)?),
-                    (v, values.narrow(1, 0, *len)?),
-                ]
+                vec![(k, keys.clone()), (v, values.clone())]
             }
         })
     }
 
-    /// Layer `layer`'s state from a snapshot in the dump's names (the inverse of [`HostLayerState::dump_tensors`]):
-    /// a KV cache of `P` positions fills the first `P` of `context` slots. Shapes are checked against the config.
+    /// Layer `layer`'s state from a snapshot in the dump's names (the inverse of [`HostLayerState::dump_tensors`]),
+    /// its shapes checked against the config; a cache may hold at most `context` positions when the graphs have a
+    /// static context.
     pub fn from_snapshot(
         config: &Config,
         layer: usize,
-        context: usize,
+        context: Option<usize>,
         snapshot: &Snapshot,
     ) -> Result<Self> {
-        let mut state = HostLayerState::zeros(config, layer, context)?;
+        let mut state = HostLayerState::zeros(config, layer)?;
         let [a, b] = state_names(layer, state.kind());
         let get = |name: &str| snapshot.tensors.get(name).map(|t| t.to_dtype(DType::F32));
         let shape_err = |name: &str, got: &[usize], want: &[usize]| {
@@ -107,7 +132,7 @@ impl HostLayerState {
                     *slot = t;
                 }
             }
-            HostLayerState::Attention { keys, values, len } => {
+            HostLayerState::Attention { keys, values } => {
                 let (Some(k), Some(v)) = (get(&a), get(&b)) else {
                     return Ok(state); // no token seen yet
                 };
@@ -119,9 +144,11 @@ impl HostLayerState {
                         return Err(shape_err(name, t.dims(), &want));
                     }
                 }
-                if p > context {
+                if let Some(context) = context
+                    && p > context
+                {
                     return Err(Error::Input(format!(
-                        "the state holds {p} positions but the static context holds {context} (--context)"
+                        "the state holds {p} positions but the static context holds {context}"
                     )));
                 }
                 if p != snapshot.position {
@@ -130,9 +157,8 @@ impl HostLayerState {
                         snapshot.position
                     )));
                 }
-                *keys = append_cache(keys, &k, 0, p)?;
-                *values = append_cache(values, &v, 0, p)?;
-                *len = p;
+                *keys = k;
+                *values = v;
             }
         }
         Ok(state)
@@ -146,69 +172,11 @@ impl HostLayerState {
         }
     }
 
-    /// The graph inputs carrying this state, named under `prefix` (see [`ports::StatePorts`]).
-    pub fn feed(&self, prefix: &str) -> [(String, Tensor); 2] {
-        let [a, b] = ports::state_ports(self.kind()).inputs;
-        let (x, y) = match self {
-            HostLayerState::Linear { conv, recurrent } => (conv, recurrent),
-            HostLayerState::Attention { keys, values, .. } => (keys, values),
-        };
-        [
-            (format!("{prefix}{a}"), x.clone()),
-            (format!("{prefix}{b}"), y.clone()),
-        ]
-    }
-
-    /// Takes this layer's new state out of a call's outputs (named under `prefix`, see [`ports::StatePorts`]): the new conv
-    /// and recurrent states, or the block's keys and values, of which the first `valid` are appended to the cache.
-    pub fn take_from(
-        &mut self,
-        outputs: &mut BTreeMap<String, Tensor>,
-        prefix: &str,
-        valid: usize,
-    ) -> Result<()> {
-        let [a, b] = ports::state_ports(self.kind()).outputs;
-        let mut take = |name: &str| {
-            let port = format!("{prefix}{name}");
-            outputs
-                .remove(&port)
-                .ok_or_else(|| Error::Interface(format!("the graph has no output `{port}`")))
-        };
-        let (x, y) = (take(a)?, take(b)?);
+    /// Filled cache positions (0 for a linear layer, whose state has no length).
+    pub fn cached(&self) -> usize {
         match self {
-            HostLayerState::Linear { conv, recurrent } => {
-                *conv = x;
-                *recurrent = y;
-            }
-            HostLayerState::Attention { keys, values, len } => {
-                *keys = append_cache(keys, &x, *len, valid)?;
-                *values = append_cache(values, &y, *len, valid)?;
-                *len += valid;
-            }
-        }
-        Ok(())
-    }
-
-    /// Filled cache slots (0 for a linear layer, whose state has no length).
-    pub(crate) fn cached(&self) -> usize {
-        match self {
-            HostLayerState::Attention { len, .. } => *len,
+            HostLayerState::Attention { keys, .. } => keys.dim(1).unwrap_or(0),
             HostLayerState::Linear { .. } => 0,
         }
     }
-}
-
-/// Appends the first `n` tokens of `new` (`[Hkv, T, D]`) to a static cache at slot `len`.
-fn append_cache(cache: &Tensor, new: &Tensor, len: usize, n: usize) -> Result<Tensor> {
-    let ctx = cache.dim(1)?;
-    let rows = new.narrow(1, 0, n)?;
-    let mut parts = vec![];
-    if len > 0 {
-        parts.push(cache.narrow(1, 0, len)?);
-    }
-    parts.push(rows);
-    if len + n < ctx {
-        parts.push(cache.narrow(1, len + n, ctx - len - n)?);
-    }
-    Ok(Tensor::cat(&parts, 1)?)
 }

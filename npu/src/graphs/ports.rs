@@ -50,6 +50,11 @@ pub fn layer_prefix(layer: usize) -> String {
     format!("layers.{layer}.")
 }
 
+/// [`layer_prefix`] as a graph set's name pattern: `layers.{i}.`.
+pub fn layer_prefix_pattern() -> String {
+    "layers.{i}.".to_string()
+}
+
 /// Whether `name` is a state port (an input when `input`, else an output) of a per-layer graph or, under
 /// `layers.{i}.`, of the decoder graph.
 pub fn is_state_port(name: &str, input: bool) -> bool {

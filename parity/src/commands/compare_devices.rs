@@ -423,7 +423,7 @@ pub fn compare_external(
     thresholds: &ThresholdArgs,
     progress: &Progress,
 ) -> Result<DeviceReport> {
-    let why = npu::external::STATE_NOT_EXPOSED;
+    let why = npu::engine::STATE_NOT_EXPOSED;
     let mut compared = Vec::with_capacity(runs.len());
     for run in runs {
         progress.step(&format!("{label}: {}", run.label));

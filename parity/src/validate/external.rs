@@ -23,7 +23,7 @@ use crate::metrics::{TensorError, exceeds};
 use anyhow::{Context as _, Result};
 use candle_core::Tensor;
 use npu::devices::CompileOptions;
-use npu::external::ExternalBackend;
+use npu::engine::DecoderEngine as ExternalBackend;
 use reference::backend::{Backend, Generation, continue_greedy, greedy};
 use serde::Serialize;
 use std::cell::RefCell;
@@ -62,9 +62,12 @@ impl IrContext<'_> {
             .ir
             .compile(self.device, &self.compile)
             .with_context(|| format!("compiling the IR ({purpose})"))?;
-        self.graphs
-            .borrow_mut()
-            .push(GraphInfo::of(purpose, backend.info()));
+        self.graphs.borrow_mut().extend(
+            backend
+                .infos()
+                .into_iter()
+                .map(|i| GraphInfo::of(purpose, i)),
+        );
         Ok(Faulty::new(backend, self.fault))
     }
 
@@ -365,7 +368,7 @@ pub fn prefix_reuse(
         .count();
     notes.push(format!(
         "no snapshot: the follow-up continues the state the IR kept after turn 1; the logits only, its state is {}",
-        npu::external::STATE_NOT_EXPOSED
+        npu::engine::STATE_NOT_EXPOSED
     ));
     notes.push(format!(
         "against the reference on the whole conversation: {reference_matched}/{} tokens",
@@ -472,7 +475,7 @@ pub fn back_to_back(ctx: &IrContext, device: &mut IrDevice) -> Result<Finding> {
         failures,
         notes: vec![format!(
             "the logits only: the state is {}",
-            npu::external::STATE_NOT_EXPOSED
+            npu::engine::STATE_NOT_EXPOSED
         )],
         details: details(&Detail {
             first: first.label.clone(),

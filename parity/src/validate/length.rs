@@ -289,7 +289,7 @@ pub fn length(
     if !device.exposes_state() {
         notes.push(format!(
             "the logits only: the device's state is {}",
-            npu::external::STATE_NOT_EXPOSED
+            npu::engine::STATE_NOT_EXPOSED
         ));
     }
     #[derive(Serialize)]

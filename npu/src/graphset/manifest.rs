@@ -1,0 +1,788 @@
+//! `manifest.json`: a graph set's description, read and written. The format is documented, with a worked example,
+//! in `docs/graph-sets.md`; in short:
+//!
+//! ```json
+//! {
+//!   "format": "qwen35-graph-set", "version": 2,
+//!   "model": "../../models/tiny", "reference_weights": "f32", "context": 1024,
+//!   "decoder": {
+//!     "graphs": [{"tokens": 1, "xml": "decoder_t1.xml"}, {"tokens": 16, "xml": "decoder_t16.xml"}],
+//!     "prompt": "padded",
+//!     "inputs": {
+//!       "input_ids": {"name": "input_ids", "type": "i64", "shape": ["tokens"]},
+//!       "token_valid": {"name": "token_valid", "type": "f32", "shape": ["tokens"]},
+//!       "attention_mask": {"name": "attention_mask", "type": "f32", "shape": ["tokens", "context+tokens"],
+//!                          "values": "bias"},
+//!       "positions": {"name": "positions", "type": "i64", "shape": [3, "tokens"]}
+//!     },
+//!     "outputs": {"logits": {"name": "logits", "type": "f32", "shape": ["tokens", "vocab"]}},
+//!     "states": {
+//!       "conv_state": {"input": "layers.{i}.conv_state", "output": "layers.{i}.conv_state_out",
+//!                      "type": "f32", "shape": ["channels", "kernel"]},
+//!       "key_cache": {"input": "layers.{i}.past_keys", "output": "layers.{i}.new_keys", "type": "f32",
+//!                     "shape": ["kv_heads", "context", "head_dim"], "output_shape": ["kv_heads", "tokens", "head_dim"]}
+//!     },
+//!     "taps": "dump"
+//!   },
+//!   "layers": {"graphs": [{"layer": 0, "tokens": 16, "xml": "layer0_t16.xml"}], "inputs": {"hidden": …}, …}
+//! }
+//! ```
+//!
+//! The first form of this manifest (`"format": "qwen35-external-ir"`, `"version": 1`: one stateful IR, its
+//! `inputs` and `outputs` at the top) is still read, as a stateful decoder. Keys this module does not know are for
+//! people (the export's command, versions, what the IR holds) and are not read.
+
+use super::{
+    Axis, ElemKind, GraphFile, GraphSet, InputRole, Interface, LogitRows, MaskValues, Names, Part,
+    PortSpec, PromptRule, StateKind, StateSpec, Taps,
+};
+use crate::error::{Error, Result};
+use serde_json::{Map, Value, json};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// The manifest's file name inside a set's directory.
+pub const MANIFEST: &str = "manifest.json";
+
+/// The `format` of a graph-set manifest.
+pub const FORMAT: &str = "qwen35-graph-set";
+
+/// The version this module writes.
+pub const VERSION: u64 = 2;
+
+/// The `format` of the first manifest (one stateful IR), still read.
+pub const FORMAT_V1: &str = "qwen35-external-ir";
+
+/// A manifest being read: the file for messages, and the directory paths resolve against.
+struct Reader<'a> {
+    source: &'a str,
+    dir: &'a Path,
+}
+
+impl Reader<'_> {
+    fn err(&self, at: &str, message: impl std::fmt::Display) -> Error {
+        Error::Config(format!("{}: `{at}`: {message}", self.source))
+    }
+
+    fn object<'v>(&self, v: &'v Value, at: &str) -> Result<&'v Map<String, Value>> {
+        v.as_object()
+            .ok_or_else(|| self.err(at, "expected an object"))
+    }
+
+    fn string<'v>(&self, v: &'v Value, at: &str) -> Result<&'v str> {
+        v.as_str().ok_or_else(|| self.err(at, "expected a string"))
+    }
+
+    fn count(&self, v: &Value, at: &str) -> Result<usize> {
+        v.as_u64()
+            .filter(|&n| n > 0)
+            .map(|n| n as usize)
+            .ok_or_else(|| self.err(at, "expected a whole number ≥ 1"))
+    }
+
+    /// Only the keys in `known` (the others are refused, naming them).
+    fn known(&self, m: &Map<String, Value>, at: &str, known: &[&str]) -> Result<()> {
+        if let Some(k) = m.keys().find(|k| !known.contains(&k.as_str())) {
+            return Err(self.err(
+                &format!("{at}.{k}"),
+                format!("not a key here (expected one of {})", known.join(", ")),
+            ));
+        }
+        Ok(())
+    }
+
+    fn axes(&self, v: &Value, at: &str) -> Result<Vec<Axis>> {
+        let list = v
+            .as_array()
+            .ok_or_else(|| self.err(at, "expected a list of axes"))?;
+        list.iter()
+            .enumerate()
+            .map(|(i, a)| match a {
+                Value::String(s) => Axis::parse(s).ok_or_else(|| {
+                    self.err(
+                        &format!("{at}[{i}]"),
+                        format!(
+                            "unknown axis `{s}` (expected {} or a number)",
+                            Axis::NAMED
+                                .iter()
+                                .map(|(_, n)| *n)
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ),
+                    )
+                }),
+                Value::Number(_) => Ok(Axis::Fixed(self.count(a, &format!("{at}[{i}]"))?)),
+                _ => Err(self.err(&format!("{at}[{i}]"), "expected an axis name or a number")),
+            })
+            .collect()
+    }
+
+    fn ty(&self, v: Option<&Value>, at: &str, default: ElemKind) -> Result<ElemKind> {
+        match v {
+            None => Ok(default),
+            Some(v) => {
+                let s = self.string(v, at)?;
+                ElemKind::parse(s).ok_or_else(|| {
+                    self.err(
+                        at,
+                        format!("type `{s}` (expected f32, f16, i64, i32 or boolean)"),
+                    )
+                })
+            }
+        }
+    }
+
+    fn names(&self, v: &Value, at: &str) -> Result<Names> {
+        match v {
+            Value::String(s) => Ok(Names::Pattern(s.clone())),
+            Value::Object(m) => m
+                .iter()
+                .map(|(k, v)| {
+                    let layer = k.parse::<usize>().map_err(|_| {
+                        self.err(&format!("{at}.{k}"), "a per-layer name's key is the layer number")
+                    })?;
+                    Ok((layer, self.string(v, &format!("{at}.{k}"))?.to_string()))
+                })
+                .collect::<Result<BTreeMap<_, _>>>()
+                .map(Names::PerLayer),
+            _ => Err(self.err(
+                at,
+                "expected a name (a pattern with {i} for the layer, {j} for its index among its kind) or an \
+                 object of layer → name",
+            )),
+        }
+    }
+
+    /// A port: `{"name", "type", "shape"}` (type and shape defaulted by the role when absent).
+    fn port(
+        &self,
+        v: &Value,
+        at: &str,
+        default: (ElemKind, &[Axis]),
+        extra: &[&str],
+    ) -> Result<PortSpec> {
+        let m = self.object(v, at)?;
+        let mut known = vec!["name", "type", "shape", "meaning"];
+        known.extend_from_slice(extra);
+        self.known(m, at, &known)?;
+        let name = m
+            .get("name")
+            .ok_or_else(|| self.err(&format!("{at}.name"), "missing"))?;
+        Ok(PortSpec {
+            names: self.names(name, &format!("{at}.name"))?,
+            ty: self.ty(m.get("type"), &format!("{at}.type"), default.0)?,
+            shape: match m.get("shape") {
+                Some(s) => self.axes(s, &format!("{at}.shape"))?,
+                None => default.1.to_vec(),
+            },
+        })
+    }
+
+    fn graphs(&self, v: &Value, at: &str, per_layer: bool) -> Result<Vec<GraphFile>> {
+        let list = v
+            .as_array()
+            .ok_or_else(|| self.err(at, "expected a list of graph files"))?;
+        if list.is_empty() {
+            return Err(self.err(at, "no graph files"));
+        }
+        let mut out = Vec::new();
+        for (i, g) in list.iter().enumerate() {
+            let at = format!("{at}[{i}]");
+            let m = self.object(g, &at)?;
+            self.known(m, &at, &["tokens", "layer", "xml", "bin", "name", "kind"])?;
+            let xml = self.string(
+                m.get("xml")
+                    .ok_or_else(|| self.err(&format!("{at}.xml"), "missing"))?,
+                &format!("{at}.xml"),
+            )?;
+            let xml = self.dir.join(xml);
+            let bin = match m.get("bin") {
+                Some(b) => self.dir.join(self.string(b, &format!("{at}.bin"))?),
+                None => xml.with_extension("bin"),
+            };
+            let tokens = match m.get("tokens") {
+                None | Some(Value::Null) => None,
+                Some(Value::String(s)) if s == "any" => None,
+                Some(t) => Some(self.count(t, &format!("{at}.tokens"))?),
+            };
+            let layer =
+                match (m.get("layer"), per_layer) {
+                    (Some(l), true) => Some(l.as_u64().ok_or_else(|| {
+                        self.err(&format!("{at}.layer"), "expected a layer number")
+                    })? as usize),
+                    (None, true) => return Err(self.err(&format!("{at}.layer"), "missing")),
+                    (Some(_), false) => {
+                        return Err(self.err(
+                            &format!("{at}.layer"),
+                            "a decoder graph is every layer; per-layer graphs go under `layers`",
+                        ));
+                    }
+                    (None, false) => None,
+                };
+            if per_layer && tokens.is_none() {
+                return Err(self.err(
+                    &format!("{at}.tokens"),
+                    "a per-layer graph needs its tokens per call",
+                ));
+            }
+            out.push(GraphFile {
+                tokens,
+                layer,
+                xml,
+                bin,
+            });
+        }
+        Ok(out)
+    }
+
+    fn taps(&self, v: Option<&Value>, at: &str) -> Result<Taps> {
+        match v {
+            None | Some(Value::Null) => Ok(Taps::None),
+            Some(Value::String(s)) if s == "dump" => Ok(Taps::DumpNames),
+            Some(Value::Object(m)) => m
+                .iter()
+                .map(|(dump, port)| Ok((dump.clone(), self.names(port, &format!("{at}.{dump}"))?)))
+                .collect::<Result<Vec<_>>>()
+                .map(Taps::Map),
+            Some(_) => Err(self.err(
+                at,
+                "expected \"dump\" (outputs under the dump's names) or an object of dump name → port name",
+            )),
+        }
+    }
+
+    fn part(&self, v: &Value, at: &str, per_layer: bool) -> Result<Part> {
+        let m = self.object(v, at)?;
+        self.known(
+            m,
+            at,
+            &[
+                "graphs", "stateful", "prompt", "inputs", "outputs", "states", "taps", "meaning",
+            ],
+        )?;
+        let graphs = self.graphs(
+            m.get("graphs")
+                .ok_or_else(|| self.err(&format!("{at}.graphs"), "missing"))?,
+            &format!("{at}.graphs"),
+            per_layer,
+        )?;
+        let stateful = match m.get("stateful") {
+            None => false,
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| self.err(&format!("{at}.stateful"), "expected true or false"))?,
+        };
+        let prompt = match m.get("prompt") {
+            None => PromptRule::Padded,
+            Some(v) => match self.string(v, &format!("{at}.prompt"))? {
+                "padded" => PromptRule::Padded,
+                "blocks" => PromptRule::Blocks,
+                other => {
+                    return Err(self.err(
+                        &format!("{at}.prompt"),
+                        format!("`{other}` (expected padded or blocks)"),
+                    ));
+                }
+            },
+        };
+        let inputs_at = format!("{at}.inputs");
+        let inputs_v = self.object(
+            m.get("inputs")
+                .ok_or_else(|| self.err(&inputs_at, "missing"))?,
+            &inputs_at,
+        )?;
+        let roles: &[&str] = if per_layer {
+            &["hidden", "token_valid", "attention_mask", "positions"]
+        } else {
+            &[
+                "input_ids",
+                "embeddings",
+                "positions",
+                "attention_mask",
+                "token_valid",
+                "beam_idx",
+            ]
+        };
+        self.known(inputs_v, &inputs_at, roles)?;
+        let mut inputs = Vec::new();
+        for (key, v) in inputs_v {
+            let at = format!("{inputs_at}.{key}");
+            let (role, default): (InputRole, (ElemKind, &[Axis])) = match key.as_str() {
+                "input_ids" => (
+                    InputRole::InputIds,
+                    (ElemKind::I64, &[Axis::Batch, Axis::Tokens]),
+                ),
+                "embeddings" => (
+                    InputRole::Embeddings,
+                    (ElemKind::F32, &[Axis::Batch, Axis::Tokens, Axis::Hidden]),
+                ),
+                "hidden" => (
+                    InputRole::Hidden,
+                    (ElemKind::F32, &[Axis::Tokens, Axis::Hidden]),
+                ),
+                "positions" => (
+                    InputRole::Positions,
+                    (ElemKind::I64, &[Axis::Batch, Axis::Tokens]),
+                ),
+                "token_valid" => (InputRole::TokenValid, (ElemKind::F32, &[Axis::Tokens])),
+                "beam_idx" => (InputRole::BeamIdx, (ElemKind::I32, &[Axis::Batch])),
+                _ => {
+                    let values = match self.object(v, &at)?.get("values") {
+                        None => MaskValues::Ones,
+                        Some(x) => match self.string(x, &format!("{at}.values"))? {
+                            "ones" => MaskValues::Ones,
+                            "bias" => MaskValues::Bias,
+                            other => {
+                                return Err(self.err(
+                                    &format!("{at}.values"),
+                                    format!("`{other}` (expected ones or bias)"),
+                                ));
+                            }
+                        },
+                    };
+                    (
+                        InputRole::AttentionMask(values),
+                        (ElemKind::I64, &[Axis::Batch, Axis::PastTokens]),
+                    )
+                }
+            };
+            inputs.push((role, self.port(v, &at, default, &["values"])?));
+        }
+        if !per_layer
+            && !inputs
+                .iter()
+                .any(|(r, _)| matches!(r, InputRole::InputIds | InputRole::Embeddings))
+        {
+            return Err(self.err(&inputs_at, "maps neither `input_ids` nor `embeddings`"));
+        }
+        if per_layer && !inputs.iter().any(|(r, _)| *r == InputRole::Hidden) {
+            return Err(self.err(&format!("{inputs_at}.hidden"), "missing"));
+        }
+        let outputs_at = format!("{at}.outputs");
+        let outputs = self.object(
+            m.get("outputs")
+                .ok_or_else(|| self.err(&outputs_at, "missing"))?,
+            &outputs_at,
+        )?;
+        let (main, default): (&str, (ElemKind, &[Axis])) = if per_layer {
+            ("output", (ElemKind::F32, &[Axis::Tokens, Axis::Hidden]))
+        } else {
+            (
+                "logits",
+                (ElemKind::F32, &[Axis::Batch, Axis::Tokens, Axis::Vocab]),
+            )
+        };
+        self.known(outputs, &outputs_at, &[main])?;
+        let main_at = format!("{outputs_at}.{main}");
+        let out_v = outputs
+            .get(main)
+            .ok_or_else(|| self.err(&main_at, "missing"))?;
+        let output = self.port(out_v, &main_at, default, &["rows"])?;
+        let logit_rows = match self.object(out_v, &main_at)?.get("rows") {
+            None => LogitRows::All,
+            Some(r) => match self.string(r, &format!("{main_at}.rows"))? {
+                "all" => LogitRows::All,
+                "last" => LogitRows::Last,
+                other => {
+                    return Err(self.err(
+                        &format!("{main_at}.rows"),
+                        format!("`{other}` (expected all or last)"),
+                    ));
+                }
+            },
+        };
+        let mut states = Vec::new();
+        if let Some(sv) = m.get("states") {
+            let states_at = format!("{at}.states");
+            let sm = self.object(sv, &states_at)?;
+            let keys: Vec<&str> = StateKind::ALL.iter().map(|k| k.key()).collect();
+            self.known(sm, &states_at, &keys)?;
+            for (key, v) in sm {
+                let at = format!("{states_at}.{key}");
+                let kind =
+                    StateKind::from_key(key).ok_or_else(|| self.err(&at, "unknown state"))?;
+                let s = self.object(v, &at)?;
+                self.known(
+                    s,
+                    &at,
+                    &[
+                        "input",
+                        "output",
+                        "type",
+                        "shape",
+                        "output_shape",
+                        "meaning",
+                    ],
+                )?;
+                let get = |k: &str| {
+                    s.get(k)
+                        .ok_or_else(|| self.err(&format!("{at}.{k}"), "missing"))
+                };
+                let shape = self.axes(get("shape")?, &format!("{at}.shape"))?;
+                let output_shape = match s.get("output_shape") {
+                    Some(o) => self.axes(o, &format!("{at}.output_shape"))?,
+                    None => shape
+                        .iter()
+                        .map(|&a| if a == Axis::Past { Axis::PastTokens } else { a })
+                        .collect(),
+                };
+                let spec = StateSpec {
+                    kind,
+                    input: self.names(get("input")?, &format!("{at}.input"))?,
+                    output: self.names(get("output")?, &format!("{at}.output"))?,
+                    ty: self.ty(s.get("type"), &format!("{at}.type"), ElemKind::F32)?,
+                    shape,
+                    output_shape,
+                };
+                if !spec.ty.is_float() {
+                    return Err(self.err(&format!("{at}.type"), "a state is f32 or f16"));
+                }
+                spec.update(&format!("{}: `{at}`", self.source))?;
+                states.push(spec);
+            }
+        }
+        if stateful && !states.is_empty() {
+            return Err(self.err(
+                &format!("{at}.states"),
+                "a stateful decoder keeps its caches inside the model: it has no state ports",
+            ));
+        }
+        Ok(Part {
+            key: at.to_string(),
+            interface: Interface {
+                stateful,
+                prompt,
+                inputs,
+                output,
+                logit_rows,
+                states,
+                taps: self.taps(m.get("taps"), &format!("{at}.taps"))?,
+            },
+            graphs,
+        })
+    }
+}
+
+/// Parses a manifest's text; `dir` resolves its paths, `source` names it in errors.
+pub fn parse(text: &str, dir: &Path, source: &str) -> Result<GraphSet> {
+    let v: Value = serde_json::from_str(text)
+        .map_err(|e| Error::Config(format!("{source}: not valid JSON: {e}")))?;
+    let r = Reader { source, dir };
+    let m = r.object(&v, "(top)")?;
+    let format = m.get("format").and_then(Value::as_str);
+    if format == Some(FORMAT_V1) || (format.is_none() && m.contains_key("inputs")) {
+        return parse_v1(&r, m);
+    }
+    if format != Some(FORMAT) {
+        return Err(Error::Config(format!(
+            "{source}: `format` is {}, expected \"{FORMAT}\"",
+            format.map_or("missing".into(), |f| format!("\"{f}\""))
+        )));
+    }
+    match m.get("version").and_then(Value::as_u64) {
+        Some(VERSION) => {}
+        other => {
+            return Err(r.err(
+                "version",
+                format!(
+                    "{} (this qwen35 reads version {VERSION})",
+                    other.map_or("missing".into(), |v| v.to_string())
+                ),
+            ));
+        }
+    }
+    r.known(
+        m,
+        "(top)",
+        &[
+            "format",
+            "version",
+            "model",
+            "reference_weights",
+            "context",
+            "decoder",
+            "layers",
+            "export",
+            "holds",
+            "check",
+            "meaning",
+            "weights",
+            "deltanet_form",
+            "output_scale",
+        ],
+    )?;
+    let context = match m.get("context") {
+        None | Some(Value::Null) => None,
+        Some(c) => Some(r.count(c, "context")?),
+    };
+    let decoder = m
+        .get("decoder")
+        .map(|d| r.part(d, "decoder", false))
+        .transpose()?;
+    let layers = m
+        .get("layers")
+        .map(|d| r.part(d, "layers", true))
+        .transpose()?;
+    if decoder.is_none() && layers.is_none() {
+        return Err(Error::Config(format!(
+            "{source}: neither `decoder` nor `layers`: the set has no graphs"
+        )));
+    }
+    if let Some(l) = &layers
+        && l.interface.stateful
+    {
+        return Err(r.err(
+            "layers.stateful",
+            "per-layer graphs take their states as ports",
+        ));
+    }
+    Ok(GraphSet {
+        source: source.to_string(),
+        dir: dir.to_path_buf(),
+        model: m
+            .get("model")
+            .map(|v| r.string(v, "model").map(|s| dir.join(s)))
+            .transpose()?,
+        reference_weights: m
+            .get("reference_weights")
+            .map(|v| r.string(v, "reference_weights").map(str::to_string))
+            .transpose()?,
+        context,
+        decoder,
+        layers,
+    })
+}
+
+/// The first manifest: one stateful IR (`xml`, `bin`), its `inputs` and `outputs` at the top.
+fn parse_v1(r: &Reader, m: &Map<String, Value>) -> Result<GraphSet> {
+    if m.get("stateful").and_then(Value::as_bool) == Some(false) {
+        return Err(r.err(
+            "stateful",
+            format!(
+                "false: a set with explicit caches is described by a manifest of format \"{FORMAT}\" (its \
+                 `decoder.states`; see docs/graph-sets.md)"
+            ),
+        ));
+    }
+    let xml = m
+        .get("xml")
+        .map(|v| r.string(v, "xml"))
+        .transpose()?
+        .unwrap_or(super::convention::OPTIMUM_XML);
+    let mut graph = Map::new();
+    graph.insert("xml".into(), json!(xml));
+    if let Some(b) = m.get("bin") {
+        graph.insert("bin".into(), b.clone());
+    }
+    let mut decoder = Map::new();
+    decoder.insert("graphs".into(), Value::Array(vec![Value::Object(graph)]));
+    decoder.insert("stateful".into(), json!(true));
+    for k in ["inputs", "outputs"] {
+        let mut v = m.get(k).cloned().ok_or_else(|| r.err(k, "missing"))?;
+        // Version 1 called the positions `position_ids`, as optimum-intel names the port.
+        if let Some(obj) = v.as_object_mut()
+            && let Some(p) = obj.remove("position_ids")
+        {
+            obj.insert("positions".into(), p);
+        }
+        decoder.insert(k.into(), v);
+    }
+    let mut part = r.part(&Value::Object(decoder), "decoder", false)?;
+    part.key = String::new();
+    Ok(GraphSet {
+        source: r.source.to_string(),
+        dir: r.dir.to_path_buf(),
+        model: m
+            .get("model")
+            .map(|v| r.string(v, "model").map(|s| r.dir.join(s)))
+            .transpose()?,
+        reference_weights: m
+            .get("reference_weights")
+            .map(|v| r.string(v, "reference_weights").map(str::to_string))
+            .transpose()?,
+        context: match m.get("context") {
+            None | Some(Value::Null) => None,
+            Some(c) => Some(r.count(c, "context")?),
+        },
+        decoder: Some(part),
+        layers: None,
+    })
+}
+
+/// Reads `dir/manifest.json`, or takes the description the IR's port names imply ([`super::convention`]) when there
+/// is none. Checks that every file exists.
+pub fn open(dir: &Path) -> Result<GraphSet> {
+    if !dir.is_dir() {
+        return Err(Error::Config(format!("{}: not a directory", dir.display())));
+    }
+    let path = dir.join(MANIFEST);
+    let set = if path.exists() {
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        parse(&text, dir, &path.display().to_string())?
+    } else {
+        super::convention::detect(dir)?
+    };
+    for g in set
+        .decoder
+        .iter()
+        .chain(&set.layers)
+        .flat_map(|p| &p.graphs)
+    {
+        for (key, file) in [("xml", &g.xml), ("bin", &g.bin)] {
+            if !file.is_file() {
+                return Err(Error::Config(format!(
+                    "{}: the {key} file {} does not exist",
+                    set.source,
+                    file.display()
+                )));
+            }
+        }
+    }
+    Ok(set)
+}
+
+fn axes_json(shape: &[Axis]) -> Value {
+    Value::Array(
+        shape
+            .iter()
+            .map(|a| match a {
+                Axis::Fixed(n) => json!(n),
+                other => json!(other.name()),
+            })
+            .collect(),
+    )
+}
+
+fn names_json(n: &Names) -> Value {
+    match n {
+        Names::Pattern(p) => json!(p),
+        Names::PerLayer(m) => {
+            Value::Object(m.iter().map(|(l, n)| (l.to_string(), json!(n))).collect())
+        }
+    }
+}
+
+fn port_json(p: &PortSpec) -> Map<String, Value> {
+    let mut m = Map::new();
+    m.insert("name".into(), names_json(&p.names));
+    m.insert("type".into(), json!(p.ty.name()));
+    m.insert("shape".into(), axes_json(&p.shape));
+    m
+}
+
+/// A part as the manifest writes it; file paths relative to `dir`.
+fn part_json(part: &Part, dir: &Path) -> Value {
+    let i = &part.interface;
+    let rel = |p: &Path| {
+        p.strip_prefix(dir)
+            .unwrap_or(p)
+            .to_string_lossy()
+            .into_owned()
+    };
+    let graphs: Vec<Value> = part
+        .graphs
+        .iter()
+        .map(|g| {
+            let mut m = Map::new();
+            if let Some(l) = g.layer {
+                m.insert("layer".into(), json!(l));
+            }
+            m.insert("tokens".into(), g.tokens.map_or(json!("any"), |t| json!(t)));
+            m.insert("xml".into(), json!(rel(&g.xml)));
+            m.insert("bin".into(), json!(rel(&g.bin)));
+            Value::Object(m)
+        })
+        .collect();
+    let mut inputs = Map::new();
+    for (role, p) in &i.inputs {
+        let mut m = port_json(p);
+        if let InputRole::AttentionMask(v) = role {
+            m.insert(
+                "values".into(),
+                json!(match v {
+                    MaskValues::Ones => "ones",
+                    MaskValues::Bias => "bias",
+                }),
+            );
+        }
+        inputs.insert(role.key().into(), Value::Object(m));
+    }
+    let mut output = port_json(&i.output);
+    let main = if part.graphs.iter().any(|g| g.layer.is_some()) {
+        "output"
+    } else {
+        output.insert(
+            "rows".into(),
+            json!(match i.logit_rows {
+                LogitRows::All => "all",
+                LogitRows::Last => "last",
+            }),
+        );
+        "logits"
+    };
+    let mut states = Map::new();
+    for s in &i.states {
+        states.insert(
+            s.kind.key().into(),
+            json!({
+                "input": names_json(&s.input),
+                "output": names_json(&s.output),
+                "type": s.ty.name(),
+                "shape": axes_json(&s.shape),
+                "output_shape": axes_json(&s.output_shape),
+            }),
+        );
+    }
+    let mut m = Map::new();
+    m.insert("graphs".into(), Value::Array(graphs));
+    if i.stateful {
+        m.insert("stateful".into(), json!(true));
+    }
+    m.insert("prompt".into(), json!(i.prompt.name()));
+    m.insert("inputs".into(), Value::Object(inputs));
+    m.insert("outputs".into(), json!({ main: Value::Object(output) }));
+    if !states.is_empty() {
+        m.insert("states".into(), Value::Object(states));
+    }
+    match &i.taps {
+        Taps::None => {}
+        Taps::DumpNames => {
+            m.insert("taps".into(), json!("dump"));
+        }
+        Taps::Map(list) => {
+            m.insert(
+                "taps".into(),
+                Value::Object(
+                    list.iter()
+                        .map(|(d, n)| (d.clone(), names_json(n)))
+                        .collect(),
+                ),
+            );
+        }
+    }
+    Value::Object(m)
+}
+
+/// The manifest of `set` (paths relative to its directory), with `extra` keys for people (what made it).
+pub fn to_json(set: &GraphSet, extra: Map<String, Value>) -> Value {
+    let mut m = Map::new();
+    m.insert("format".into(), json!(FORMAT));
+    m.insert("version".into(), json!(VERSION));
+    if let Some(model) = &set.model {
+        m.insert("model".into(), json!(model.to_string_lossy()));
+    }
+    if let Some(w) = &set.reference_weights {
+        m.insert("reference_weights".into(), json!(w));
+    }
+    if let Some(c) = set.context {
+        m.insert("context".into(), json!(c));
+    }
+    if let Some(d) = &set.decoder {
+        m.insert("decoder".into(), part_json(d, &set.dir));
+    }
+    if let Some(l) = &set.layers {
+        m.insert("layers".into(), part_json(l, &set.dir));
+    }
+    m.extend(extra);
+    Value::Object(m)
+}
