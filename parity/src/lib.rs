@@ -1,18 +1,19 @@
-//! The parity harness behind the `qwen35` command: the backends a command runs, the dump format every backend
-//! writes, the run options the command line parses, and one module per subcommand.
+//! The parity harness behind the `qwen35` command: the device under test (whoever built its graphs), the
+//! comparisons, the probe and the validate checks written once against it, the dump format every backend writes,
+//! the reports, and one module per subcommand (`commands/`, the only place the command line is parsed).
 #![deny(missing_docs)]
 
-pub mod backends;
 pub mod bundled;
 pub mod commands;
 pub mod compare;
+pub mod device;
 pub mod dump;
 pub mod metrics;
-pub mod options;
 pub mod perf;
 pub mod plot;
 pub mod probe;
 pub mod progress;
+pub mod prompts;
 pub mod ranges;
 pub mod report;
 pub mod validate;

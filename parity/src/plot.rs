@@ -147,7 +147,10 @@ pub fn compare_chart(report: &CompareReport, path: &Path) -> Result<()> {
                 name: format!(
                     "{} ({})",
                     d.device,
-                    d.record.precision.as_deref().unwrap_or("?")
+                    d.record
+                        .precision
+                        .as_ref()
+                        .map_or("?".to_string(), |p| p.to_string())
                 ),
                 points: d
                     .layers

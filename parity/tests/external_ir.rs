@@ -114,7 +114,7 @@ fn bad_ir_directories_are_named() {
     let f32 = f32.to_str().unwrap();
     expect_error(
         &["compare-devices", "--ir", f32, "--block", "8"],
-        &["--block", "external IR"],
+        &["--block", "made elsewhere"],
     );
     expect_error(
         &["compare-devices", "--ir", f32, "--devices", "FP16SIM"],

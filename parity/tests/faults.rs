@@ -5,9 +5,8 @@ use candle_core::{DType, Tensor};
 use npu::devices::CompileOptions;
 use npu::engine::HostLayerState;
 use npu::graphs::{Builder, GraphOptions};
-use parity::probe::{
-    LayerDevice, Mode, OpenVinoLayers, ProbeThresholds, ReferenceTrace, drill_down, probe,
-};
+use parity::device::DeviceLayers;
+use parity::probe::{LayerDevice, Mode, ProbeThresholds, ReferenceTrace, drill_down, probe};
 use reference::backend::{ReferenceBackend, RunRecord};
 use reference::config::Config;
 use reference::model::{Model, RunOptions};
@@ -52,7 +51,7 @@ fn reference_trace(config: &Config) -> ReferenceTrace {
 }
 
 /// The per-layer graphs of the checkpoint in `dir`, every layer compiled.
-fn device_layers(dir: &Path, config: &Config) -> OpenVinoLayers {
+fn device_layers(dir: &Path, config: &Config) -> DeviceLayers {
     let store = WeightStore::open(dir, DType::F32).unwrap();
     let builder = Builder::new(
         config,
@@ -64,7 +63,7 @@ fn device_layers(dir: &Path, config: &Config) -> OpenVinoLayers {
     )
     .unwrap();
     let all: Vec<usize> = (0..config.num_layers()).collect();
-    OpenVinoLayers::new(&builder, &all, 16, "CPU", &CompileOptions::default()).unwrap()
+    DeviceLayers::build(&builder, &all, 16, "CPU", &CompileOptions::default()).unwrap()
 }
 
 fn flagged(layers: &[parity::probe::LayerProbe]) -> Vec<usize> {
@@ -144,7 +143,7 @@ fn a_swapped_gate_is_flagged_at_the_attention_layer_and_its_query() {
 }
 
 /// A device whose state hand-off is corrupted: the recurrent state it returns is 1% too large.
-struct LeakyState(OpenVinoLayers);
+struct LeakyState(DeviceLayers);
 
 impl LayerDevice for LeakyState {
     fn run(
@@ -165,7 +164,7 @@ impl LayerDevice for LeakyState {
         self.0.block()
     }
 
-    fn context(&self) -> usize {
+    fn context(&self) -> Option<usize> {
         self.0.context()
     }
 
@@ -201,7 +200,7 @@ fn a_corrupted_state_hand_off_fails_the_state_rows() {
             );
             // Isolated: each block starts from the reference's state, so the outputs of the first block are exact;
             // only the hand-off is wrong.
-            assert!(l.output.nrmse < 1e-5, "layer {}", l.layer);
+            assert!(l.output.unwrap().nrmse < 1e-5, "layer {}", l.layer);
         } else {
             assert!(
                 !l.over,

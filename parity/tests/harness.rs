@@ -24,7 +24,7 @@ fn assert_compare_keys(v: &serde_json::Value) {
     ] {
         assert!(v.get(k).is_some(), "no `{k}` in {v}");
     }
-    assert_eq!(v["schema_version"], 1);
+    assert_eq!(v["schema_version"], 2);
     let d = &v["devices"][0];
     for k in [
         "device",

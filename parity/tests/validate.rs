@@ -106,7 +106,7 @@ fn validate_passes_on_the_cpu_at_f32_with_every_check_in_the_report() {
         ],
     );
     assert_eq!(code, Some(0), "failed: {:?}", failed(&v));
-    assert_eq!(v["schema_version"], 1);
+    assert_eq!(v["schema_version"], 2);
     assert_eq!(v["passed"], true);
     let ids: Vec<&str> = v["checks"]
         .as_array()
@@ -134,9 +134,17 @@ fn validate_passes_on_the_cpu_at_f32_with_every_check_in_the_report() {
     // At f32 on the CPU the equivalences hold exactly or to rounding.
     let blocks = &check(&v, "blocks")["details"];
     assert_eq!(blocks["blocks"], serde_json::json!([1, 16, 64]));
-    for r in blocks["runs"].as_array().unwrap() {
-        assert!(r["against_first"]["first_divergence"].is_null(), "{r}");
-        assert!(r["against_first"]["logits"]["nmse"].as_f64().unwrap() < 1e-10);
+    assert_eq!(blocks["deployed_block"], 16);
+    let runs = blocks["runs"].as_array().unwrap();
+    // Blocks of 1 and 64 against the deployed 16, on every prompt of the shipped set.
+    assert!(
+        !runs.is_empty() && runs.iter().all(|r| r["block"] != 16),
+        "{runs:?}"
+    );
+    for r in runs {
+        assert!(r["against_deployed"]["first_divergence"].is_null(), "{r}");
+        assert!(r["against_deployed"]["logits"]["nmse"].as_f64().unwrap() < 1e-10);
+        assert!(r["prompt_logits"]["nmse"].as_f64().unwrap() < 1e-10, "{r}");
     }
     let b2b = &check(&v, "back-to-back")["details"];
     assert_eq!(b2b["prompt_logits"]["max_abs"], 0.0);

@@ -24,7 +24,8 @@ const CHECKS: [&str; 11] = [
     "over-long",
 ];
 
-/// The checks that need this project's graphs or the state.
+/// The checks a stateful IR cannot have: it exposes neither per-layer graphs nor its states, and takes any
+/// number of tokens per call (nothing is padded).
 const SKIPPED: [&str; 3] = ["probe", "padding", "prompt-lookup"];
 
 fn ir(name: &str) -> PathBuf {
@@ -149,15 +150,16 @@ fn the_f32_export_passes_every_check_that_applies_and_the_others_are_skipped() {
     assert_eq!(cmp["greedy_matched"], cmp["greedy_total"]);
     assert_eq!(cmp["record"]["backend"], "graph-set");
     assert!(cmp["logits"]["nmse"].as_f64().unwrap() < 1e-10);
-    // The prompt in pieces of 1 and 16, the state carried inside the IR, gives the one call's tokens and logits.
+    // The prompt in pieces of 1 and 16 (the default for graphs that take any number of tokens per call), the state
+    // carried inside the IR, gives the one call's tokens and logits.
     let blocks = check(&v, "blocks");
-    assert!(blocks["title"].as_str().unwrap().contains("pieces"));
     let d = &blocks["details"];
-    assert_eq!(d["pieces"], serde_json::json!([1, 16]));
+    assert_eq!(d["blocks"], serde_json::json!([1, 16]));
+    assert!(d["deployed_block"].is_null());
     let runs = d["runs"].as_array().unwrap();
     assert_eq!(runs.len(), 4, "{d}");
     for r in runs {
-        assert!(r["against_one_call"]["first_divergence"].is_null(), "{r}");
+        assert!(r["against_deployed"]["first_divergence"].is_null(), "{r}");
         assert!(r["prompt_logits"]["nmse"].as_f64().unwrap() < 1e-10, "{r}");
         assert!(r["calls"].as_u64().unwrap() >= 2, "{r}");
     }
@@ -184,7 +186,8 @@ fn the_f32_export_passes_every_check_that_applies_and_the_others_are_skipped() {
     let report = std::fs::read_to_string(&md).unwrap();
     for needle in [
         "**PASS**",
-        "| IR | `",
+        "| graphs | `",
+        "stateful IR made elsewhere",
         "tiny-f32",
         "| probe | SKIP |",
         "| over-long | SKIP |",
@@ -353,7 +356,7 @@ fn a_static_context_in_the_manifest_brings_the_over_long_check_back() {
     long.extend(["--max-length".into(), "64".into()]);
     let mut all = vec!["validate", "--ir", ir64.to_str().unwrap()];
     all.extend(long.iter().map(String::as_str));
-    expect_error(&all, &["--max-length 64", "static context of 64"]);
+    expect_error(&all, &["--max-length 64", "static context holds 64"]);
 }
 
 #[test]
@@ -372,7 +375,12 @@ fn validate_ir_errors_are_clear() {
     );
     expect_error(
         &["validate", "--ir", f32, "--probe-mode", "chained"],
-        &["--probe-mode", "probe", "external IR"],
+        &[
+            "--probe-mode",
+            "probe",
+            "per-layer graphs",
+            "inside OpenVINO",
+        ],
     );
     expect_error(
         &["validate", "--ir", f32, "--lookup-tokens", "8"],
@@ -380,7 +388,7 @@ fn validate_ir_errors_are_clear() {
     );
     expect_error(
         &["validate", "--ir", f32, "--block", "8"],
-        &["--block", "external IR"],
+        &["--block", "made elsewhere"],
     );
     expect_error(
         &["validate", "--ir", f32, "--inject-fault", "leak-state"],
@@ -404,6 +412,6 @@ fn validate_ir_errors_are_clear() {
             "--max-length",
             "8",
         ],
-        &["prompt `river`", "static context of 16"],
+        &["prompt `river`", "static context holds 16"],
     );
 }

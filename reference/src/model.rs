@@ -305,6 +305,21 @@ impl Model {
         }
     }
 
+    /// The embeddings `[T, H]` of `ids` (the first step of [`Model::forward`]), for a host that runs the layers
+    /// elsewhere.
+    pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
+        self.check_ids(ids)?;
+        self.embed_tokens.gather(ids)
+    }
+
+    /// The final norm `[T, H]` and the logits `[T, V]` of every row of the last layer's output `h` (the last step
+    /// of [`Model::forward`]), for a host that runs the layers elsewhere.
+    pub fn head(&self, h: &Tensor) -> Result<(Tensor, Tensor)> {
+        let normed = rms_norm(h, &self.norm, self.config.rms_norm_eps)?;
+        let logits = self.lm_head.forward(&normed)?;
+        Ok((normed, logits))
+    }
+
     /// Runs a prompt, in forward calls of `opts.prefill_block` tokens if set; returns the last token's logits.
     pub fn prefill(
         &self,

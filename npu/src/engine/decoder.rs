@@ -13,7 +13,7 @@ use crate::graphset::{GraphSet, InputRole, Interface, LogitRows, PromptRule, own
 use crate::infer::{Executor, Session, prepare};
 use crate::ir::SharedBin;
 use candle_core::{DType, Device, Tensor};
-use reference::backend::{Backend, Forward, RunRecord, Snapshot};
+use reference::backend::{Backend, Forward, Precision, RunRecord, Snapshot};
 use reference::config::Config;
 use reference::taps::names;
 use std::collections::BTreeMap;
@@ -607,8 +607,8 @@ fn set_record(
         device_name: Some(d.full_name),
         driver: d.driver_version,
         dtype: "f32".into(),
-        precision_requested: Some(opts.precision.hint().into()),
-        precision: Some(info.precision.clone()),
+        precision_requested: Some(Precision::parse(opts.precision.hint())),
+        precision: Some(Precision::parse(&info.precision)),
         execution_devices: info.execution_devices.clone(),
         properties: info.properties.clone(),
         weights: set
@@ -666,12 +666,12 @@ pub fn record_of(
         device_name,
         driver,
         dtype: "f32".into(),
-        precision_requested: Some(if sim {
-            info.precision.clone()
+        precision_requested: Some(Precision::parse(if sim {
+            &info.precision
         } else {
-            opts.precision.hint().into()
-        }),
-        precision: Some(info.precision.clone()),
+            opts.precision.hint()
+        })),
+        precision: Some(Precision::parse(&info.precision)),
         execution_devices: info.execution_devices.clone(),
         properties: info.properties.clone(),
         weights: builder.weight_format().name(),

@@ -3,10 +3,12 @@
 //! dump's layout and handed between calls. Produces the reference's dump names, so the two can be compared tensor
 //! for tensor.
 
+mod chain;
 mod decoder;
 mod layer;
 mod state;
 
+pub use chain::LayerChain;
 pub use decoder::{DecoderEngine, SET_BACKEND, STATE_NOT_EXPOSED, record_of};
 pub use layer::LayerRunner;
 pub use state::HostLayerState;

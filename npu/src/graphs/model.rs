@@ -167,6 +167,17 @@ impl<'a> Builder<'a> {
 
     /// The per-layer graph of `layer` for blocks of `tokens` tokens (see the module docs of [`super`]).
     pub fn layer_graph(&self, layer: usize, tokens: usize) -> Result<Graph> {
+        self.layer_graph_on(layer, tokens, None)
+    }
+
+    /// [`Builder::layer_graph`] with its constants streamed to `bin` (`None`: kept in memory), which it shares with
+    /// every other graph built on it.
+    pub fn layer_graph_on(
+        &self,
+        layer: usize,
+        tokens: usize,
+        bin: Option<&SharedBin>,
+    ) -> Result<Graph> {
         self.check_tokens(tokens)?;
         let c = self.config;
         let kind = *c.layer_types.get(layer).ok_or_else(|| {
@@ -175,7 +186,11 @@ impl<'a> Builder<'a> {
                 c.num_layers()
             ))
         })?;
-        let mut graph = Graph::new(&format!("layer{layer}_{}_t{tokens}", kind.name()));
+        let name = format!("layer{layer}_{}_t{tokens}", kind.name());
+        let mut graph = match bin {
+            Some(bin) => Graph::with_shared_bin(&name, bin),
+            None => Graph::new(&name),
+        };
         let h = graph.parameter(ports::HIDDEN, ElemType::F32, &[tokens, c.hidden_size]);
         let inputs = self.block_inputs(&mut graph, tokens, &[kind])?;
         let out = self.block(&mut graph, h, layer, &inputs, "")?;

@@ -2,9 +2,10 @@
 //! checkpoint, beside the machine's own f32 matrix-product rate and memory bandwidth. See [`crate::perf`] for how
 //! each figure is counted and [`BenchReport`] for the JSON.
 
-use crate::backends::{DeviceSettings, check_context, open_device, open_reference};
-use crate::commands::Outcome;
-use crate::options::{Backend, DeviceArgs, Dtype, FormArgs, ModelArgs};
+use super::Outcome;
+use super::args::{Backend, DeviceArgs, Dtype, FormArgs, ModelArgs};
+use crate::device::own::engine;
+use crate::device::{DeviceSettings, check_context, open_reference};
 use crate::perf::flops::{self, Flops, RunShape};
 use crate::perf::machine::{self, Machine};
 use crate::perf::memory::{self, Sampler};
@@ -168,11 +169,12 @@ pub fn exec(args: BenchArgs) -> Result<Outcome> {
                 );
             }
             let device = args.device.device.as_deref().unwrap_or("CPU");
-            let settings = DeviceSettings::resolve(device, &args.device.graph, &args.form)?;
+            let settings = args.device.graph.settings(device, &args.form)?;
             check_context(
                 args.prompt_tokens,
                 args.decode_tokens + 1,
                 settings.graph.context,
+                "--context",
             )?;
             Plan::OpenVino(settings)
         }
@@ -211,7 +213,7 @@ pub fn exec(args: BenchArgs) -> Result<Outcome> {
             )
         }
         Plan::OpenVino(settings) => {
-            let b = open_device(&config, &store, settings, false)?;
+            let b = engine(&config, &store, settings, false)?;
             let prefill = match settings.graph.form {
                 DeltaNetGraphForm::Matrix => Form::Matrix,
                 DeltaNetGraphForm::Loop => Form::Sequential,
@@ -304,16 +306,13 @@ pub fn exec(args: BenchArgs) -> Result<Outcome> {
 
 /// The report as a table for the terminal.
 pub fn terminal(r: &BenchReport) -> String {
-    use crate::commands::synth::size;
+    use crate::report::size;
     let mut out = String::new();
     let what = match &r.record.device {
         Some(d) => format!(
             "{} on {d} ({})",
             r.record.backend,
-            r.record
-                .precision
-                .as_deref()
-                .unwrap_or("precision not reported")
+            r.record.precision_text()
         ),
         None => format!("{} {}", r.record.backend, r.record.dtype),
     };
@@ -321,7 +320,7 @@ pub fn terminal(r: &BenchReport) -> String {
         "qwen35 bench: {} ({} layers, {} parameters), {what}, weights {}, {} threads\n",
         r.model,
         r.layers,
-        crate::commands::synth::count(r.parameters),
+        crate::report::count(r.parameters),
         r.record.weights,
         r.threads
     );

@@ -1,6 +1,6 @@
 //! `qwen35 devices`: the OpenVINO runtime and its devices: names, architecture, NPU driver, precisions.
 
-use crate::commands::Outcome;
+use super::Outcome;
 use anyhow::Result;
 use npu::sim::NumericModel;
 

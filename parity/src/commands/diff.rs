@@ -1,18 +1,20 @@
 //! `qwen35 diff A.safetensors B.safetensors`: two dumps in the documented format (from any backend or program)
-//! compared with the metrics and reports of compare-devices, `B` being the reference.
+//! compared with the metrics and reports of compare-devices, `B` being the reference. A dump needs only the tensors
+//! it has: whatever both hold is compared, and what one side lacks is listed.
 
-use crate::commands::Outcome;
-use crate::commands::compare_devices::ThresholdArgs;
+use super::Outcome;
+use super::args::{ReportArgs, ThresholdArgs};
 use crate::compare::{DeviceReport, Row, Side, compare_runs};
 use crate::dump::Dump;
 use crate::metrics::TensorError;
-use crate::report::{CompareReport, Inputs, Machine, ReportArgs};
+use crate::report::{CompareReport, Inputs, Machine};
 use anyhow::{Context, Result, bail};
+use npu::graphset::StateKind;
 use reference::backend::RunRecord;
-use reference::config::LayerKind;
+use reference::config::{Config, LayerKind};
 use reference::taps::names;
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Arguments of `qwen35 diff`.
 #[derive(clap::Args)]
@@ -21,6 +23,9 @@ pub struct DiffArgs {
     actual: PathBuf,
     /// The reference dump.
     reference: PathBuf,
+    /// The checkpoint the dumps were made from: the layers' kinds when neither dump's names tell them.
+    #[arg(long, value_name = "DIR")]
+    model: Option<PathBuf>,
     #[command(flatten)]
     thresholds: ThresholdArgs,
     #[command(flatten)]
@@ -28,7 +33,7 @@ pub struct DiffArgs {
 }
 
 /// The token ids of a dump's i64 tensor.
-fn ids(d: &Dump, name: &str, path: &std::path::Path) -> Result<Vec<u32>> {
+fn ids(d: &Dump, name: &str, path: &Path) -> Result<Vec<u32>> {
     let t = d.get(name).with_context(|| path.display().to_string())?;
     Ok(t.to_dtype(candle_core::DType::I64)?
         .to_vec1::<i64>()?
@@ -37,75 +42,115 @@ fn ids(d: &Dump, name: &str, path: &std::path::Path) -> Result<Vec<u32>> {
         .collect())
 }
 
-/// The layer kinds a dump's names imply: a layer with `linear_attn` taps or a conv state is linear attention, one
-/// with `self_attn` taps or a KV cache full attention.
-fn kinds(d: &Dump) -> Result<Vec<LayerKind>> {
-    let mut out = Vec::new();
-    for layer in 0.. {
-        if !d.tensors.contains_key(&names::layer(layer, names::OUTPUT)) {
-            break;
+/// The layers a dump's names mention (`layers.{i}.…`): how many there are.
+fn layer_count(d: &Dump) -> usize {
+    d.tensors
+        .keys()
+        .filter_map(|k| {
+            k.strip_prefix("layers.")?
+                .split('.')
+                .next()?
+                .parse::<usize>()
+                .ok()
+        })
+        .map(|l| l + 1)
+        .max()
+        .unwrap_or(0)
+}
+
+/// The kind a dump's names imply for `layer`: `linear_attn` taps or a conv/recurrent state mean linear attention,
+/// `self_attn` taps or a KV cache full attention; `None` when the dump holds nothing of either.
+fn kind_in(d: &Dump, layer: usize) -> Option<LayerKind> {
+    let has = |part: &str| {
+        let prefix = names::layer(layer, part);
+        d.tensors.keys().any(|k| k.starts_with(&prefix))
+    };
+    if has(names::LINEAR_ATTN) || has(names::CONV_STATE) || has(names::RECURRENT_STATE) {
+        Some(LayerKind::Linear)
+    } else if has(names::SELF_ATTN) || has(names::KEY_CACHE) || has(names::VALUE_CACHE) {
+        Some(LayerKind::Full)
+    } else {
+        None
+    }
+}
+
+/// Every layer's kind: from whichever dump tells it, else from `config`, else unknown. Fails when the two dumps
+/// (or a dump and the config) disagree: they are of different models.
+fn kinds(
+    a: (&Dump, &Path),
+    b: (&Dump, &Path),
+    config: Option<&Config>,
+) -> Result<Vec<Option<LayerKind>>> {
+    let n = layer_count(a.0)
+        .max(layer_count(b.0))
+        .max(config.map_or(0, |c| c.num_layers()));
+    let mut out = Vec::with_capacity(n);
+    for layer in 0..n {
+        let from_config = config.and_then(|c| c.layer_types.get(layer).copied());
+        let seen = [
+            (kind_in(a.0, layer), a.1.display().to_string()),
+            (kind_in(b.0, layer), b.1.display().to_string()),
+            (from_config, "--model".to_string()),
+        ];
+        let mut kind: Option<(LayerKind, &str)> = None;
+        for (k, source) in &seen {
+            match (kind, k) {
+                (None, Some(k)) => kind = Some((*k, source)),
+                (Some((have, first)), Some(k)) if have != *k => bail!(
+                    "layer {layer} is {} in {first} but {} in {source}: the dumps are of different models",
+                    have.name(),
+                    k.name()
+                ),
+                _ => {}
+            }
         }
-        let has = |part: &str| {
-            let prefix = names::layer(layer, part);
-            d.tensors.keys().any(|k| k.starts_with(&prefix))
-        };
-        out.push(if has(names::LINEAR_ATTN) || has(names::CONV_STATE) {
-            LayerKind::Linear
-        } else if has(names::SELF_ATTN) || has(names::KEY_CACHE) {
-            LayerKind::Full
-        } else {
-            bail!(
-                "cannot tell layer {layer}'s kind: it has neither linear_attn nor self_attn tensors"
-            );
-        });
+        out.push(kind.map(|(k, _)| k));
     }
     Ok(out)
 }
 
-/// What ran, from a dump's metadata (absent keys stay empty).
-pub fn record_of(d: &Dump) -> RunRecord {
-    let m = &d.metadata;
-    let get = |k: &str| m.get(k).cloned();
-    let num = |k: &str| m.get(k).and_then(|v| v.parse::<f64>().ok());
-    let int = |k: &str| m.get(k).and_then(|v| v.parse::<usize>().ok());
-    RunRecord {
-        backend: get("backend").unwrap_or_else(|| "unknown".into()),
-        device: get("device"),
-        runtime: get("openvino"),
-        device_name: get("device_name"),
-        driver: get("driver"),
-        dtype: get("dtype").unwrap_or_else(|| "f32".into()),
-        precision_requested: get("precision_requested"),
-        precision: get("precision").or_else(|| get("dtype")),
-        execution_devices: get("execution_devices"),
-        properties: m
-            .iter()
-            .filter_map(|(k, v)| {
-                k.strip_prefix("property.")
-                    .map(|p| (p.to_string(), v.clone()))
-            })
-            .collect(),
-        weights: get("weights").unwrap_or_default(),
-        deltanet_prefill: get("deltanet_prefill").unwrap_or_default(),
-        deltanet_decode: get("deltanet_decode").unwrap_or_default(),
-        output_scale: num("output_scale").unwrap_or(1.0),
-        prefill_block: int("prefill_block"),
-        block: int("block"),
-        context: int("context"),
-        taps: true,
-        compile_seconds: num("compile_seconds"),
-        cache_dir: get("cache_dir"),
-        from_cache: m
-            .iter()
-            .filter_map(|(k, v)| Some((k.strip_prefix("from_cache.")?.to_string(), v == "true")))
-            .collect(),
+/// A dump's hidden states (every tensor but the ids, the logits and the states) and its states.
+fn split(
+    d: &Dump,
+) -> (
+    BTreeMap<String, candle_core::Tensor>,
+    BTreeMap<String, candle_core::Tensor>,
+) {
+    let is_state = |k: &str| StateKind::ALL.iter().any(|s| k.ends_with(s.key()));
+    d.tensors
+        .iter()
+        .filter(|(k, _)| {
+            k.as_str() != "token_ids" && k.as_str() != "generated" && k.as_str() != names::LOGITS
+        })
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .partition(|(k, _)| !is_state(k))
+}
+
+/// The generated ids a dump holds (none when it has no `generated`).
+fn generated(d: &Dump, p: &Path) -> Result<Vec<u32>> {
+    if d.tensors.contains_key("generated") {
+        ids(d, "generated", p)
+    } else {
+        Ok(vec![])
     }
+}
+
+/// What ran, from a dump's metadata; a value that does not parse names the dump and its key.
+fn record_of(d: &Dump, p: &Path) -> Result<RunRecord> {
+    RunRecord::from_metadata(&d.metadata).with_context(|| p.display().to_string())
 }
 
 /// Runs `qwen35 diff`.
 pub fn exec(args: DiffArgs) -> Result<Outcome> {
-    args.thresholds.validate()?;
-    args.report.check()?;
+    let thresholds = args.thresholds.overrides()?;
+    let outputs = args.report.outputs()?;
+    let config = match &args.model {
+        Some(dir) => Some(
+            Config::from_file(&dir.join("config.json"))
+                .with_context(|| format!("--model {}", dir.display()))?,
+        ),
+        None => None,
+    };
     let a = Dump::read(&args.actual)?;
     let b = Dump::read(&args.reference)?;
     let (ids_a, ids_b) = (
@@ -126,45 +171,16 @@ pub fn exec(args: DiffArgs) -> Result<Outcome> {
                 .unwrap_or(ids_a.len().min(ids_b.len()))
         );
     }
-    let kinds_a = kinds(&a).with_context(|| args.actual.display().to_string())?;
-    let kinds_b = kinds(&b).with_context(|| args.reference.display().to_string())?;
-    if kinds_a != kinds_b {
-        bail!(
-            "the two dumps are of different models ({} and {} layers, or other layer kinds)",
-            kinds_a.len(),
-            kinds_b.len()
-        );
-    }
-    let generated = |d: &Dump, p: &std::path::Path| -> Result<Vec<u32>> {
-        if d.tensors.contains_key("generated") {
-            ids(d, "generated", p)
-        } else {
-            Ok(vec![])
-        }
-    };
-    let (gen_a, gen_b) = (
+    let kinds = kinds((&a, &args.actual), (&b, &args.reference), config.as_ref())?;
+    // Greedy tokens are compared when both dumps hold them.
+    let (mut gen_a, mut gen_b) = (
         generated(&a, &args.actual)?,
         generated(&b, &args.reference)?,
     );
-    let split = |d: &Dump| -> (
-        BTreeMap<String, candle_core::Tensor>,
-        BTreeMap<String, candle_core::Tensor>,
-    ) {
-        d.tensors
-            .iter()
-            .filter(|(k, _)| {
-                k.as_str() != "token_ids"
-                    && k.as_str() != "generated"
-                    && k.as_str() != names::LOGITS
-            })
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .partition(|(k, _)| {
-                !(k.ends_with(names::CONV_STATE)
-                    || k.ends_with(names::RECURRENT_STATE)
-                    || k.ends_with(names::KEY_CACHE)
-                    || k.ends_with(names::VALUE_CACHE))
-            })
-    };
+    if gen_a.is_empty() || gen_b.is_empty() {
+        gen_a.clear();
+        gen_b.clear();
+    }
     let ((taps_a, states_a), (taps_b, states_b)) = (split(&a), split(&b));
     let label = args
         .actual
@@ -172,28 +188,55 @@ pub fn exec(args: DiffArgs) -> Result<Outcome> {
         .and_then(|n| n.to_str())
         .unwrap_or("actual")
         .to_string();
-    let comparison = compare_runs(
+    let logits = |d: &Dump, p: &Path| -> Result<candle_core::Tensor> {
+        Ok(d.get(names::LOGITS)
+            .with_context(|| {
+                format!(
+                    "{}: logits are what every comparison starts from",
+                    p.display()
+                )
+            })?
+            .clone())
+    };
+    let (logits_a, logits_b) = (logits(&a, &args.actual)?, logits(&b, &args.reference)?);
+    let mut comparison = compare_runs(
         &label,
-        &kinds_b,
+        &kinds,
         Side {
             prompt_tokens: ids_b.len(),
             tokens: &gen_b,
-            logits: b.get(names::LOGITS)?,
+            logits: &logits_b,
             taps: &taps_b,
             states: &states_b,
         },
         Side {
             prompt_tokens: ids_a.len(),
             tokens: &gen_a,
-            logits: a.get(names::LOGITS)?,
+            logits: &logits_a,
             taps: &taps_a,
             states: &states_a,
         },
         &[],
     )?;
-    let record = record_of(&a);
-    let precision = record.precision.clone().unwrap_or_else(|| "f32".into());
-    let thresholds = args.thresholds.resolve(&precision);
+    let record = record_of(&a, &args.actual)?;
+    let thresholds = thresholds.resolve(&record.judged_precision());
+    let only = |x: &Dump, y: &Dump| -> Vec<String> {
+        x.tensors
+            .keys()
+            .filter(|k| !y.tensors.contains_key(*k))
+            .cloned()
+            .collect()
+    };
+    let (only_a, only_b) = (only(&a, &b), only(&b, &a));
+    if !only_a.is_empty() || !only_b.is_empty() {
+        comparison.not_available = Some(format!(
+            "{} tensor(s) only in {}, {} only in {} (listed below)",
+            only_a.len(),
+            args.actual.display(),
+            only_b.len(),
+            args.reference.display()
+        ));
+    }
     let mut device = DeviceReport::new(&label, record, thresholds, vec![comparison]);
     // Every tensor both dumps hold, and those only one has.
     for (name, ta) in &a.tensors {
@@ -208,18 +251,8 @@ pub fn exec(args: DiffArgs) -> Result<Outcome> {
             });
         }
     }
-    device.only_in_actual = a
-        .tensors
-        .keys()
-        .filter(|k| !b.tensors.contains_key(*k))
-        .cloned()
-        .collect();
-    device.only_in_reference = b
-        .tensors
-        .keys()
-        .filter(|k| !a.tensors.contains_key(*k))
-        .cloned()
-        .collect();
+    device.only_in_actual = only_a;
+    device.only_in_reference = only_b;
     let report = CompareReport {
         command: "diff".into(),
         machine: Machine::detect(),
@@ -232,12 +265,12 @@ pub fn exec(args: DiffArgs) -> Result<Outcome> {
             weights: b.metadata.get("weights").cloned().unwrap_or_default(),
             prompts: vec![(label, ids_a.len())],
             tokens: gen_b.len(),
-            reference: record_of(&b),
+            reference: record_of(&b, &args.reference)?,
         },
         quantization: None,
         devices: vec![device],
     };
-    report.emit(&args.report)?;
+    report.emit(&outputs)?;
     Ok(if report.passed() {
         Outcome::Pass
     } else {

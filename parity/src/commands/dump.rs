@@ -1,10 +1,11 @@
 //! `qwen35 dump`: every intermediate of a prompt, the states after it and a greedy continuation, from the reference
 //! or a device, in the dump format every backend shares.
 
-use crate::backends::{DeviceSettings, check_context, open_device, open_reference};
-use crate::commands::Outcome;
+use super::Outcome;
+use super::args::{Backend, DeviceArgs, Dtype, FormArgs, ModelArgs, PromptArgs};
+use crate::device::own::engine;
+use crate::device::{DeviceSettings, check_context, open_reference};
 use crate::dump::{FORMAT, run_dump};
-use crate::options::{Backend, DeviceArgs, Dtype, FormArgs, ModelArgs, PromptArgs};
 use anyhow::{Result, bail};
 use std::path::PathBuf;
 
@@ -52,11 +53,7 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
                 );
             }
             let device = args.device.device.as_deref().unwrap_or("CPU");
-            Plan::OpenVino(DeviceSettings::resolve(
-                device,
-                &args.device.graph,
-                &args.form,
-            )?)
+            Plan::OpenVino(args.device.graph.settings(device, &args.form)?)
         }
     };
     let (dir, config, store) = args.model.open()?;
@@ -67,8 +64,13 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
             run_dump(&mut backend, &ids, args.generate)?
         }
         Plan::OpenVino(settings) => {
-            check_context(ids.len(), args.generate, settings.graph.context)?;
-            let mut backend = open_device(&config, &store, settings, true)?;
+            check_context(
+                ids.len(),
+                args.generate,
+                settings.graph.context,
+                "--context",
+            )?;
+            let mut backend = engine(&config, &store, settings, true)?;
             run_dump(&mut backend, &ids, args.generate)?
         }
     };

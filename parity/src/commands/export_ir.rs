@@ -1,12 +1,24 @@
-//! `qwen35 export-ir`: the static OpenVINO graphs of a checkpoint (decoder and per-layer) and a manifest of their
-//! interfaces.
+//! `qwen35 export-ir`: this project's static OpenVINO graphs of a checkpoint written as a graph set (decoder graphs
+//! per block size, per-layer graphs, one shared `weights.bin`) with the `manifest.json` that describes their ports
+//! (`docs/graph-sets.md`), so that what it writes is read back like any set made elsewhere (`--ir DIR`).
 
-use crate::commands::Outcome;
-use crate::options::{Dtype, FormArgs, ModelArgs};
+use super::Outcome;
+use super::args::{Dtype, FormArgs, ModelArgs};
 use anyhow::{Context, Result, bail};
 use npu::graphs::{Builder, DEFAULT_CONTEXT, GraphOptions};
+use npu::graphset::{GraphFile, GraphSet, Part, manifest, own};
+use npu::ir::SharedBin;
 use reference::linear_attn::PORT_OUTPUT_SCALE;
-use std::path::PathBuf;
+use std::path::{Component, Path, PathBuf};
+
+/// The parts of a set `export-ir` can write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PartArg {
+    /// The whole decoder per block size (and the 1-token decoder).
+    Decoder,
+    /// Each layer's own graph per block size.
+    Layers,
+}
 
 #[derive(clap::Args)]
 /// Arguments of `qwen35 export-ir`.
@@ -16,7 +28,7 @@ pub struct ExportArgs {
     /// Output directory.
     #[arg(long, value_name = "DIR")]
     out: PathBuf,
-    /// Prompt block sizes to export (single-token graphs are always written).
+    /// Prompt block sizes to export (the 1-token graphs are always written).
     #[arg(
         long,
         value_delimiter = ',',
@@ -24,14 +36,38 @@ pub struct ExportArgs {
         value_name = "N,N"
     )]
     blocks: Vec<usize>,
-    /// Also write each layer's own graph (the probe's unit) for every block size.
+    /// Which graphs: the whole decoder, each layer's own graph, or both (`decoder,layers`).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "decoder")]
+    parts: Vec<PartArg>,
+    /// Also write each layer's own graph (the same as `--parts decoder,layers`).
     #[arg(long)]
     layers: bool,
+    /// Write the graphs as deployed: logits and states only, no hidden outputs (taps).
+    #[arg(long)]
+    no_taps: bool,
     /// Static KV context.
     #[arg(long, default_value_t = DEFAULT_CONTEXT, value_name = "N")]
     context: usize,
     #[command(flatten)]
     form: FormArgs,
+}
+
+/// `target` relative to the directory `base` when both resolve (`../../models/tiny`), else `target` as given.
+fn relative(target: &Path, base: &Path) -> PathBuf {
+    let (Ok(t), Ok(b)) = (target.canonicalize(), base.canonicalize()) else {
+        return target.to_path_buf();
+    };
+    let (tc, bc): (Vec<Component>, Vec<Component>) =
+        (t.components().collect(), b.components().collect());
+    let common = tc.iter().zip(&bc).take_while(|(a, b)| a == b).count();
+    let mut out = PathBuf::new();
+    for _ in common..bc.len() {
+        out.push("..");
+    }
+    for c in &tc[common..] {
+        out.push(c.as_os_str());
+    }
+    out
 }
 
 /// Runs `qwen35 export-ir`.
@@ -42,59 +78,98 @@ pub fn exec(args: ExportArgs) -> Result<Outcome> {
         );
     }
     let form = args.form.graph_form()?;
-    let (dir, config, store) = args.model.open()?;
     if args.blocks.contains(&0) {
         bail!("--blocks: block sizes must be at least 1");
     }
+    if args.context == 0 {
+        bail!("--context must be at least 1");
+    }
+    let (dir, config, store) = args.model.open()?;
     let opts = GraphOptions {
         form,
         output_scale: args.form.output_scale(PORT_OUTPUT_SCALE)? as f32,
         context: args.context,
-        taps: true,
+        taps: !args.no_taps,
     };
     let builder = Builder::new(&config, &store, opts)?;
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
     let mut sizes = vec![1];
     sizes.extend(args.blocks.iter().copied().filter(|&b| b != 1));
-    let mut graphs = Vec::new();
-    let describe = |g: &npu::ir::Graph, file: &str| {
-        let ports = |list: Vec<(String, npu::ir::ElemType, Vec<usize>)>| -> Vec<serde_json::Value> {
-            list.into_iter()
-                .map(|(n, t, s)| serde_json::json!({"name": n, "type": t.ir_name(), "shape": s}))
-                .collect()
-        };
-        serde_json::json!({"name": g.name(), "xml": file, "bin": file.replace(".xml", ".bin"),
-                           "inputs": ports(g.inputs()), "outputs": ports(g.outputs())})
+    sizes.sort_unstable();
+    sizes.dedup();
+    let decoder = args.parts.contains(&PartArg::Decoder);
+    let layers = args.layers || args.parts.contains(&PartArg::Layers);
+    let bin_name = "weights.bin";
+    let bin_path = args.out.join(bin_name);
+    let bin = SharedBin::create(&bin_path)?;
+    let file = |name: &str| GraphFile {
+        tokens: None,
+        layer: None,
+        xml: args.out.join(format!("{name}.xml")),
+        bin: bin_path.clone(),
     };
+    let mut decoder_files = Vec::new();
+    let mut layer_files = Vec::new();
     for &t in &sizes {
-        let g = builder.decoder_graph(t)?;
-        let file = format!("{}.xml", g.name());
-        g.save(&args.out.join(&file))?;
-        graphs.push(describe(&g, &file));
-        if args.layers {
+        if decoder {
+            let g = builder.decoder_graph_on(t, Some(&bin))?;
+            let f = GraphFile {
+                tokens: Some(t),
+                ..file(g.name())
+            };
+            g.save(&f.xml)?;
+            decoder_files.push(f);
+        }
+        if layers {
             for layer in 0..config.num_layers() {
-                let g = builder.layer_graph(layer, t)?;
-                let file = format!("{}.xml", g.name());
-                g.save(&args.out.join(&file))?;
-                graphs.push(describe(&g, &file));
+                let g = builder.layer_graph_on(layer, t, Some(&bin))?;
+                let f = GraphFile {
+                    tokens: Some(t),
+                    layer: Some(layer),
+                    ..file(g.name())
+                };
+                g.save(&f.xml)?;
+                layer_files.push(f);
             }
         }
     }
-    let manifest = serde_json::json!({
-        "model": dir.display().to_string(),
-        "weights": store.format().name(),
-        "deltanet_form": form.describe(),
-        "output_scale": opts.output_scale,
-        "context": opts.context,
-        "graphs": graphs,
-    });
-    let path = args.out.join("manifest.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&manifest)?)
-        .with_context(|| format!("writing {}", path.display()))?;
+    bin.flush()?;
+    let count = decoder_files.len() + layer_files.len();
+    let set = GraphSet {
+        source: args.out.join(manifest::MANIFEST).display().to_string(),
+        dir: args.out.clone(),
+        model: Some(relative(&dir, &args.out)),
+        reference_weights: Some(store.format().name()),
+        context: Some(args.context),
+        decoder: decoder.then(|| Part {
+            key: "decoder".into(),
+            interface: own::decoder(&config, opts.taps),
+            graphs: decoder_files,
+        }),
+        layers: layers.then(|| Part {
+            key: "layers".into(),
+            interface: own::layer(&config),
+            graphs: layer_files,
+        }),
+    };
+    let mut extra = serde_json::Map::new();
+    extra.insert(
+        "export".into(),
+        serde_json::json!({
+            "tool": format!("qwen35 {}", env!("CARGO_PKG_VERSION")),
+            "deltanet_form": form.describe(),
+            "output_scale": opts.output_scale,
+            "taps": opts.taps,
+            "blocks": sizes,
+        }),
+    );
+    let path = args.out.join(manifest::MANIFEST);
+    let text = serde_json::to_string_pretty(&manifest::to_json(&set, extra))? + "\n";
+    std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
     eprintln!(
-        "wrote {} graphs and manifest.json to {}",
-        graphs.len(),
+        "wrote {count} graphs, {bin_name} and {} to {}",
+        manifest::MANIFEST,
         args.out.display()
     );
     Ok(Outcome::Pass)

@@ -1,5 +1,8 @@
-//! One module per `qwen35` subcommand: its arguments and what it does. `main.rs` only parses and dispatches.
+//! One module per `qwen35` subcommand: its arguments, turned into a plan, run, and handed to `report/`; `args`
+//! holds the options several share and their conversion into plain settings. No command imports another, and no
+//! clap type leaves this module. `main.rs` only parses and dispatches.
 
+pub mod args;
 pub mod bench;
 pub mod compare_devices;
 pub mod devices;

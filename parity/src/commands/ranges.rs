@@ -1,9 +1,8 @@
 //! `qwen35 ranges`: what of the reference's numbers an fp16 (or bf16) device cannot hold, before any device runs.
 
-use crate::backends::open_reference;
-use crate::commands::Outcome;
-use crate::commands::compare_devices::prompts;
-use crate::options::{ModelArgs, PromptArgs};
+use super::Outcome;
+use super::args::{ModelArgs, PromptArgs};
+use crate::device::open_reference;
 use crate::ranges::range_report;
 use anyhow::{Context, Result, bail};
 use npu::sim::numeric::Storage;
@@ -39,7 +38,10 @@ pub fn exec(args: RangesArgs) -> Result<Outcome> {
     };
     check_output_scale(args.output_scale).context("--output-scale")?;
     let (dir, config, store) = args.model.open()?;
-    let prompt = prompts(&args.prompt, None, &dir, &config)?
+    let prompt = args
+        .prompt
+        .source(None)?
+        .load(&dir, &config)?
         .into_iter()
         .next()
         .context("no prompt")?;

@@ -1,8 +1,9 @@
 //! `qwen35 run`: greedy chat generation on the reference decoder, the text printed as it comes.
 
-use crate::backends::open_reference;
-use crate::commands::Outcome;
-use crate::options::{ChatPrompt, FormArgs, ModelArgs};
+use super::Outcome;
+use super::args::{FormArgs, ModelArgs};
+use crate::device::open_reference;
+use crate::prompts::ChatPrompt;
 use anyhow::Result;
 use reference::backend::greedy;
 use reference::tokenizer::ChatTokenizer;

@@ -1,8 +1,9 @@
 //! `qwen35 synth`: a random checkpoint with the real Qwen3.5-9B shapes, in the real layout (see
 //! `reference::synth`), written tensor by tensor.
 
-use crate::commands::Outcome;
+use super::Outcome;
 use crate::perf::memory;
+use crate::report::{count, size};
 use anyhow::{Result, bail};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use reference::synth::{DEFAULT_SHARD_BYTES, Shape, SynthOptions, write_checkpoint};
@@ -96,28 +97,4 @@ pub fn exec(args: SynthArgs) -> Result<Outcome> {
         "  no tokenizer (the real vocabulary has no small tokenizer to go with it): give prompts as --token-ids"
     );
     Ok(Outcome::Pass)
-}
-
-/// A byte count in decimal units (`5.80 GB`, `12.3 MB`, `1.2 kB`).
-pub fn size(bytes: u64) -> String {
-    let b = bytes as f64;
-    if b >= 1e9 {
-        format!("{:.2} GB", b / 1e9)
-    } else if b >= 1e6 {
-        format!("{:.1} MB", b / 1e6)
-    } else {
-        format!("{:.1} kB", b / 1e3)
-    }
-}
-
-/// A parameter count (`2.90 B`, `1.2 M`, `640`).
-pub fn count(n: u64) -> String {
-    let x = n as f64;
-    if x >= 1e9 {
-        format!("{:.2} B", x / 1e9)
-    } else if x >= 1e6 {
-        format!("{:.1} M", x / 1e6)
-    } else {
-        n.to_string()
-    }
 }

@@ -1,32 +1,28 @@
-//! `qwen35 validate`: every check a new NPU needs on one device, one report, exit 0 only when every check passes
-//! (see [`crate::validate`] for the checks). With `--ir DIR` (module `ir`) the checks that apply to a graph made
-//! elsewhere run on it, and the others are reported as skipped.
+//! `qwen35 validate`: every check a new NPU needs on one device, one report, exit 0 only when every check that ran
+//! passes (see [`crate::validate`] for the checks). With `--ir DIR` the device is a graph set made elsewhere, and
+//! each check runs where its capabilities allow (the others are reported as skipped, naming what they would need).
 
-mod ir;
-
-use crate::backends::{DeviceSettings, check_context, check_device, open_reference};
-use crate::commands::Outcome;
-use crate::commands::compare_devices::{
-    LabelledPrompt, ThresholdArgs, compare_device, eos_ids, prompts, reference_runs,
+use super::Outcome;
+use super::args::{
+    FormArgs, GraphArgs, ModeArg, ModelArgs, PromptArgs, ReportArgs, ThresholdArgs,
+    refuse_graph_flags,
 };
-use crate::commands::probe::{ProbeRequest, run_probe};
-use crate::compare::DeviceReport;
-use crate::options::{FormArgs, GraphArgs, ModelArgs, PromptArgs};
-use crate::probe::Mode;
-use crate::progress::Progress;
-use crate::report::validate::{ValidateInputs, ValidateReport};
-use crate::report::{CompareReport, Inputs, Machine, ReportArgs};
-use crate::validate::fault::Fault;
-use crate::validate::setup::{self, DeviceSection};
-use crate::validate::{Check, CheckId, Context, Finding, GraphInfo, equivalence, length, lookup};
+use crate::device::fault::Fault;
+use crate::device::own::OwnGraphs;
+use crate::device::set::SetGraphs;
+use crate::device::{DeviceUnderTest, check_device};
+use crate::prompts::{eos_ids, repeated_prompt};
+use crate::validate::CheckId;
+use crate::validate::run::{SetInputs, ValidatePlan, run, skip_reason};
 use anyhow::{Context as _, Result, bail};
-use reference::backend::{Backend, LookupOptions};
-use reference::model::RunOptions;
-use reference::tokenizer::{ChatTokenizer, Message};
-use reference::weights::WeightStore;
-use std::cell::RefCell;
-use std::path::{Path, PathBuf};
+use npu::sim::NumericModel;
+use reference::backend::LookupOptions;
+use std::path::PathBuf;
 use std::time::Instant;
+
+/// The longest prompt of the length check on a device without a static context (`--max-length`): long enough to
+/// cross several chunks of an export's DeltaNet scan, short enough for CI.
+pub const DEFAULT_MAX_LENGTH: usize = 255;
 
 /// Arguments of `qwen35 validate`.
 #[derive(clap::Args)]
@@ -37,10 +33,8 @@ pub struct ValidateArgs {
     /// device (default CPU).
     #[arg(long, required_unless_present = "ir")]
     device: Option<String>,
-    /// Validate an external stateful IR (graphs made elsewhere, e.g. optimum-intel's export) instead of this
-    /// project's graphs: DIR holds the IR and a manifest.json of its ports, as `compare-devices --ir`. The checks
-    /// that need this project's graphs or the state (probe, padding, prompt lookup; over-long without a static
-    /// context in the manifest) are skipped; give --weights as the IR holds them (its manifest's `reference_weights`).
+    /// Validate a graph set made elsewhere instead of this project's graphs (see compare-devices --ir): each check
+    /// runs where the set's ports allow it; give --weights as the graphs hold them.
     #[arg(long, value_name = "DIR")]
     ir: Option<PathBuf>,
     #[command(flatten)]
@@ -55,15 +49,16 @@ pub struct ValidateArgs {
     thresholds: ThresholdArgs,
     /// The probe's mode: isolated (each layer fed the reference's input and state, the default) or chained.
     #[arg(long, value_enum)]
-    probe_mode: Option<Mode>,
+    probe_mode: Option<ModeArg>,
     /// The probe's largest NRMSE of a layer's outputs (default as `probe --max-nrmse`).
     #[arg(long, value_name = "X")]
     probe_max_nrmse: Option<f64>,
     /// The probe's largest NRMSE of a state (default as `probe --max-state-nrmse`).
     #[arg(long, value_name = "X")]
     probe_max_state_nrmse: Option<f64>,
-    /// Prompt blocks compared with each other (each must fit --context; default 1,16,64). With --ir: the pieces
-    /// the prompt is fed in, each against the prompt in one call (default 1,16).
+    /// Prompt blocks the prompts are fed in, each against the deployed graphs (each must fit the context; default
+    /// 1,16,64 for this project's graphs, a set's own block sizes and 1, or 1,16 for a set that takes any number of
+    /// tokens per call).
     #[arg(long, value_delimiter = ',', value_name = "1,16,64")]
     blocks: Option<Vec<usize>>,
     /// Tokens generated per prompt by plain greedy and by prompt-lookup decoding (default 64).
@@ -75,8 +70,8 @@ pub struct ValidateArgs {
     /// Prompt lookup: the most draft tokens verified per call (default 4).
     #[arg(long, value_name = "K")]
     lookup_draft: Option<usize>,
-    /// The longest prompt of the length check (default: the static context less the decode step's slot; with an
-    /// --ir that declares no static context, 255).
+    /// The longest prompt of the length check (default: the static context less the decode step's slot; without a
+    /// static context, 255).
     #[arg(long, value_name = "N")]
     max_length: Option<usize>,
     /// Precisions accepted in place of the one asked, comma separated (e.g. bf16: the CPU asked for f16 computes
@@ -94,167 +89,10 @@ pub struct ValidateArgs {
     inject_fault: Option<String>,
 }
 
-impl ValidateArgs {
-    /// The device (CPU when only --ir is given).
-    fn device(&self) -> &str {
-        self.device.as_deref().unwrap_or("CPU")
-    }
-
-    /// The probe's mode.
-    fn probe_mode(&self) -> Mode {
-        self.probe_mode.unwrap_or(Mode::Isolated)
-    }
-
-    /// The block sizes compared (the pieces, with --ir).
-    fn blocks(&self) -> Vec<usize> {
-        match (&self.blocks, &self.ir) {
-            (Some(b), _) => b.clone(),
-            (None, Some(_)) => vec![1, 16],
-            (None, None) => vec![1, 16, 64],
-        }
-    }
-
-    /// Tokens per prompt-lookup run.
-    fn lookup_tokens(&self) -> usize {
-        self.lookup_tokens.unwrap_or(64)
-    }
-
-    /// Prompt lookup's longest n-gram.
-    fn lookup_ngram(&self) -> usize {
-        self.lookup_ngram.unwrap_or(3)
-    }
-
-    /// Prompt lookup's most draft tokens per call.
-    fn lookup_draft(&self) -> usize {
-        self.lookup_draft.unwrap_or(4)
-    }
-}
-
-/// The prompt prompt lookup's drafts hit on: a chat message that repeats itself (token ids repeated when the
-/// checkpoint has no tokenizer).
-fn repeated_prompt(dir: &Path, set: &[LabelledPrompt]) -> Result<LabelledPrompt> {
-    let ids = match ChatTokenizer::load(dir) {
-        Ok(tok) => {
-            let text = "the cat sat on the mat. ".repeat(4);
-            tok.encode_chat(&[Message::new("user", text.trim())], false)?
-        }
-        Err(_) => {
-            let head = &set[0].ids[..set[0].ids.len().min(8)];
-            head.repeat(4)
-        }
-    };
-    Ok(LabelledPrompt {
-        label: "repeated".into(),
-        ids,
-    })
-}
-
-/// Fails unless every run of every check fits the static context, naming the check and the flag.
-fn check_fits(
-    args: &ValidateArgs,
-    set: &[LabelledPrompt],
-    repeated: &LabelledPrompt,
-    context: usize,
-    max_length: usize,
-) -> Result<()> {
-    for b in args.blocks() {
-        if b == 0 {
-            bail!("--blocks: a block must hold at least 1 token");
-        }
-        if b > context {
-            bail!(
-                "--blocks: a block of {b} tokens does not fit the static context of {context} (--context)"
-            );
-        }
-    }
-    if max_length + 1 > context {
-        bail!(
-            "--max-length {max_length}: a prompt of {max_length} tokens and one decode step need {} cache slots, but \
-             the static context holds {context} (--context)",
-            max_length + 1
-        );
-    }
-    for p in set {
-        check_context(p.ids.len(), args.tokens, context)
-            .with_context(|| format!("prompt `{}` (--tokens)", p.label))?;
-    }
-    for p in set.iter().chain(std::iter::once(repeated)) {
-        check_context(p.ids.len(), args.lookup_tokens(), context)
-            .with_context(|| format!("prompt lookup on `{}` (--lookup-tokens)", p.label))?;
-    }
-    let (turn1, follow) = (&set[0], equivalence::follow_up(set));
-    check_context(
-        turn1.ids.len() + args.tokens + follow.ids.len(),
-        args.tokens,
-        context,
-    )
-    .with_context(|| {
-        format!(
-            "prefix reuse: `{}`, its answer and `{}` (--tokens)",
-            turn1.label, follow.label
-        )
-    })?;
-    Ok(())
-}
-
-/// The compare check's finding from the device's compare-devices report.
-fn compare_finding(report: &DeviceReport) -> Finding {
-    let layers = if report.layers.is_empty() {
-        "layers not exposed".to_string()
-    } else {
-        format!(
-            "worst layer NRMSE {:.1e}",
-            report
-                .layers
-                .iter()
-                .map(|l| l.output.nrmse)
-                .fold(0.0, f64::max)
-        )
-    };
-    Finding {
-        figure: format!(
-            "greedy {}/{}, top-1 {:.1}%, KL mean {:.1e}, logits NMSE {:.1e}, {layers}",
-            report.greedy_matched,
-            report.greedy_total,
-            100.0 * report.all.same_top1,
-            report.all.kl_mean,
-            report.logits.nmse,
-        ),
-        failures: report.failures.clone(),
-        notes: vec![crate::report::compare::first_divergence_line(report)],
-        details: serde_json::Value::Null,
-        ..Finding::default()
-    }
-}
-
-/// The compare-devices report of the compare check (the appendix of the validate report).
-fn compare_report(
-    dir: &Path,
-    store: &WeightStore,
-    set: &[LabelledPrompt],
-    tokens: usize,
-    reference: &dyn Backend,
-    device: DeviceReport,
-) -> CompareReport {
-    CompareReport {
-        command: "compare-devices".into(),
-        machine: Machine::detect(),
-        inputs: Inputs {
-            model: dir.display().to_string(),
-            weights: store.format().name(),
-            prompts: set.iter().map(|p| (p.label.clone(), p.ids.len())).collect(),
-            tokens,
-            reference: reference.record().clone(),
-        },
-        quantization: None,
-        devices: vec![device],
-    }
-}
-
 /// Runs `qwen35 validate`.
 pub fn exec(args: ValidateArgs) -> Result<Outcome> {
     let start = Instant::now();
-    args.thresholds.validate()?;
+    let thresholds = args.thresholds.overrides()?;
     for (flag, v) in [
         ("--probe-max-nrmse", args.probe_max_nrmse),
         ("--probe-max-state-nrmse", args.probe_max_state_nrmse),
@@ -265,228 +103,174 @@ pub fn exec(args: ValidateArgs) -> Result<Outcome> {
             bail!("{flag} {v}: must be a finite number ≥ 0");
         }
     }
+    let lookup = LookupOptions {
+        max_ngram: args.lookup_ngram.unwrap_or(3),
+        max_draft: args.lookup_draft.unwrap_or(4),
+    };
+    let lookup_tokens = args.lookup_tokens.unwrap_or(64);
     for (flag, v) in [
         ("--tokens", args.tokens),
-        ("--lookup-tokens", args.lookup_tokens()),
-        ("--lookup-ngram", args.lookup_ngram()),
-        ("--lookup-draft", args.lookup_draft()),
+        ("--lookup-tokens", lookup_tokens),
+        ("--lookup-ngram", lookup.max_ngram),
+        ("--lookup-draft", lookup.max_draft),
     ] {
         if v == 0 {
             bail!("{flag} must be at least 1");
         }
     }
-    if args.blocks().is_empty() {
-        bail!("--blocks: no block given");
+    if let Some(b) = &args.blocks {
+        if b.is_empty() {
+            bail!("--blocks: no block given");
+        }
+        if b.contains(&0) {
+            bail!("--blocks: a block must hold at least 1 token");
+        }
     }
     if args.max_length == Some(0) {
         bail!("--max-length must be at least 1");
     }
-    let fault = args.inject_fault.as_deref().map(Fault::parse).transpose()?;
-    if let Some(dir) = args.ir.clone() {
-        return ir::exec(args, &dir, fault, start);
-    }
-    let device = args.device().to_string();
-    let settings = DeviceSettings::resolve(&device, &args.graph, &args.form)?;
+    let fault = match &args.inject_fault {
+        Some(f) => Some((Fault::parse(f)?, f.clone())),
+        None => None,
+    };
+    let device = args.device.clone().unwrap_or_else(|| "CPU".into());
+    let source = match &args.ir {
+        Some(ir) => {
+            refuse_graph_flags(&args.form, &args.graph, ir)?;
+            if NumericModel::is_sim(&device) {
+                bail!(
+                    "--device {device}: FP16SIM evaluates this project's own graphs; a set made elsewhere runs on \
+                     an OpenVINO device (--ir {})",
+                    ir.display()
+                );
+            }
+            let s = args.model.open_set(ir)?;
+            if let Some(w) = &s.weights_warning {
+                eprintln!("warning: {w}");
+            }
+            Some(s)
+        }
+        None => None,
+    };
+    let settings = args.graph.settings(&device, &args.form)?;
     check_device(&device).context("--device")?;
-    let context = settings.graph.context;
-    let max_length = args.max_length.unwrap_or(context.saturating_sub(1));
-    let (dir, config, store) = args.model.open()?;
-    let set = prompts(&args.prompt, args.prompts.as_deref(), &dir, &config)?;
-    let repeated = repeated_prompt(&dir, &set)?;
-    check_fits(&args, &set, &repeated, context, max_length)?;
-    args.report.check()?;
-    let eos = eos_ids(&dir, &config);
-
-    let progress = Progress::new(CheckId::ALL.len() + 1 + 2 * set.len());
-    progress.step(&format!("{device}: compiling"));
-    let ctx = Context {
-        config: &config,
-        store: &store,
-        settings: &settings,
+    let opened;
+    let (dir, config, store) = match &source {
+        Some(s) => (&s.checkpoint, &s.config, &s.store),
+        None => {
+            opened = args.model.open()?;
+            (&opened.0, &opened.1, &opened.2)
+        }
+    };
+    let context = match &source {
+        Some(s) => s.context().0,
+        None => Some(settings.graph.context),
+    };
+    let max_length = args
+        .max_length
+        .unwrap_or_else(|| context.map_or(DEFAULT_MAX_LENGTH, |c| c.saturating_sub(1)));
+    if max_length == 0 {
+        bail!("the static context of 1 holds no prompt and decode step");
+    }
+    let set = args
+        .prompt
+        .source(args.prompts.as_deref())?
+        .load(dir, config)?;
+    let repeated = repeated_prompt(dir, &set)?;
+    let outputs = args.report.outputs()?;
+    let eos = eos_ids(dir, config);
+    let fault_kind = fault.as_ref().map(|(f, _)| *f);
+    let mut dut: Box<dyn DeviceUnderTest> = match &source {
+        Some(s) => Box::new(SetGraphs::open(
+            s,
+            &device,
+            &args.graph.compile(&device)?,
+            fault_kind,
+        )?),
+        None => Box::new(OwnGraphs::open(config, store, settings, fault_kind)?),
+    };
+    // A flag that configures a check which cannot run on this device is refused, not ignored.
+    let caps = dut.capabilities().clone();
+    // The block sizes compared: this project's graphs compile 1, 16 and 64; a set is fed in pieces of its own
+    // block sizes (and single tokens), or of 1 and 16 when it takes any number of tokens per call.
+    let blocks = args.blocks.clone().unwrap_or_else(|| {
+        if caps.any_block {
+            vec![1, 16, 64]
+        } else if caps.blocks.is_empty() {
+            vec![1, 16]
+        } else {
+            let mut b = caps.blocks.clone();
+            b.insert(0, 1);
+            b.dedup();
+            b
+        }
+    });
+    for (flag, given, id) in [
+        ("--probe-mode", args.probe_mode.is_some(), CheckId::Probe),
+        (
+            "--probe-max-nrmse",
+            args.probe_max_nrmse.is_some(),
+            CheckId::Probe,
+        ),
+        (
+            "--probe-max-state-nrmse",
+            args.probe_max_state_nrmse.is_some(),
+            CheckId::Probe,
+        ),
+        (
+            "--lookup-tokens",
+            args.lookup_tokens.is_some(),
+            CheckId::PromptLookup,
+        ),
+        (
+            "--lookup-ngram",
+            args.lookup_ngram.is_some(),
+            CheckId::PromptLookup,
+        ),
+        (
+            "--lookup-draft",
+            args.lookup_draft.is_some(),
+            CheckId::PromptLookup,
+        ),
+    ] {
+        if given && let Some(why) = skip_reason(id, &caps) {
+            bail!(
+                "{flag} configures the {} check, which does not apply to {}: {why}",
+                id.name(),
+                dut.label()
+            );
+        }
+    }
+    let plan = ValidatePlan {
+        dir,
+        config,
+        store,
         set: &set,
         repeated: &repeated,
-        tokens: args.tokens,
         eos: &eos,
-        // Replaced below, once the deployed graphs say which precision ran.
-        thresholds: args.thresholds.resolve("f32"),
+        tokens: args.tokens,
+        thresholds,
+        probe_mode: args.probe_mode.unwrap_or(ModeArg::Isolated).into(),
+        probe_max_nrmse: args.probe_max_nrmse,
+        probe_max_state_nrmse: args.probe_max_state_nrmse,
+        blocks,
+        lookup,
+        lookup_tokens,
+        max_length,
+        allow_precision: args.allow_precision.clone(),
+        set_inputs: source.as_ref().map(|s| SetInputs {
+            dir: s.dir.display().to_string(),
+            reference_weights: s.set.reference_weights.clone(),
+        }),
+        warnings: source
+            .as_ref()
+            .and_then(|s| s.weights_warning.clone())
+            .into_iter()
+            .collect(),
         fault,
-        graphs: RefCell::new(Vec::new()),
     };
-    let mut deployed = ctx.open(settings.block, "deployed")?;
-    let record = deployed.record().clone();
-    let precision = record.precision.clone().unwrap_or_else(|| "f32".into());
-    let ctx = Context {
-        thresholds: args.thresholds.resolve(&precision),
-        ..ctx
-    };
-
-    let mut checks = Vec::new();
-    let mut reference = open_reference(&config, &store, RunOptions::default(), true)?;
-    let mut compare = None;
-    let mut reference_tokens: Vec<Vec<u32>> = Vec::new();
-    checks.push(Check::run(CheckId::Compare, &progress, || {
-        let runs = reference_runs(&mut reference, &set, args.tokens, &progress)?;
-        reference_tokens = runs.iter().map(|r| r.tokens.clone()).collect();
-        let mut tapped = ctx.open_tapped()?;
-        let report = compare_device(
-            &device,
-            &runs,
-            &mut deployed,
-            &mut tapped,
-            &eos,
-            &args.thresholds,
-            &progress,
-        )?;
-        let finding = compare_finding(&report);
-        compare = Some(compare_report(
-            &dir,
-            &store,
-            &set,
-            args.tokens,
-            &reference,
-            report,
-        ));
-        Ok(finding)
-    }));
-    let mut probe = None;
-    checks.push(Check::run(CheckId::Probe, &progress, || {
-        let report = run_probe(ProbeRequest {
-            dir: &dir,
-            config: &config,
-            store: &store,
-            settings: &settings,
-            prompt: &set[0],
-            layers: &[],
-            mode: args.probe_mode(),
-            max_nrmse: args.probe_max_nrmse,
-            max_state_nrmse: args.probe_max_state_nrmse,
-            baseline: None,
-        })?;
-        ctx.graphs.borrow_mut().push(GraphInfo {
-            purpose: "probe layers".into(),
-            graph: "per-layer graphs".into(),
-            precision: report.record.precision.clone().unwrap_or_default(),
-            execution_devices: report.record.execution_devices.clone(),
-            compile_seconds: report.record.compile_seconds.unwrap_or(0.0),
-            loaded_from_cache: {
-                let hits: Vec<bool> = report.record.from_cache.values().copied().collect();
-                match hits.first() {
-                    Some(&first) if hits.iter().all(|&h| h == first) => Some(first),
-                    _ => None,
-                }
-            },
-        });
-        let worst = report
-            .layers
-            .iter()
-            .max_by(|a, b| a.output.nrmse.total_cmp(&b.output.nrmse));
-        let state = report
-            .layers
-            .iter()
-            .flat_map(|l| l.states.iter().map(|s| s.error.nrmse))
-            .fold(0.0, f64::max);
-        let finding = Finding {
-            figure: format!(
-                "{} mode, `{}`: worst layer output NRMSE {}, state {state:.1e} (≤ {:.1e} / {:.1e})",
-                args.probe_mode().name(),
-                set[0].label,
-                worst.map_or("-".into(), |l| format!(
-                    "{:.1e} (L{})",
-                    l.output.nrmse, l.layer
-                )),
-                report.thresholds.max_nrmse,
-                report.thresholds.max_state_nrmse
-            ),
-            failures: report
-                .layers
-                .iter()
-                .filter(|l| l.over)
-                .map(|l| {
-                    format!(
-                        "layer {} ({}): output NRMSE {:.2e}",
-                        l.layer, l.kind, l.output.nrmse
-                    )
-                })
-                .chain(report.drill_down.iter().filter_map(|d| {
-                    d.first_over
-                        .as_ref()
-                        .map(|op| format!("the error starts at layer {}'s {op}", d.layer))
-                }))
-                .collect(),
-            ..Finding::default()
-        };
-        probe = Some(report);
-        Ok(finding)
-    }));
-    if reference_tokens.len() != set.len() {
-        reference_tokens = vec![Vec::new(); set.len()];
-    }
-    let mut plain_reference = open_reference(&config, &store, RunOptions::default(), false)?;
-    checks.push(Check::run(CheckId::Blocks, &progress, || {
-        equivalence::blocks(&ctx, &mut deployed, &args.blocks(), &reference_tokens)
-    }));
-    checks.push(Check::run(CheckId::Padding, &progress, || {
-        equivalence::padding(&ctx, &mut deployed)
-    }));
-    checks.push(Check::run(CheckId::PrefixReuse, &progress, || {
-        equivalence::prefix_reuse(&ctx, &mut deployed, &mut plain_reference)
-    }));
-    let lookup_opts = LookupOptions {
-        max_ngram: args.lookup_ngram(),
-        max_draft: args.lookup_draft(),
-    };
-    checks.push(Check::run(CheckId::PromptLookup, &progress, || {
-        lookup::lookup(&ctx, &mut deployed, lookup_opts, args.lookup_tokens())
-    }));
-    checks.push(Check::run(CheckId::BackToBack, &progress, || {
-        equivalence::back_to_back(&ctx, &mut deployed)
-    }));
-    checks.push(Check::run(CheckId::Length, &progress, || {
-        length::length(
-            &ctx.lengths(),
-            &mut deployed,
-            &mut plain_reference,
-            max_length,
-        )
-    }));
-    checks.push(Check::run(CheckId::OverLong, &progress, || {
-        length::over_long(&ctx.lengths(), &mut deployed)
-    }));
-    progress.finish();
-
-    // What ran where, over every graph compiled by the checks above.
-    let section = DeviceSection::new(&device, &record, ctx.graphs.take(), &args.allow_precision);
-    checks.splice(0..0, setup::checks(&section));
-
-    let report = ValidateReport {
-        machine: Machine::detect(),
-        inputs: ValidateInputs {
-            model: dir.display().to_string(),
-            weights: store.format().name(),
-            device: device.clone(),
-            ir: None,
-            ir_reference_weights: None,
-            warnings: Vec::new(),
-            prompts: set.iter().map(|p| (p.label.clone(), p.ids.len())).collect(),
-            tokens: args.tokens,
-            block: Some(settings.block),
-            context: Some(context),
-            blocks: args.blocks(),
-            lookup_tokens: Some(args.lookup_tokens()),
-            lookup_max_ngram: Some(args.lookup_ngram()),
-            lookup_max_draft: Some(args.lookup_draft()),
-            max_length,
-            probe_mode: Some(args.probe_mode().name().into()),
-            fault: args.inject_fault.clone(),
-        },
-        thresholds: ctx.thresholds,
-        device: section,
-        checks,
-        seconds: start.elapsed().as_secs_f64(),
-        compare,
-        probe,
-    };
-    report.emit(&args.report)?;
+    let report = run(&plan, dut.as_mut(), start)?;
+    report.emit(&outputs)?;
     Ok(if report.passed() {
         Outcome::Pass
     } else {

@@ -153,6 +153,14 @@ fn worse(a: TensorError, b: TensorError) -> TensorError {
     }
 }
 
+/// The worse of two errors either of which may be absent.
+fn worse_of(a: Option<TensorError>, b: Option<TensorError>) -> Option<TensorError> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(worse(a, b)),
+        (a, b) => a.or(b),
+    }
+}
+
 impl DeviceReport {
     /// Aggregates the prompts of one device and applies the thresholds.
     pub fn new(
@@ -171,17 +179,14 @@ impl DeviceReport {
         for p in &prompts[1..] {
             for (acc, l) in layers.iter_mut().zip(&p.layers) {
                 acc.output = worse(acc.output, l.output);
-                acc.mixer = worse(acc.mixer, l.mixer);
-                acc.mlp = worse(acc.mlp, l.mlp);
+                acc.mixer = worse_of(acc.mixer, l.mixer);
+                acc.mlp = worse_of(acc.mlp, l.mlp);
             }
             for (acc, s) in states.iter_mut().zip(&p.states) {
                 acc.error = worse(acc.error, s.error);
             }
             logits = worse(logits, p.logits);
-            final_norm = match (final_norm, p.final_norm) {
-                (Some(a), Some(b)) => Some(worse(a, b)),
-                (a, b) => a.or(b),
-            };
+            final_norm = worse_of(final_norm, p.final_norm);
         }
         // Positions along the run: the first prompt's trace (the per-prompt traces are in `prompts`).
         let layer_over = layers

@@ -7,15 +7,16 @@
 //! every tap, for the hidden states. The report says whether the two kinds of graphs gave the same logits.
 
 mod aggregate;
+pub mod run;
 
 pub use aggregate::{DeviceReport, Distribution, FirstDivergence};
 
+use crate::device::DeviceUnderTest;
 use crate::metrics::{TensorError, TokenAgreement, per_slice, values};
 use anyhow::{Context, Result, bail};
 use candle_core::Tensor;
-use reference::backend::{Backend, Forced, greedy, teacher_forced};
+use reference::backend::{Backend, Forced, Precision, greedy, teacher_forced};
 use reference::config::LayerKind;
-use reference::model::state_names;
 use reference::taps::names;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -41,8 +42,8 @@ pub struct Thresholds {
 impl Thresholds {
     /// The defaults for a device that computed in `precision` (as read back): tight for f32, at the levels a working
     /// fp16 port shows for f16 and bf16 (hidden states within a few percent, the same greedy tokens).
-    pub fn for_precision(precision: &str) -> Self {
-        if precision.eq_ignore_ascii_case("f32") {
+    pub fn for_precision(precision: &Precision) -> Self {
+        if precision.is_full() {
             Thresholds {
                 max_logits_nmse: 1e-8,
                 max_mean_kl: 1e-6,
@@ -61,6 +62,61 @@ impl Thresholds {
                 max_state_nrmse: 5e-2,
             }
         }
+    }
+}
+
+/// Thresholds given on the command line, each overriding its default for the precision that ran.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ThresholdOverrides {
+    /// `--max-nmse`.
+    pub max_nmse: Option<f64>,
+    /// `--max-kl`.
+    pub max_kl: Option<f64>,
+    /// `--min-token-agreement`.
+    pub min_token_agreement: Option<f64>,
+    /// `--max-confident-flips`.
+    pub max_confident_flips: Option<usize>,
+    /// `--max-layer-nrmse`.
+    pub max_layer_nrmse: Option<f64>,
+    /// `--max-state-nrmse`.
+    pub max_state_nrmse: Option<f64>,
+}
+
+impl ThresholdOverrides {
+    /// The thresholds for a device that computed in `precision`: the defaults, overridden where given.
+    pub fn resolve(&self, precision: &Precision) -> Thresholds {
+        let d = Thresholds::for_precision(precision);
+        Thresholds {
+            max_logits_nmse: self.max_nmse.unwrap_or(d.max_logits_nmse),
+            max_mean_kl: self.max_kl.unwrap_or(d.max_mean_kl),
+            min_top1: self.min_token_agreement.unwrap_or(d.min_top1),
+            max_confident_flips: self.max_confident_flips.unwrap_or(d.max_confident_flips),
+            max_layer_nrmse: self.max_layer_nrmse.unwrap_or(d.max_layer_nrmse),
+            max_state_nrmse: self.max_state_nrmse.unwrap_or(d.max_state_nrmse),
+        }
+    }
+
+    /// Fails on a threshold outside its range, naming the flag.
+    pub fn validate(&self) -> Result<()> {
+        let positive = [
+            ("--max-nmse", self.max_nmse),
+            ("--max-kl", self.max_kl),
+            ("--max-layer-nrmse", self.max_layer_nrmse),
+            ("--max-state-nrmse", self.max_state_nrmse),
+        ];
+        for (flag, v) in positive {
+            if let Some(v) = v
+                && !(v >= 0.0 && v.is_finite())
+            {
+                bail!("{flag} {v}: must be a finite number ≥ 0");
+            }
+        }
+        if let Some(v) = self.min_token_agreement
+            && !(0.0..=1.0).contains(&v)
+        {
+            bail!("--min-token-agreement {v}: must be between 0 and 1");
+        }
+        Ok(())
     }
 }
 
@@ -167,14 +223,14 @@ pub struct Row {
 pub struct LayerTrace {
     /// The layer.
     pub layer: usize,
-    /// `linear_attention` or `full_attention`.
+    /// `linear_attention`, `full_attention`, or `unknown` (a dump that does not say).
     pub kind: &'static str,
     /// The output's error over the whole run.
     pub output: TensorError,
-    /// The mixer output's error.
-    pub mixer: TensorError,
-    /// The MLP output's error.
-    pub mlp: TensorError,
+    /// The mixer output's error (`None`: one side has no mixer output).
+    pub mixer: Option<TensorError>,
+    /// The MLP output's error (`None`: one side has no MLP output).
+    pub mlp: Option<TensorError>,
     /// The output's NRMSE at every position.
     pub nrmse_by_position: Vec<f64>,
 }
@@ -211,20 +267,43 @@ pub struct PromptComparison {
     pub decode_seconds: f64,
 }
 
-/// Compares a device (as deployed, and with taps) with the reference on one prompt; `eos` are the end-of-sequence
-/// ids.
+/// Compares a device under test with the reference on one prompt; `eos` are the end-of-sequence ids. Tokens and
+/// logits come from the graphs as deployed (free-running greedy, then teacher-forced on the reference's tokens);
+/// hidden states and states from the graphs with taps where they are other graphs, else from the deployed ones; what
+/// the device does not expose is named in [`PromptComparison::not_available`].
 pub fn compare_prompt(
     reference: &ReferenceRun,
-    deployed: &mut dyn Backend,
-    tapped: &mut dyn Backend,
+    dut: &mut dyn DeviceUnderTest,
     eos: &[u32],
 ) -> Result<PromptComparison> {
     let n = reference.tokens.len();
-    let free = greedy(deployed, &reference.prompt, n, &[], false, |_| Ok(()))?;
-    let forced = teacher_forced(deployed, &reference.prompt, continuation(&reference.tokens))?;
-    let with_taps = teacher_forced(tapped, &reference.prompt, continuation(&reference.tokens))?;
-    let tapped_vs_deployed = TensorError::of(&with_taps.run.logits, &forced.run.logits)?.max_abs;
-    let kinds = deployed.config().layer_types.clone();
+    let caps = dut.capabilities().clone();
+    let cont = continuation(&reference.tokens);
+    let free = greedy(
+        dut.deployed()?,
+        &reference.prompt,
+        n,
+        &[],
+        false,
+        |_| Ok(()),
+    )?;
+    let forced = teacher_forced(dut.deployed()?, &reference.prompt, cont)?;
+    let (with_taps, tapped_vs_deployed) = match dut.tapped()? {
+        Some(tapped) => {
+            let t = teacher_forced(tapped, &reference.prompt, cont)?;
+            let d = TensorError::of(&t.run.logits, &forced.run.logits)?.max_abs;
+            (Some(t), d)
+        }
+        None => (None, 0.0),
+    };
+    let taps = with_taps.as_ref().unwrap_or(&forced);
+    let kinds: Vec<Option<LayerKind>> = dut
+        .deployed()?
+        .config()
+        .layer_types
+        .iter()
+        .map(|&k| Some(k))
+        .collect();
     let mut c = compare_runs(
         &reference.label,
         &kinds,
@@ -239,50 +318,23 @@ pub fn compare_prompt(
             prompt_tokens: reference.prompt.len(),
             tokens: &free.tokens,
             logits: &forced.run.logits,
-            taps: &with_taps.run.taps,
-            states: &with_taps.after_prompt.tensors,
+            taps: &taps.run.taps,
+            states: &taps.after_prompt.tensors,
         },
         eos,
     )?;
+    let mut missing = Vec::new();
+    if !caps.hidden {
+        missing.push(
+            "hidden states: the graphs output none (a set maps them under `decoder.taps`)"
+                .to_string(),
+        );
+    }
+    if !caps.states {
+        missing.push(format!("states: {}", npu::engine::STATE_NOT_EXPOSED));
+    }
+    c.not_available = (!missing.is_empty()).then(|| missing.join("; "));
     c.tapped_vs_deployed = tapped_vs_deployed;
-    c.greedy.device_nan_at = free.nan_at;
-    c.prompt_seconds = free.prompt_seconds;
-    c.decode_seconds = free.decode_seconds;
-    Ok(c)
-}
-
-/// Compares a backend that exposes neither hidden states nor its state (an external IR: `why` says so) with the
-/// reference on one prompt, at the logits and token level: free-running greedy, and teacher-forced on the reference's
-/// tokens.
-pub fn compare_prompt_logits(
-    reference: &ReferenceRun,
-    device: &mut dyn Backend,
-    eos: &[u32],
-    why: &str,
-) -> Result<PromptComparison> {
-    let n = reference.tokens.len();
-    let free = greedy(device, &reference.prompt, n, &[], false, |_| Ok(()))?;
-    let forced = teacher_forced(device, &reference.prompt, continuation(&reference.tokens))?;
-    let none = BTreeMap::new();
-    let mut c = compare_tokens(
-        &reference.label,
-        Side {
-            prompt_tokens: reference.prompt.len(),
-            tokens: &reference.tokens,
-            logits: &reference.forced.run.logits,
-            taps: &none,
-            states: &none,
-        },
-        Side {
-            prompt_tokens: reference.prompt.len(),
-            tokens: &free.tokens,
-            logits: &forced.run.logits,
-            taps: &none,
-            states: &none,
-        },
-        eos,
-    )?;
-    c.not_available = Some(why.to_string());
     c.greedy.device_nan_at = free.nan_at;
     c.prompt_seconds = free.prompt_seconds;
     c.decode_seconds = free.decode_seconds;
@@ -304,46 +356,42 @@ pub struct Side<'a> {
     pub states: &'a BTreeMap<String, Tensor>,
 }
 
-/// Compares two runs of one prompt (the second side measured against the first, the reference), layers of
-/// `kinds`; `eos` are the end-of-sequence ids.
+/// Compares two runs of one prompt (the second side measured against the first, the reference), over whatever both
+/// sides hold: each layer whose output both have (its mixer and MLP outputs where both have them), the final norm,
+/// and every state both have. `kinds` are the layers' kinds where known; `eos` are the end-of-sequence ids.
 pub fn compare_runs(
     label: &str,
-    kinds: &[LayerKind],
+    kinds: &[Option<LayerKind>],
     reference: Side,
     device: Side,
     eos: &[u32],
 ) -> Result<PromptComparison> {
     let mut c = compare_tokens(label, reference, device, eos)?;
-    let tap = |name: &str| -> Result<(&Tensor, &Tensor)> {
-        Ok((
-            device
-                .taps
-                .get(name)
-                .with_context(|| format!("the device run has no tap `{name}`"))?,
-            reference
-                .taps
-                .get(name)
-                .with_context(|| format!("the reference run has no tap `{name}`"))?,
-        ))
+    let both = |name: &str| -> Option<(&Tensor, &Tensor)> {
+        Some((device.taps.get(name)?, reference.taps.get(name)?))
     };
-    let error = |name: &str| -> Result<TensorError> {
-        let (a, b) = tap(name)?;
-        TensorError::of(a, b).with_context(|| format!("`{name}`"))
+    let error = |name: &str| -> Result<Option<TensorError>> {
+        both(name)
+            .map(|(a, b)| TensorError::of(a, b).with_context(|| format!("`{name}`")))
+            .transpose()
     };
     for (layer, kind) in kinds.iter().enumerate() {
         let output = names::layer(layer, names::OUTPUT);
-        let (a, b) = tap(&output)?;
+        let Some((a, b)) = both(&output) else {
+            continue;
+        };
         c.layers.push(LayerTrace {
             layer,
-            kind: kind.name(),
-            output: error(&output)?,
+            kind: kind.map_or("unknown", |k| k.name()),
+            output: TensorError::of(a, b).with_context(|| format!("`{output}`"))?,
             mixer: error(&names::layer(layer, names::MIXER_OUTPUT))?,
             mlp: error(&names::layer(layer, names::MLP_OUTPUT))?,
             nrmse_by_position: per_slice(a, b, 0)?.iter().map(|e| e.nrmse).collect(),
         });
     }
-    for (layer, &kind) in kinds.iter().enumerate() {
-        for name in state_names(layer, kind) {
+    for layer in 0..kinds.len() {
+        for kind in npu::graphset::StateKind::ALL {
+            let name = kind.dump_name(layer);
             let (Some(a), Some(b)) = (device.states.get(&name), reference.states.get(&name)) else {
                 continue;
             };
@@ -354,7 +402,7 @@ pub fn compare_runs(
             });
         }
     }
-    c.final_norm = Some(error(names::FINAL_NORM)?);
+    c.final_norm = error(names::FINAL_NORM)?;
     Ok(c)
 }
 

@@ -1,6 +1,6 @@
 //! The `compare-devices` report.
 //!
-//! # JSON (`schema_version` 1)
+//! # JSON (`schema_version` 2)
 //! `schema_version`, `tool` (`qwen35 x.y.z`), `passed` (bool), `machine` {`os`, `cpu`, `cores`, `memory_bytes`},
 //! `inputs` {`model`, `weights`, `prompts` ([label, tokens] pairs), `tokens`, `reference` (the reference's
 //! [`RunRecord`])}, `quantization` (null, or {`logits`, `distribution`}: the compressed weights' own error against
@@ -17,7 +17,7 @@
 //! `token`}, `prompt_tokens_per_s`, `decode_tokens_per_s` and `prompts` (every prompt's own comparison, with every
 //! teacher-forced position).
 
-use super::{Machine, ReportArgs, paint, short_model, stamped, write};
+use super::{Machine, Outputs, paint, short_model, stamped, write};
 use crate::compare::{DeviceReport, Distribution};
 use crate::metrics::TensorError;
 use anyhow::Result;
@@ -85,7 +85,7 @@ impl CompareReport {
     }
 
     /// Prints the terminal summary and writes the files asked for.
-    pub fn emit(&self, args: &ReportArgs) -> Result<()> {
+    pub fn emit(&self, args: &Outputs) -> Result<()> {
         let color = std::io::stdout().is_terminal();
         print!("{}", self.terminal(color));
         if let Some(p) = &args.json {
@@ -132,7 +132,10 @@ impl CompareReport {
                 format!(
                     "{} ({})",
                     d.device,
-                    d.record.precision.as_deref().unwrap_or("?")
+                    d.record
+                        .precision
+                        .as_ref()
+                        .map_or("?".to_string(), |p| p.to_string())
                 )
             })
             .collect();
@@ -176,12 +179,11 @@ impl CompareReport {
                 d.all.kl_mean,
                 d.all.kl_p99,
                 d.logits.nmse,
-                match (&d.not_available, worst) {
-                    (Some(_), _) => "n/a".into(),
-                    (None, None) => "-".into(),
-                    (None, Some(l)) => format!("{:.2e} (L{})", l.output.nrmse, l.layer),
+                match worst {
+                    None => "n/a".into(),
+                    Some(l) => format!("{:.2e} (L{})", l.output.nrmse, l.layer),
                 },
-                if d.not_available.is_some() {
+                if d.states.is_empty() {
                     "n/a".to_string()
                 } else {
                     format!("{state:.2e}")
@@ -191,7 +193,7 @@ impl CompareReport {
         for d in &self.devices {
             let _ = writeln!(s, "{}: {}", d.device, first_divergence_line(d));
             if let Some(why) = &d.not_available {
-                let _ = writeln!(s, "  layers and states: {why}");
+                let _ = writeln!(s, "  not compared: {why}");
             }
             for f in &d.failures {
                 let _ = writeln!(s, "  {} {f}", paint("✗", "31", color));
@@ -330,8 +332,12 @@ impl CompareReport {
             let _ = writeln!(
                 s,
                 "| precision | {} requested, {} read back |",
-                rec.precision_requested.as_deref().unwrap_or("-"),
-                rec.precision.as_deref().unwrap_or("-")
+                rec.precision_requested
+                    .as_ref()
+                    .map_or("-".to_string(), |p| p.to_string()),
+                rec.precision
+                    .as_ref()
+                    .map_or("-".to_string(), |p| p.to_string())
             );
             if let Some(e) = &rec.execution_devices {
                 let _ = writeln!(s, "| execution devices | {e} |");
@@ -364,7 +370,7 @@ impl CompareReport {
                 d.prompt_tokens_per_s,
                 d.decode_tokens_per_s
             );
-            if d.not_available.is_none() {
+            if d.record.backend != npu::engine::SET_BACKEND && !d.layers.is_empty() {
                 let _ = writeln!(
                     s,
                     "| taps | hidden states from a second set of graphs with every tap as an output; their logits differ from the deployed graphs' by {:.2e} |",
@@ -421,13 +427,18 @@ impl CompareReport {
                 d.logits.nmse_db(),
                 d.logits.cosine
             );
-            if let Some(why) = &d.not_available {
+            if d.layers.is_empty() && d.states.is_empty() {
                 let _ = writeln!(
                     s,
-                    "\n### Layers and states\n\nNot available: hidden states and states are {why}. Only tokens \
-                     and logits are compared."
+                    "\n### Layers and states\n\nNot compared: {}. Only tokens and logits are compared.",
+                    d.not_available
+                        .as_deref()
+                        .unwrap_or("neither side has them")
                 );
             } else {
+                if let Some(why) = &d.not_available {
+                    let _ = writeln!(s, "\nNot compared: {why}.");
+                }
                 hidden_sections(&mut s, d);
             }
             let _ = writeln!(s, "\n### Prompts\n");
@@ -476,7 +487,9 @@ impl CompareReport {
             let _ = writeln!(
                 s,
                 "\nThresholds (for {} as read back; flags override): logits NMSE ≤ {:.1e}, mean KL ≤ {:.1e}, same top-1 ≥ {:.1}%, confident flips ≤ {}, layer NRMSE ≤ {:.1e}, state NRMSE ≤ {:.1e}.",
-                rec.precision.as_deref().unwrap_or("?"),
+                rec.precision
+                    .as_ref()
+                    .map_or("?".to_string(), |p| p.to_string()),
                 d.thresholds.max_logits_nmse,
                 d.thresholds.max_mean_kl,
                 100.0 * d.thresholds.min_top1,
@@ -513,14 +526,16 @@ fn hidden_sections(s: &mut String, d: &DeviceReport) {
             .fold(0.0, f64::max);
         let _ = writeln!(
             s,
-            "| {} | {} | {:.2e} | {:.2e} | {:.8} | {:.2e} | {:.2e} | {:.2e} |",
+            "| {} | {} | {:.2e} | {:.2e} | {:.8} | {} | {} | {:.2e} |",
             trace.layer,
             trace.kind,
             trace.output.nrmse,
             trace.output.nmse,
             trace.output.cosine,
-            trace.mixer.nrmse,
-            trace.mlp.nrmse,
+            trace
+                .mixer
+                .map_or("-".into(), |e| format!("{:.2e}", e.nrmse)),
+            trace.mlp.map_or("-".into(), |e| format!("{:.2e}", e.nrmse)),
             worst_pos
         );
     }
@@ -549,14 +564,24 @@ pub fn first_divergence_line(d: &DeviceReport) -> String {
     let layer = f.layer.map_or("no layer over threshold".into(), |(l, e)| {
         format!("first layer over threshold: {l} (NRMSE {e:.2e})")
     });
-    if d.not_available.is_some() {
+    if d.layers.is_empty() {
         let token = f
             .token
             .as_ref()
             .map_or("no token differs".into(), |(label, i)| {
                 format!("first differing token: {i} of prompt `{label}`")
             });
-        return format!("layers not compared; {token}");
+        let state = d
+            .states
+            .iter()
+            .find(|r| r.error.nrmse > d.thresholds.max_state_nrmse || !r.error.finite())
+            .map_or(String::new(), |r| {
+                format!(
+                    "first state over threshold: {} (NRMSE {:.2e}); ",
+                    r.name, r.error.nrmse
+                )
+            });
+        return format!("layers not compared; {state}{token}");
     }
     let position = f
         .position

@@ -12,8 +12,10 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 
-/// The version of the JSON layout; raised whenever a key changes meaning or disappears.
-pub const SCHEMA_VERSION: u32 = 1;
+/// The version of the JSON layout; raised whenever a key changes meaning or disappears (2: a layer's `mixer` and
+/// `mlp` errors, and a probed layer's `output`, are null where the device exposes none; precisions are strings
+/// always; probe layers carry `state_heads`; validate's `inputs` carry the device's `capabilities`).
+pub const SCHEMA_VERSION: u32 = 2;
 
 /// A report as JSON, stamped with `schema_version`, `tool` (`qwen35 x.y.z`) and `passed`.
 pub fn stamped<T: Serialize>(report: &T, passed: bool) -> Result<serde_json::Value> {
@@ -28,21 +30,18 @@ pub fn stamped<T: Serialize>(report: &T, passed: bool) -> Result<serde_json::Val
     Ok(v)
 }
 
-/// Where the reports go.
-#[derive(clap::Args, Debug, Clone, Default)]
-pub struct ReportArgs {
-    /// Write the report as JSON (stable keys, `schema_version`).
-    #[arg(long, value_name = "FILE.json")]
+/// Where the reports go (`--json`, `--report`, `--plot`).
+#[derive(Debug, Clone, Default)]
+pub struct Outputs {
+    /// The report as JSON (stable keys, `schema_version`).
     pub json: Option<PathBuf>,
-    /// Write the report as Markdown (machine, versions, what ran, every table), to paste into a bug report.
-    #[arg(long, value_name = "FILE.md")]
+    /// The report as Markdown.
     pub report: Option<PathBuf>,
-    /// Draw the error per layer and per position as an SVG chart.
-    #[arg(long, value_name = "FILE.svg")]
+    /// The SVG chart.
     pub plot: Option<PathBuf>,
 }
 
-impl ReportArgs {
+impl Outputs {
     /// Fails early (before any run) when an output's directory does not exist.
     pub fn check(&self) -> Result<()> {
         for (flag, path) in [
@@ -127,4 +126,28 @@ pub fn paint(text: &str, code: &str, on: bool) -> String {
 /// Writes a report file, naming it on failure.
 pub fn write(path: &Path, text: &str) -> Result<()> {
     std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+}
+
+/// A byte count in decimal units (`5.80 GB`, `12.3 MB`, `1.2 kB`).
+pub fn size(bytes: u64) -> String {
+    let b = bytes as f64;
+    if b >= 1e9 {
+        format!("{:.2} GB", b / 1e9)
+    } else if b >= 1e6 {
+        format!("{:.1} MB", b / 1e6)
+    } else {
+        format!("{:.1} kB", b / 1e3)
+    }
+}
+
+/// A parameter count (`2.90 B`, `1.2 M`, `640`).
+pub fn count(n: u64) -> String {
+    let x = n as f64;
+    if x >= 1e9 {
+        format!("{:.2} B", x / 1e9)
+    } else if x >= 1e6 {
+        format!("{:.1} M", x / 1e6)
+    } else {
+        n.to_string()
+    }
 }

@@ -1,6 +1,6 @@
 //! The `probe` report.
 //!
-//! # JSON (`schema_version` 1)
+//! # JSON (`schema_version` 2)
 //! `schema_version`, `tool`, `passed`, `machine`, `inputs` {`model`, `weights`, `prompt` (label), `prompt_tokens`,
 //! `mode` (`isolated` or `chained`), `block`}, `record` (what the device ran, as in compare-devices), `thresholds`
 //! {`max_nrmse`, `max_state_nrmse`}, `layers`: one object per probed layer with `layer`, `kind`, `output`, `mixer`,
@@ -10,7 +10,8 @@
 //! ([{`name`, `reference`, `device`}], per head {`rms`, `max_abs`, `below_f16_normal`}), `over`; and `drill_down`
 //! (null, or {`layer`, `first_over`, `intermediates`} for the first layer over threshold).
 
-use super::{Machine, ReportArgs, paint, short_model, stamped, write};
+use super::{Machine, Outputs, paint, short_model, stamped, write};
+use crate::metrics::TensorError;
 use crate::plot::{Panel, Series, draw};
 use crate::probe::{DrillDown, LayerProbe, Mode, ProbeThresholds};
 use anyhow::Result;
@@ -35,6 +36,10 @@ pub struct ProbeInputs {
     pub mode: Mode,
     /// Tokens per block.
     pub block: usize,
+    /// The device under test, as reports name it.
+    pub device: String,
+    /// What the layers were probed through: per-layer graphs, or a decoder's states and hidden outputs.
+    pub via: String,
 }
 
 /// The baseline device the thresholds came from.
@@ -79,7 +84,7 @@ impl ProbeReport {
     }
 
     /// Prints the terminal summary and writes the files asked for.
-    pub fn emit(&self, args: &ReportArgs) -> Result<()> {
+    pub fn emit(&self, args: &Outputs) -> Result<()> {
         print!("{}", self.terminal(std::io::stdout().is_terminal()));
         if let Some(p) = &args.json {
             write(p, &serde_json::to_string_pretty(&self.json()?)?)?;
@@ -96,11 +101,13 @@ impl ProbeReport {
     fn title(&self) -> String {
         let i = &self.inputs;
         format!(
-            "qwen35 probe: {} on {} ({} read back), {} mode, prompt `{}` ({} tokens) in blocks of {}, {} weights",
+            "qwen35 probe: {} on {} ({} read back), {} mode through {}, prompt `{}` ({} tokens) in blocks of {}, {} \
+             weights",
             short_model(&i.model),
-            self.record.device.as_deref().unwrap_or("?"),
-            self.record.precision.as_deref().unwrap_or("?"),
+            i.device,
+            self.record.precision_text(),
             i.mode.name(),
+            i.via,
             i.prompt,
             i.prompt_tokens,
             i.block,
@@ -142,19 +149,19 @@ impl ProbeReport {
             } else {
                 paint("✓", "32", color)
             };
-            let nan = l.output.nan + l.output.inf;
+            let nan = l.output.map_or(0, |o| o.nan + o.inf);
             let _ = writeln!(
                 s,
-                "{:>5} {:<6} {:>10.2e} {:>10.2e} {:>10.2e} {:>10.2e} {:>10.2e} {:>12.2e} {:>9.1}% {:>9.1e} {mark}{}",
+                "{:>5} {:<6} {:>10} {:>10} {:>10} {:>10.2e} {:>10.2e} {:>12.2e} {:>9.1}% {:>9.1e} {mark}{}",
                 l.layer,
                 if l.kind == "linear_attention" {
                     "delta"
                 } else {
                     "attn"
                 },
-                l.output.nrmse,
-                l.mixer.nrmse,
-                l.mlp.nrmse,
+                e2(l.output),
+                e2(l.mixer),
+                e2(l.mlp),
                 state,
                 drift,
                 rms,
@@ -228,8 +235,12 @@ impl ProbeReport {
         let _ = writeln!(
             s,
             "| precision | {} requested, {} read back |",
-            r.precision_requested.as_deref().unwrap_or("-"),
-            r.precision.as_deref().unwrap_or("-")
+            r.precision_requested
+                .as_ref()
+                .map_or("-".to_string(), |p| p.to_string()),
+            r.precision
+                .as_ref()
+                .map_or("-".to_string(), |p| p.to_string())
         );
         let _ = writeln!(
             s,
@@ -262,18 +273,35 @@ impl ProbeReport {
                 .collect();
             let _ = writeln!(
                 s,
-                "| {}{} | {} | {:.2e} | {:.8} | {:.2e} | {:.2e} | {} | {:.2e} | {} |",
+                "| {}{} | {} | {} | {} | {} | {} | {} | {:.2e} | {} |",
                 l.layer,
                 if l.over { " ✗" } else { "" },
                 l.kind,
-                l.output.nrmse,
-                l.output.cosine,
-                l.mixer.nrmse,
-                l.mlp.nrmse,
+                e2(l.output),
+                l.output.map_or("-".into(), |o| format!("{:.8}", o.cosine)),
+                e2(l.mixer),
+                e2(l.mlp),
                 states.join(", "),
                 l.state_drift.iter().copied().fold(0.0, f64::max),
-                l.output.nan + l.output.inf
+                l.output.map_or(0, |o| o.nan + o.inf)
             );
+        }
+        let _ = writeln!(s, "\n## State error per head\n");
+        let _ = writeln!(
+            s,
+            "Per head, the NRMSE of the layer's main state after the prompt (the DeltaNet recurrent state per value \
+             head, the key cache per KV head): which head drifts.\n"
+        );
+        for l in &self.layers {
+            if l.state_heads.is_empty() {
+                continue;
+            }
+            let heads: Vec<String> = l
+                .state_heads
+                .iter()
+                .map(|h| format!("h{} {:.2e}", h.head, h.nrmse))
+                .collect();
+            let _ = writeln!(s, "- layer {}: {}", l.layer, heads.join(", "));
         }
         let _ = writeln!(s, "\n## Magnitudes per head (device / reference)\n");
         let _ = writeln!(
@@ -341,7 +369,9 @@ impl ProbeReport {
             s,
             "\nThresholds (for {} as read back; flags override): NRMSE ≤ {:.1e} for outputs and intermediates, ≤ {:.1e} \
              for states. NRMSE = RMSE / max(0.001, range) as OpenVINO NPUW computes it.",
-            r.precision.as_deref().unwrap_or("?"),
+            r.precision
+                .as_ref()
+                .map_or("?".to_string(), |p| p.to_string()),
             t.max_nrmse,
             t.max_state_nrmse
         );
@@ -350,9 +380,13 @@ impl ProbeReport {
 
     /// The chart: output, mixer and MLP NRMSE per layer; the state drift along the positions.
     pub fn chart(&self, path: &Path) -> Result<()> {
-        let per_layer = |name: &str, f: &dyn Fn(&LayerProbe) -> f64| Series {
+        let per_layer = |name: &str, f: &dyn Fn(&LayerProbe) -> Option<f64>| Series {
             name: name.into(),
-            points: self.layers.iter().map(|l| (l.layer as f64, f(l))).collect(),
+            points: self
+                .layers
+                .iter()
+                .filter_map(|l| Some((l.layer as f64, f(l)?)))
+                .collect(),
         };
         let panels = [
             Panel {
@@ -364,9 +398,9 @@ impl ProbeReport {
                 x_label: "layer".into(),
                 y_label: "NRMSE".into(),
                 series: vec![
-                    per_layer("output", &|l| l.output.nrmse),
-                    per_layer("mixer", &|l| l.mixer.nrmse),
-                    per_layer("MLP", &|l| l.mlp.nrmse),
+                    per_layer("output", &|l| l.output.map(|e| e.nrmse)),
+                    per_layer("mixer", &|l| l.mixer.map(|e| e.nrmse)),
+                    per_layer("MLP", &|l| l.mlp.map(|e| e.nrmse)),
                 ],
                 threshold: Some(self.thresholds.max_nrmse),
                 marker: None,
@@ -394,4 +428,9 @@ impl ProbeReport {
         ];
         draw(path, &panels)
     }
+}
+
+/// An NRMSE in the tables' notation, `-` where the device exposes none.
+fn e2(e: Option<TensorError>) -> String {
+    e.map_or_else(|| "-".into(), |e| format!("{:.2e}", e.nrmse))
 }

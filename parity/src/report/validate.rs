@@ -1,7 +1,7 @@
 //! The `validate` report: one verdict per check, the device section, and the compare-devices and probe reports the
 //! checks made.
 //!
-//! # JSON (`schema_version` 1)
+//! # JSON (`schema_version` 2)
 //! `schema_version`, `tool`, `passed` (every check that ran passed), `seconds` (the whole run, wall-clock),
 //! `machine`, `inputs` {`model`, `weights`, `device`, `ir` (the external IR directory of `--ir`, else null),
 //! `ir_reference_weights` (its manifest's `reference_weights`), `warnings`, `prompts` ([label, tokens] pairs),
@@ -25,7 +25,7 @@
 //! (the probe report, or null).
 
 use super::probe::ProbeReport;
-use super::{CompareReport, Machine, ReportArgs, paint, short_model, stamped, write};
+use super::{CompareReport, Machine, Outputs, paint, short_model, stamped, write};
 use crate::compare::Thresholds;
 use crate::validate::setup::DeviceSection;
 use crate::validate::{Check, CheckId};
@@ -49,6 +49,8 @@ pub struct ValidateInputs {
     pub ir_reference_weights: Option<String>,
     /// Warnings of the run (`--weights` other than the IR's manifest says).
     pub warnings: Vec<String>,
+    /// What the device exposes (which checks can run on it).
+    pub capabilities: crate::device::Capabilities,
     /// Every prompt's label and token count.
     pub prompts: Vec<(String, usize)>,
     /// Greedy tokens per prompt.
@@ -115,7 +117,7 @@ impl ValidateReport {
     }
 
     /// Prints the terminal summary and writes the files asked for.
-    pub fn emit(&self, args: &ReportArgs) -> Result<()> {
+    pub fn emit(&self, args: &Outputs) -> Result<()> {
         print!("{}", self.terminal(std::io::stdout().is_terminal()));
         if let Some(p) = &args.json {
             write(p, &serde_json::to_string_pretty(&self.json()?)?)?;
@@ -148,8 +150,10 @@ impl ValidateReport {
         format!(
             "qwen35 validate: {what} on {} ({} asked, {} read back), {}, {} prompt(s) × {} tokens",
             i.device,
-            d.precision_requested.as_deref().unwrap_or("?"),
-            d.precision.as_deref().unwrap_or("?"),
+            d.precision_requested,
+            d.precision
+                .as_ref()
+                .map_or("?".to_string(), |p| p.to_string()),
             graph_shape(i),
             i.prompts.len(),
             i.tokens
@@ -208,7 +212,7 @@ impl ValidateReport {
         execution.dedup();
         lines.push(format!(
             "precision: {} asked, {} read back on {} graph(s); execution devices: {}",
-            d.precision_requested.as_deref().unwrap_or("?"),
+            d.precision_requested,
             precisions.join("/"),
             d.graphs.len(),
             execution.join(" / ")
@@ -284,9 +288,25 @@ impl ValidateReport {
         let _ = writeln!(s, "| tool | qwen35 {} |", env!("CARGO_PKG_VERSION"));
         let _ = writeln!(s, "| machine | {}, {} ({} cores) |", m.os, m.cpu, m.cores);
         if let Some(ir) = &i.ir {
+            let c = &i.capabilities;
+            let exposes: Vec<&str> = [
+                (c.states, "states"),
+                (c.hidden, "hidden outputs"),
+                (c.token_valid, "token_valid"),
+                (c.layer_graphs, "per-layer graphs"),
+            ]
+            .iter()
+            .filter_map(|(has, what)| has.then_some(*what))
+            .collect();
             let _ = writeln!(
                 s,
-                "| IR | `{ir}` (graphs made elsewhere, tokens and logits only; its manifest's reference weights: {}) |",
+                "| graphs | `{ir}`: {} made elsewhere; exposes {}; its manifest's reference weights: {} |",
+                c.kind,
+                if exposes.is_empty() {
+                    "tokens and logits only".to_string()
+                } else {
+                    exposes.join(", ")
+                },
                 i.ir_reference_weights.as_deref().unwrap_or("not stated")
             );
         }
@@ -424,8 +444,10 @@ impl ValidateReport {
         let _ = writeln!(
             s,
             "| precision | {} asked, {} read back{} |",
-            d.precision_requested.as_deref().unwrap_or("-"),
-            d.precision.as_deref().unwrap_or("-"),
+            d.precision_requested,
+            d.precision
+                .as_ref()
+                .map_or("-".to_string(), |p| p.to_string()),
             if d.allowed_precisions.is_empty() {
                 String::new()
             } else {

@@ -1,5 +1,5 @@
 //! The port's equivalence checks: the device against itself, each time two ways of computing the same tokens
-//! (prompt lookup against plain greedy is in [`super::lookup`]).
+//! (prompt lookup against plain greedy is in [`super::lookup`]). Each is written once against the device under test.
 //!
 //! Where the two ways run different graphs or different call patterns (blocks of another size, a padded block, a
 //! prompt split at a reused state, a verify block instead of single tokens), rounding differs: the tokens must be
@@ -11,60 +11,98 @@
 //! they run the very same graphs on the very same inputs (a sequence after another against it alone), the device
 //! must be deterministic: bit-identical tokens, logits and states.
 
-use super::{Agreement, Context, Device, Finding, StateDiff, details, run, ties_text};
-use crate::commands::compare_devices::LabelledPrompt;
+use super::{Agreement, Context, Finding, StateDiff, details, run, ties_text};
+use crate::device::DeviceUnderTest;
 use crate::metrics::{TensorError, exceeds};
+use crate::prompts::LabelledPrompt;
 use anyhow::Result;
 use reference::backend::{Backend, Generation, continue_greedy, greedy};
 use serde::Serialize;
 
-/// One prompt at one block size.
+/// One prompt fed at one block size.
 #[derive(Debug, Clone, Serialize)]
 struct BlockRun {
+    /// Tokens per call at most.
     block: usize,
     prompt: String,
+    /// Calls the prompt took.
+    calls: usize,
     tokens: Vec<u32>,
-    /// Against the first block size's run of the same prompt.
-    against_first: Agreement,
+    /// The logits of every prompt position against the deployed run's.
+    prompt_logits: TensorError,
+    /// The greedy tokens against the deployed run's.
+    against_deployed: Agreement,
     /// Tokens identical to the reference's before the first divergence.
     reference_matched: usize,
 }
 
-/// Prompt blocks of every size in `blocks` give the same greedy tokens on every prompt (the deployed device is
-/// reused for its own block size, other sizes are compiled).
+/// Every prompt fed in calls of at most each block size of `blocks` gives the logits of every prompt position and
+/// the greedy tokens of the deployed graphs (this project's graphs compile each block size; a set's calls are cut
+/// into pieces its host rule runs). A block size that is the deployed one, or that holds a whole prompt on a graph
+/// of any tokens per call, is the base run itself and is not run again.
 pub fn blocks(
     ctx: &Context,
-    deployed: &mut Device,
+    dut: &mut dyn DeviceUnderTest,
     blocks: &[usize],
     reference: &[Vec<u32>],
 ) -> Result<Finding> {
     let max_nmse = ctx.thresholds.max_logits_nmse;
+    let caps = dut.capabilities().clone();
     let mut failures = Vec::new();
     let mut notes = Vec::new();
+    let mut base: Vec<Generation> = Vec::new();
+    for prompt in ctx.set {
+        let what = format!("deployed, `{}`", prompt.label);
+        base.push(run(
+            dut.deployed()?,
+            &prompt.ids,
+            ctx.tokens,
+            true,
+            &what,
+            &mut failures,
+        )?);
+    }
     let mut runs: Vec<BlockRun> = Vec::new();
-    let mut first: Vec<Generation> = Vec::new();
-    for (i, &block) in blocks.iter().enumerate() {
-        let mut compiled;
-        let dev: &mut Device = if block == ctx.settings.block {
-            deployed
-        } else {
-            compiled = ctx.open(block, &format!("block {block}"))?;
-            &mut compiled
+    for &block in blocks {
+        let same_as_deployed = |len: usize| match caps.block {
+            Some(b) => b == block,
+            None => block >= len,
         };
-        for (p, (prompt, ref_tokens)) in ctx.set.iter().zip(reference).enumerate() {
+        if ctx.set.iter().all(|p| same_as_deployed(p.ids.len())) {
+            notes.push(format!(
+                "block {block}: the deployed call pattern itself, not run again"
+            ));
+            continue;
+        }
+        let mut dev = dut.with_block(block)?;
+        for ((prompt, ref_tokens), whole) in ctx.set.iter().zip(reference).zip(&base) {
+            if same_as_deployed(prompt.ids.len()) {
+                continue;
+            }
             let what = format!("block {block}, `{}`", prompt.label);
-            let g = run(dev, &prompt.ids, ctx.tokens, false, &what, &mut failures)?;
-            let base = if i == 0 { &g } else { &first[p] };
-            let against_first = Agreement::of(
+            let g = run(
+                dev.as_mut(),
+                &prompt.ids,
+                ctx.tokens,
+                true,
+                &what,
+                &mut failures,
+            )?;
+            let what = format!("blocks of {block} vs deployed");
+            let prompt_logits = TensorError::of(&g.prompt.logits, &whole.prompt.logits)?;
+            if exceeds(prompt_logits.nmse, max_nmse) || !prompt_logits.finite() {
+                failures.push(format!(
+                    "{what}, `{}`: the prompt positions' logits NMSE {:.2e} > {max_nmse:.1e} (--max-nmse)",
+                    prompt.label, prompt_logits.nmse
+                ));
+            }
+            let against_deployed = Agreement::of(
                 &prompt.label,
-                (&base.tokens, &base.logits),
+                (&whole.tokens, &whole.logits),
                 (&g.tokens, &g.logits),
             )?;
-            if i > 0 {
-                let what = format!("block {block} vs {}", blocks[0]);
-                failures.extend(against_first.failures(&what, Some(max_nmse)));
-                notes.extend(against_first.tie_note(&what, max_nmse));
-            }
+            failures.extend(against_deployed.failures(&what, Some(max_nmse)));
+            notes.extend(against_deployed.tie_note(&what, max_nmse));
             let reference_matched = ref_tokens
                 .iter()
                 .zip(&g.tokens)
@@ -73,37 +111,44 @@ pub fn blocks(
             runs.push(BlockRun {
                 block,
                 prompt: prompt.label.clone(),
-                tokens: g.tokens.clone(),
-                against_first,
+                calls: prompt.ids.len().div_ceil(block),
+                tokens: g.tokens,
+                prompt_logits,
+                against_deployed,
                 reference_matched,
             });
-            if i == 0 {
-                first.push(g);
-            }
         }
     }
-    let others = runs.iter().filter(|r| r.block != blocks[0]);
-    let worst = others
-        .clone()
-        .map(|r| r.against_first.logits)
-        .max_by(|a, b| a.nmse.total_cmp(&b.nmse));
-    let identical = others
-        .clone()
-        .filter(|r| r.against_first.first_divergence.is_none())
+    let identical = runs
+        .iter()
+        .filter(|r| r.against_deployed.first_divergence.is_none())
         .count();
-    let ties = others
-        .clone()
-        .filter(|r| r.against_first.near_tie(max_nmse))
+    let ties = runs
+        .iter()
+        .filter(|r| r.against_deployed.near_tie(max_nmse))
         .count();
+    let worst = |f: fn(&BlockRun) -> &TensorError| {
+        runs.iter()
+            .map(f)
+            .max_by(|a, b| a.nmse.total_cmp(&b.nmse))
+            .map_or("-".into(), |e| format!("{:.1e}", e.nmse))
+    };
+    let max_abs = runs
+        .iter()
+        .flat_map(|r| [r.prompt_logits.max_abs, r.against_deployed.logits.max_abs])
+        .fold(0.0, f64::max);
     let sizes: Vec<String> = blocks.iter().map(|b| b.to_string()).collect();
+    let deployed = caps
+        .block
+        .map_or("one call".to_string(), |b| format!("blocks of {b}"));
     let figure = format!(
-        "blocks {}: {identical}/{} runs token-identical to block {}{}; logits NMSE ≤ {} (max |Δ| {})",
+        "blocks {} vs the deployed {deployed}: {identical}/{} runs token-identical{}; prompt logits NMSE ≤ {}, \
+         generated ≤ {} (max |Δ| {max_abs:.1e})",
         sizes.join("/"),
-        others.count(),
-        blocks[0],
+        runs.len(),
         ties_text(ties),
-        worst.map_or("-".into(), |w| format!("{:.1e}", w.nmse)),
-        worst.map_or("-".into(), |w| format!("{:.1e}", w.max_abs)),
+        worst(|r| &r.prompt_logits),
+        worst(|r| &r.against_deployed.logits),
     );
     let ref_matched: usize = runs.iter().map(|r| r.reference_matched).sum();
     notes.push(format!(
@@ -111,9 +156,17 @@ pub fn blocks(
          the compare check judges those)",
         runs.len() * ctx.tokens
     ));
+    if !caps.any_block {
+        notes.push(
+            "a set's graphs are fixed: each block size feeds the prompt in calls of at most that many tokens, which \
+             the set's host rule runs on its graphs"
+                .into(),
+        );
+    }
     #[derive(Serialize)]
     struct Detail {
         blocks: Vec<usize>,
+        deployed_block: Option<usize>,
         tokens: usize,
         runs: Vec<BlockRun>,
     }
@@ -123,6 +176,7 @@ pub fn blocks(
         notes,
         details: details(&Detail {
             blocks: blocks.to_vec(),
+            deployed_block: caps.block,
             tokens: ctx.tokens,
             runs,
         }),
@@ -134,10 +188,7 @@ pub fn blocks(
 /// first one less its last token.
 fn padded_prompt(set: &[LabelledPrompt], block: usize) -> LabelledPrompt {
     match set.iter().find(|p| p.ids.len() % block != 0) {
-        Some(p) => LabelledPrompt {
-            label: p.label.clone(),
-            ids: p.ids.clone(),
-        },
+        Some(p) => p.clone(),
         None => LabelledPrompt {
             label: format!("{} less its last token", set[0].label),
             ids: set[0].ids[..set[0].ids.len() - 1].to_vec(),
@@ -145,17 +196,21 @@ fn padded_prompt(set: &[LabelledPrompt], block: usize) -> LabelledPrompt {
     }
 }
 
-/// A prompt whose last block is padded gives the logits of every prompt position, the state after it and the
-/// greedy tokens of the same prompt run unpadded, in one block exactly its length.
-pub fn padding(ctx: &Context, deployed: &mut Device) -> Result<Finding> {
-    let block = ctx.settings.block;
-    if block == 1 {
+/// A prompt whose last block is padded (`token_valid` marking the empty slots) gives the logits of every prompt
+/// position, the state after it and the greedy tokens of the same prompt fed unpadded: its full blocks, then its tail
+/// token by token.
+pub fn padding(ctx: &Context, dut: &mut dyn DeviceUnderTest) -> Result<Finding> {
+    let caps = dut.capabilities().clone();
+    let Some(block) = caps.block.filter(|&b| b > 1) else {
         return Ok(Finding {
-            skipped: Some("the prompt block is 1 token: nothing is padded".into()),
-            figure: "not applicable (--block 1)".into(),
+            skipped: Some(match caps.block {
+                Some(_) => "the prompt block is 1 token: nothing is padded".into(),
+                None => "the graphs take any number of tokens per call: nothing is padded".into(),
+            }),
+            figure: "not applicable".into(),
             ..Finding::default()
         });
-    }
+    };
     let prompt = padded_prompt(ctx.set, block);
     let n = prompt.ids.len();
     if n < 2 {
@@ -168,22 +223,24 @@ pub fn padding(ctx: &Context, deployed: &mut Device) -> Result<Finding> {
     let t = &ctx.thresholds;
     let mut failures = Vec::new();
     let padded = run(
-        deployed,
+        dut.deployed()?,
         &prompt.ids,
         ctx.tokens,
         true,
         "padded",
         &mut failures,
     )?;
-    let mut exact = ctx.open(n, &format!("block {n} (the unpadded prompt)"))?;
+    dut.set_padding(false)?;
     let unpadded = run(
-        &mut exact,
+        dut.deployed()?,
         &prompt.ids,
         ctx.tokens,
         true,
         "unpadded",
         &mut failures,
-    )?;
+    );
+    dut.set_padding(true)?;
+    let unpadded = unpadded?;
     let prompt_logits = TensorError::of(&padded.prompt.logits, &unpadded.prompt.logits)?;
     if exceeds(prompt_logits.nmse, t.max_logits_nmse) || !prompt_logits.finite() {
         failures.push(format!(
@@ -191,13 +248,18 @@ pub fn padding(ctx: &Context, deployed: &mut Device) -> Result<Finding> {
             prompt_logits.nmse, t.max_logits_nmse
         ));
     }
-    let state = StateDiff::of(&padded.after_prompt, &unpadded.after_prompt)?;
-    if exceeds(state.nrmse, t.max_state_nrmse) || !state.finite {
-        failures.push(format!(
-            "the state after the prompt: {} NRMSE {:.2e} > {:.1e} (--max-state-nrmse)",
-            state.worst, state.nrmse, t.max_state_nrmse
-        ));
-    }
+    let state = if caps.states {
+        let s = StateDiff::of(&padded.after_prompt, &unpadded.after_prompt)?;
+        if exceeds(s.nrmse, t.max_state_nrmse) || !s.finite {
+            failures.push(format!(
+                "the state after the prompt: {} NRMSE {:.2e} > {:.1e} (--max-state-nrmse)",
+                s.worst, s.nrmse, t.max_state_nrmse
+            ));
+        }
+        Some(s)
+    } else {
+        None
+    };
     let generated = Agreement::of(
         &prompt.label,
         (&unpadded.tokens, &unpadded.logits),
@@ -209,10 +271,16 @@ pub fn padding(ctx: &Context, deployed: &mut Device) -> Result<Finding> {
         .into_iter()
         .collect();
     let pad = (block - n % block) % block;
+    let (full, tail) = (n / block * block, n % block);
     let figure = format!(
-        "{n} tokens in blocks of {block} ({pad} padded) vs one block of {n}: prompt logits NMSE {:.1e}, state NRMSE \
-         {:.1e}, {}/{} tokens identical",
-        prompt_logits.nmse, state.nrmse, generated.matched, generated.tokens
+        "{n} tokens in blocks of {block} ({pad} padded) vs {full} in full blocks and {tail} single tokens: prompt \
+         logits NMSE {:.1e}, {}{}/{} tokens identical",
+        prompt_logits.nmse,
+        state
+            .as_ref()
+            .map_or(String::new(), |s| format!("state NRMSE {:.1e}, ", s.nrmse)),
+        generated.matched,
+        generated.tokens
     );
     #[derive(Serialize)]
     struct Detail {
@@ -221,7 +289,7 @@ pub fn padding(ctx: &Context, deployed: &mut Device) -> Result<Finding> {
         block: usize,
         padded_slots: usize,
         prompt_logits: TensorError,
-        state: StateDiff,
+        state: Option<StateDiff>,
         generated: Agreement,
     }
     Ok(Finding {
@@ -242,20 +310,24 @@ pub fn padding(ctx: &Context, deployed: &mut Device) -> Result<Finding> {
 }
 
 /// A follow-up turn run on the state kept after turn 1 (its prompt and greedy answer) gives the tokens of the whole
-/// conversation run from scratch. The state is snapshot after turn 1, the from-scratch run goes in between, and the
-/// snapshot is restored for the follow-up (so a device that cannot go back to a state fails). Turn 1 is the first
-/// prompt of the set, the follow-up the shortest other one ([`follow_up`]).
+/// conversation run from scratch. Where the states are ports, the state is snapshot after turn 1, the from-scratch
+/// run goes in between, and the snapshot is restored on the host for the follow-up (so a device that cannot go back
+/// to a state fails); where they are not (a stateful IR), the follow-up simply continues the state the device kept,
+/// and the from-scratch run comes after it. Turn 1 is the first prompt of the set, the follow-up the shortest other
+/// one ([`follow_up`]).
 pub fn prefix_reuse(
     ctx: &Context,
-    deployed: &mut Device,
+    dut: &mut dyn DeviceUnderTest,
     reference: &mut dyn Backend,
 ) -> Result<Finding> {
     let t = &ctx.thresholds;
+    let states = dut.capabilities().states;
     let turn1 = &ctx.set[0];
     let follow = follow_up(ctx.set);
     let mut failures = Vec::new();
+    let device = dut.deployed()?;
     let answer = run(
-        deployed,
+        device,
         &turn1.ids,
         ctx.tokens,
         false,
@@ -264,72 +336,119 @@ pub fn prefix_reuse(
     )?;
     // greedy feeds every token but the last: feed it, so the state holds turn 1 and its whole answer.
     if let Some(&last) = answer.tokens.last() {
-        deployed.forward(&[last], false)?;
+        device.forward(&[last], false)?;
     }
-    let kept = deployed.snapshot()?;
+    let expected = turn1.ids.len() + answer.tokens.len();
     let mut conversation = turn1.ids.clone();
     conversation.extend(&answer.tokens);
     conversation.extend(&follow.ids);
-    let scratch = run(
-        deployed,
-        &conversation,
-        ctx.tokens,
-        false,
-        "from scratch",
-        &mut failures,
-    )?;
-    deployed.restore(&kept)?;
-    let back = deployed.snapshot()?;
-    if back.position != kept.position {
-        failures.push(format!(
-            "restoring the state kept after turn 1 (position {}) left the device at position {}",
-            kept.position, back.position
-        ));
-        return Ok(Finding {
-            figure: "the device did not go back to the kept state".into(),
-            failures,
-            ..Finding::default()
-        });
-    }
-    let reused = continue_greedy(deployed, &follow.ids, ctx.tokens, &[], false, |_| Ok(()))?;
+    let (reused, scratch) = if states {
+        let kept = device.snapshot()?;
+        let scratch = run(
+            device,
+            &conversation,
+            ctx.tokens,
+            false,
+            "from scratch",
+            &mut failures,
+        )?;
+        device.restore(&kept)?;
+        let back = device.position()?;
+        if back != kept.position {
+            failures.push(format!(
+                "restoring the state kept after turn 1 (position {}) left the device at position {back}",
+                kept.position
+            ));
+            return Ok(Finding {
+                figure: "the device did not go back to the kept state".into(),
+                failures,
+                ..Finding::default()
+            });
+        }
+        let reused = continue_greedy(device, &follow.ids, ctx.tokens, &[], false, |_| Ok(()))?;
+        (reused, scratch)
+    } else {
+        let kept = device.position()?;
+        if kept != expected {
+            failures.push(format!(
+                "after turn 1 and its answer ({expected} tokens) the device is at position {kept}"
+            ));
+            return Ok(Finding {
+                figure: "the device lost count of turn 1".into(),
+                failures,
+                ..Finding::default()
+            });
+        }
+        let reused = continue_greedy(device, &follow.ids, ctx.tokens, &[], false, |_| Ok(()))?;
+        let scratch = run(
+            device,
+            &conversation,
+            ctx.tokens,
+            false,
+            "from scratch",
+            &mut failures,
+        )?;
+        (reused, scratch)
+    };
     if let Some(i) = reused.nan_at {
         failures.push(format!(
             "reused: the logits hold a NaN at generated token {i}"
         ));
     }
+    let what = "reused vs from scratch";
     let agreement = Agreement::of(
         &follow.label,
         (&scratch.tokens, &scratch.logits),
         (&reused.tokens, &reused.logits),
     )?;
-    failures.extend(agreement.failures("reused vs from scratch", Some(t.max_logits_nmse)));
+    failures.extend(agreement.failures(what, Some(t.max_logits_nmse)));
     let mut notes: Vec<String> = agreement
-        .tie_note("reused vs from scratch", t.max_logits_nmse)
+        .tie_note(what, t.max_logits_nmse)
         .into_iter()
         .collect();
-    let state = StateDiff::of(&reused.after_prompt, &scratch.after_prompt)?;
-    if exceeds(state.nrmse, t.max_state_nrmse) || !state.finite {
-        failures.push(format!(
-            "the state after the follow-up: {} NRMSE {:.2e} > {:.1e} (--max-state-nrmse)",
-            state.worst, state.nrmse, t.max_state_nrmse
+    let state = if states {
+        let s = StateDiff::of(&reused.after_prompt, &scratch.after_prompt)?;
+        if exceeds(s.nrmse, t.max_state_nrmse) || !s.finite {
+            failures.push(format!(
+                "the state after the follow-up: {} NRMSE {:.2e} > {:.1e} (--max-state-nrmse)",
+                s.worst, s.nrmse, t.max_state_nrmse
+            ));
+        }
+        Some(s)
+    } else {
+        notes.push(format!(
+            "no snapshot: the follow-up continues the state the device kept after turn 1; the logits only, its state \
+             is {}",
+            npu::engine::STATE_NOT_EXPOSED
         ));
-    }
+        None
+    };
     let ref_tokens = greedy(reference, &conversation, ctx.tokens, &[], false, |_| Ok(()))?.tokens;
     let reference_matched = ref_tokens
         .iter()
         .zip(&reused.tokens)
         .take_while(|(a, b)| a == b)
         .count();
+    notes.push(format!(
+        "against the reference on the whole conversation: {reference_matched}/{} tokens",
+        ref_tokens.len()
+    ));
     let figure = format!(
-        "turn 1 {} + answer {} tokens kept, follow-up {} tokens: {}/{} tokens identical, logits NMSE {:.1e}, state \
-         NRMSE {:.1e}",
+        "turn 1 {} + answer {} tokens kept{}, follow-up {} tokens: {}/{} tokens identical, logits NMSE {:.1e}{}",
         turn1.ids.len(),
         answer.tokens.len(),
+        if states {
+            " (snapshot, restored)"
+        } else {
+            " in the device"
+        },
         follow.ids.len(),
         agreement.matched,
         agreement.tokens,
         agreement.logits.nmse,
-        state.nrmse
+        state
+            .as_ref()
+            .map_or(String::new(), |s| format!(", state NRMSE {:.1e}", s.nrmse))
     );
     #[derive(Serialize)]
     struct Detail {
@@ -338,26 +457,22 @@ pub fn prefix_reuse(
         answer: Vec<u32>,
         follow_up: String,
         follow_up_tokens: usize,
+        restored: bool,
         agreement: Agreement,
-        state: StateDiff,
+        state: Option<StateDiff>,
         reference_matched: usize,
     }
     Ok(Finding {
         figure,
         failures,
-        notes: {
-            notes.push(format!(
-                "against the reference on the whole conversation: {reference_matched}/{} tokens",
-                ref_tokens.len()
-            ));
-            notes
-        },
+        notes,
         details: details(&Detail {
             turn1: turn1.label.clone(),
             turn1_tokens: turn1.ids.len(),
             answer: answer.tokens,
             follow_up: follow.label.clone(),
             follow_up_tokens: follow.ids.len(),
+            restored: states,
             agreement,
             state,
             reference_matched,
@@ -377,23 +492,25 @@ pub fn follow_up(set: &[LabelledPrompt]) -> &LabelledPrompt {
 
 /// A sequence run after another on the device gives exactly what it gives alone on a freshly compiled device: the
 /// same graphs on the same inputs, so the tokens, the logits of every prompt position and of every token, and the
-/// state after the prompt must be bit-identical (any difference is state left behind, or a device that is not
-/// deterministic, which a user needs to know as much).
-pub fn back_to_back(ctx: &Context, deployed: &mut Device) -> Result<Finding> {
+/// state after the prompt (where it is exposed) must be bit-identical (any difference is state left behind, or a
+/// device that is not deterministic, which a user needs to know as much).
+pub fn back_to_back(ctx: &Context, dut: &mut dyn DeviceUnderTest) -> Result<Finding> {
+    let states = dut.capabilities().states;
     let first = ctx.repeated;
     let second = &ctx.set[0];
     let mut failures = Vec::new();
-    let mut fresh = ctx.open(ctx.settings.block, "fresh (back-to-back)")?;
+    let mut fresh = dut.fresh()?;
     let alone = run(
-        &mut fresh,
+        fresh.as_mut(),
         &second.ids,
         ctx.tokens,
         true,
         "alone",
         &mut failures,
     )?;
+    drop(fresh);
     run(
-        deployed,
+        dut.deployed()?,
         &first.ids,
         ctx.tokens,
         false,
@@ -401,7 +518,7 @@ pub fn back_to_back(ctx: &Context, deployed: &mut Device) -> Result<Finding> {
         &mut failures,
     )?;
     let after = run(
-        deployed,
+        dut.deployed()?,
         &second.ids,
         ctx.tokens,
         true,
@@ -415,13 +532,18 @@ pub fn back_to_back(ctx: &Context, deployed: &mut Device) -> Result<Finding> {
             prompt_logits.max_abs
         ));
     }
-    let state = StateDiff::of(&after.after_prompt, &alone.after_prompt)?;
-    if state.max_abs != 0.0 || !state.finite {
-        failures.push(format!(
-            "the state after the prompt differs by up to {:.2e}, most in {} (bit-identical expected)",
-            state.max_abs, state.worst
-        ));
-    }
+    let state = if states {
+        let s = StateDiff::of(&after.after_prompt, &alone.after_prompt)?;
+        if s.max_abs != 0.0 || !s.finite {
+            failures.push(format!(
+                "the state after the prompt differs by up to {:.2e}, most in {} (bit-identical expected)",
+                s.max_abs, s.worst
+            ));
+        }
+        Some(s)
+    } else {
+        None
+    };
     let generated = Agreement::of(
         &second.label,
         (&alone.tokens, &alone.logits),
@@ -429,25 +551,36 @@ pub fn back_to_back(ctx: &Context, deployed: &mut Device) -> Result<Finding> {
     )?;
     failures.extend(generated.failures("after another vs alone", None));
     let figure = format!(
-        "`{}` after `{}` vs alone on a fresh device: {}/{} tokens, max |Δ| logits {:.1e}, state {:.1e}",
+        "`{}` after `{}` vs alone on a fresh device: {}/{} tokens, max |Δ| logits {:.1e}{}",
         second.label,
         first.label,
         generated.matched,
         generated.tokens,
         prompt_logits.max_abs.max(generated.logits.max_abs),
-        state.max_abs
+        state
+            .as_ref()
+            .map_or(String::new(), |s| format!(", state {:.1e}", s.max_abs))
     );
+    let notes = if states {
+        Vec::new()
+    } else {
+        vec![format!(
+            "the logits only: the state is {}",
+            npu::engine::STATE_NOT_EXPOSED
+        )]
+    };
     #[derive(Serialize)]
     struct Detail {
         first: String,
         second: String,
         prompt_logits: TensorError,
-        state: StateDiff,
+        state: Option<StateDiff>,
         generated: Agreement,
     }
     Ok(Finding {
         figure,
         failures,
+        notes,
         details: details(&Detail {
             first: first.label.clone(),
             second: second.label.clone(),

@@ -15,10 +15,10 @@
 //! the logits only, and a backend without a static context has no over-long prompt to refuse.
 
 use super::{Context, Finding, StateDiff, details};
-use crate::backends::check_context_of;
-use crate::commands::compare_devices::LabelledPrompt;
 use crate::compare::Thresholds;
+use crate::device::{Capabilities, check_context};
 use crate::metrics::{TensorError, TokenAgreement, exceeds, values};
+use crate::prompts::LabelledPrompt;
 use anyhow::{Result, bail};
 use candle_core::Tensor;
 use reference::backend::{Backend, Snapshot, greedy};
@@ -35,19 +35,19 @@ pub struct Lengths<'a> {
     pub thresholds: &'a Thresholds,
     /// The static context (`None`: the backend has none).
     pub context: Option<usize>,
-    /// Where the context comes from, as error messages name it (`--context`, or an IR's manifest).
-    pub context_source: &'static str,
+    /// Where the context comes from, as error messages name it (`--context`, or a set's manifest).
+    pub context_source: String,
 }
 
 impl Context<'_> {
-    /// What the length checks read of this run.
-    pub fn lengths(&self) -> Lengths<'_> {
+    /// What the length checks read of this run on a device of `caps`.
+    pub fn lengths(&self, caps: &Capabilities) -> Lengths<'_> {
         Lengths {
             set: self.set,
             eos: self.eos,
             thresholds: &self.thresholds,
-            context: Some(self.settings.graph.context),
-            context_source: "--context",
+            context: caps.context,
+            context_source: caps.context_source.clone(),
         }
     }
 }
@@ -328,7 +328,7 @@ pub fn over_long(ctx: &Lengths, device: &mut dyn Backend) -> Result<Finding> {
         });
     };
     let ids = pattern(ctx.set, context + 1);
-    let command = match check_context_of(ids.len(), 1, context, ctx.context_source) {
+    let command = match check_context(ids.len(), 1, context, &ctx.context_source) {
         Ok(()) => bail!("the commands' context check accepted {} tokens", ids.len()),
         Err(e) => format!("{e:#}"),
     };

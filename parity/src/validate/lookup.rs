@@ -1,6 +1,7 @@
 //! Prompt-lookup decoding against plain greedy on the device: the same tokens, and what the drafts bought.
 
-use super::{Agreement, Context, Device, Finding, details, run, ties_text};
+use super::{Agreement, Context, Finding, details, run, ties_text};
+use crate::device::DeviceUnderTest;
 use anyhow::Result;
 use reference::backend::{LookupOptions, prompt_lookup};
 use serde::Serialize;
@@ -26,10 +27,11 @@ struct LookupRun {
 /// the same work both ways) are measured, never judged.
 pub fn lookup(
     ctx: &Context,
-    deployed: &mut Device,
+    dut: &mut dyn DeviceUnderTest,
     opts: LookupOptions,
     tokens: usize,
 ) -> Result<Finding> {
+    let deployed = dut.deployed()?;
     let mut failures = Vec::new();
     let mut notes = Vec::new();
     let mut runs = Vec::new();

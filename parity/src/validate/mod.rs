@@ -10,37 +10,33 @@
 //! - **Length** ([`length`]): agreement with the reference against prompt length up to the static context, the
 //!   first failing length found by bisection, and a prompt longer than the context refused.
 //!
-//! - **Graphs made elsewhere** ([`external`]): an external stateful IR runs the checks that apply to it at the
-//!   logits and token level; the others are skipped with the reason (a skipped check neither passes nor fails).
+//! Every check is written once against the device under test ([`crate::device::DeviceUnderTest`]), whoever built
+//! its graphs, and runs where the device's capabilities allow it: on a graph set made elsewhere the probe runs
+//! through its per-layer graphs or its states, padding where `token_valid` is mapped, prompt lookup and prefix reuse
+//! by snapshot and restore where the states are ports. A check that cannot run says which port it would need and is
+//! skipped (a skipped check neither passes nor fails, [`run::skip_reason`]).
 //!
-//! A check that cannot run (a graph that does not compile, a device error) fails with the error as its reason;
-//! the others still run.
+//! A check that cannot run for another reason (a graph that does not compile, a device error) fails with the error as
+//! its reason; the others still run.
 
 pub mod equivalence;
-pub mod external;
-pub mod fault;
 pub mod length;
 pub mod lookup;
+pub mod run;
 pub mod setup;
 
-use crate::backends::{DeviceSettings, compile_device};
-use crate::commands::compare_devices::LabelledPrompt;
 use crate::compare::Thresholds;
 use crate::metrics::{TensorError, exceeds, values};
 use crate::progress::Progress;
+use crate::prompts::LabelledPrompt;
 use anyhow::{Context as _, Result, bail};
 use candle_core::Tensor;
-use fault::{Fault, Faulty};
-use npu::engine::DecoderEngine;
 use reference::backend::{Backend, Generation, Snapshot, greedy};
 use reference::config::Config;
-use reference::weights::WeightStore;
 use serde::Serialize;
-use std::cell::RefCell;
 use std::time::Instant;
 
-/// The device under test as the checks drive it: the decoder graphs, with the injected fault if any.
-pub type Device = Faulty<DecoderEngine>;
+pub use crate::device::GraphInfo;
 
 /// The checks, in the order the report lists them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -247,47 +243,10 @@ impl Check {
     }
 }
 
-/// One graph prepared for the device, as it reads back.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct GraphInfo {
-    /// What validate compiled it for (`deployed`, `taps`, `block 1`, `probe layers`, …).
-    pub purpose: String,
-    /// The graph's name.
-    pub graph: String,
-    /// The inference precision read back.
-    pub precision: String,
-    /// `EXECUTION_DEVICES` read back after compiling.
-    pub execution_devices: Option<String>,
-    /// Seconds spent compiling it.
-    pub compile_seconds: f64,
-    /// Whether OpenVINO loaded the graph from its on-disk model cache (`--cache-dir`; on by default for NPU); null
-    /// without a cache, or for several graphs of which only some came from it.
-    pub loaded_from_cache: Option<bool>,
-}
-
-impl GraphInfo {
-    /// The graph `info` describes, compiled for `purpose`.
-    pub fn of(purpose: &str, info: &npu::devices::ExecInfo) -> Self {
-        GraphInfo {
-            purpose: purpose.to_string(),
-            graph: info.graph.clone(),
-            precision: info.precision.clone(),
-            execution_devices: info.execution_devices.clone(),
-            compile_seconds: info.compile_seconds,
-            loaded_from_cache: info.loaded_from_cache,
-        }
-    }
-}
-
-/// What every check shares: the model, the device settings, the prompts, the thresholds, the injected fault, and a
-/// log of every graph compiled.
+/// What every check shares: the model, the prompts and the thresholds for the precision the device read back.
 pub struct Context<'a> {
     /// The model's config.
     pub config: &'a Config,
-    /// Its weights.
-    pub store: &'a WeightStore,
-    /// The device and its graph settings.
-    pub settings: &'a DeviceSettings,
     /// The prompt set.
     pub set: &'a [LabelledPrompt],
     /// A prompt that repeats itself (drafts hit).
@@ -298,40 +257,6 @@ pub struct Context<'a> {
     pub eos: &'a [u32],
     /// The thresholds for the precision the device read back.
     pub thresholds: Thresholds,
-    /// The injected fault.
-    pub fault: Option<Fault>,
-    /// Every graph compiled so far.
-    pub graphs: RefCell<Vec<GraphInfo>>,
-}
-
-impl Context<'_> {
-    /// Compiles the decoder graphs with prompt blocks of `block` (with the fault, if any), logging them as
-    /// `purpose`.
-    pub fn open(&self, block: usize, purpose: &str) -> Result<Device> {
-        let settings = DeviceSettings {
-            block,
-            ..self.settings.clone()
-        };
-        let engine = compile_device(self.config, self.store, &settings, false)
-            .with_context(|| format!("compiling the graphs with --block {block}"))?;
-        self.log(purpose, &engine);
-        Ok(Faulty::new(engine, self.fault))
-    }
-
-    /// Compiles the graphs with every tap as an output (logged as `taps`).
-    pub fn open_tapped(&self) -> Result<Device> {
-        let engine = compile_device(self.config, self.store, self.settings, true)?;
-        self.log("taps", &engine);
-        Ok(Faulty::new(engine, self.fault))
-    }
-
-    /// Logs the graphs of `engine` as `purpose`.
-    pub fn log(&self, purpose: &str, engine: &DecoderEngine) {
-        let mut graphs = self.graphs.borrow_mut();
-        for info in engine.infos() {
-            graphs.push(GraphInfo::of(purpose, info));
-        }
-    }
 }
 
 /// Two runs of the same tokens compared: the run under test against a base run (another graph, another path, or

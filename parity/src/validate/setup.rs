@@ -9,7 +9,7 @@
 
 use super::{Finding, GraphInfo, details};
 use npu::sim::NumericModel;
-use reference::backend::RunRecord;
+use reference::backend::{Precision, RunRecord};
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -26,10 +26,10 @@ pub struct DeviceSection {
     pub driver: Option<String>,
     /// Every OpenVINO device present.
     pub available: Vec<String>,
-    /// The precision asked.
-    pub precision_requested: Option<String>,
+    /// The precision asked (FP16SIM: the one its options give).
+    pub precision_requested: Precision,
     /// The precision the deployed graphs read back.
-    pub precision: Option<String>,
+    pub precision: Option<Precision>,
     /// Precisions accepted in place of the one asked (`--allow-precision`).
     pub allowed_precisions: Vec<String>,
     /// Every property set, as the deployed graphs read it back.
@@ -60,7 +60,10 @@ impl DeviceSection {
             device_name: record.device_name.clone(),
             driver: record.driver.clone(),
             available,
-            precision_requested: record.precision_requested.clone(),
+            precision_requested: record
+                .precision_requested
+                .clone()
+                .unwrap_or_else(|| record.judged_precision()),
             precision: record.precision.clone(),
             allowed_precisions: allowed.to_vec(),
             properties: record.properties.clone(),
@@ -181,10 +184,7 @@ pub fn execution_devices(section: &DeviceSection) -> Finding {
 
 /// Every graph computed in the precision asked, or one `--allow-precision` accepts (then noted).
 pub fn precision(section: &DeviceSection) -> Finding {
-    let requested = section
-        .precision_requested
-        .clone()
-        .unwrap_or_else(|| "f32".into());
+    let requested = section.precision_requested.clone();
     let mut failures = Vec::new();
     let mut notes = Vec::new();
     let mut read_back: Vec<String> = Vec::new();
@@ -194,11 +194,11 @@ pub fn precision(section: &DeviceSection) -> Finding {
         }
     }
     for p in &read_back {
-        if p.eq_ignore_ascii_case(&requested)
+        if Precision::parse(p) == requested
             || section
                 .allowed_precisions
                 .iter()
-                .any(|a| a.eq_ignore_ascii_case(p))
+                .any(|a| Precision::parse(a) == Precision::parse(p))
         {
             continue;
         }
@@ -221,7 +221,7 @@ pub fn precision(section: &DeviceSection) -> Finding {
     }
     let accepted: Vec<&String> = read_back
         .iter()
-        .filter(|p| !p.eq_ignore_ascii_case(&requested))
+        .filter(|p| Precision::parse(p) != requested)
         .collect();
     if failures.is_empty() && !accepted.is_empty() {
         notes.push(format!(
@@ -255,7 +255,7 @@ pub fn precision(section: &DeviceSection) -> Finding {
     );
     #[derive(Serialize)]
     struct Detail {
-        requested: String,
+        requested: Precision,
         read_back: Vec<String>,
         allowed: Vec<String>,
     }
@@ -294,7 +294,7 @@ mod tests {
             device_name: None,
             driver: None,
             available: vec![],
-            precision_requested: Some(requested.into()),
+            precision_requested: Precision::parse(requested),
             precision: None,
             allowed_precisions: vec![],
             properties: BTreeMap::new(),

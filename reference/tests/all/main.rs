@@ -12,6 +12,7 @@ mod nncf;
 mod packed;
 mod precision;
 mod quant;
+mod record;
 mod rope;
 mod store;
 mod synth;

@@ -1,15 +1,22 @@
-//! Command-line options shared by the subcommands, turned into validated run settings before any work starts.
+//! Command-line options shared by the subcommands, and their conversion into the plain settings the library below
+//! `commands/` takes (no clap type leaves this module's commands): validated before any work starts.
 
+use crate::compare::ThresholdOverrides;
+use crate::device::DeviceSettings;
+use crate::probe::Mode;
+use crate::prompts::{ChatPrompt, PromptSource, parse_token_ids};
+use crate::report::Outputs;
 use anyhow::{Context, Result, bail};
 use candle_core::DType;
 use clap::{Args, ValueEnum};
-use npu::devices::InferencePrecision;
-use npu::graphs::DeltaNetGraphForm;
+use npu::devices::{CompileOptions, InferencePrecision, device_config};
+use npu::graphs::{DEFAULT_CONTEXT, DeltaNetGraphForm, GraphOptions};
+use npu::sim::NumericModel;
 use reference::config::Config;
 use reference::deltanet::{DEFAULT_CHUNK, Form, Inverse};
+use reference::linear_attn::PORT_OUTPUT_SCALE;
 use reference::model::{Model, RunOptions};
 use reference::quant::WeightFormat;
-use reference::tokenizer::{ChatTokenizer, Message};
 use reference::weights::WeightStore;
 use std::path::{Path, PathBuf};
 
@@ -229,37 +236,6 @@ impl FormArgs {
     }
 }
 
-/// One chat prompt: the user message, an optional system message, thinking mode.
-#[derive(Debug, Clone, PartialEq, serde::Deserialize, serde::Serialize)]
-pub struct ChatPrompt {
-    /// The user message.
-    pub prompt: String,
-    /// An optional system message.
-    #[serde(default)]
-    pub system: Option<String>,
-    /// Thinking mode (the template's `enable_thinking`).
-    #[serde(default)]
-    pub think: bool,
-}
-
-impl ChatPrompt {
-    /// The messages, system first.
-    pub fn messages(&self) -> Vec<Message> {
-        let mut m = Vec::new();
-        if let Some(s) = &self.system {
-            m.push(Message::new("system", s));
-        }
-        m.push(Message::new("user", &self.prompt));
-        m
-    }
-
-    /// The token ids through the checkpoint's tokenizer and chat template.
-    pub fn encode(&self, dir: &Path) -> Result<Vec<u32>> {
-        let tok = ChatTokenizer::load(dir)?;
-        Ok(tok.encode_chat(&self.messages(), self.think)?)
-    }
-}
-
 /// The prompt of a run: token ids, or a chat message formatted with the checkpoint's template.
 #[derive(Debug, Clone, Args)]
 pub struct PromptArgs {
@@ -286,36 +262,31 @@ impl PromptArgs {
     /// The token ids (checked against the vocabulary) and the prompt text if any.
     pub fn ids(&self, dir: &Path, config: &Config) -> Result<(Vec<u32>, Option<String>)> {
         let (ids, text) = match (&self.token_ids, &self.prompt) {
-            (Some(t), _) => (parse_token_ids(t)?, None),
-            (None, Some(p)) => {
-                let chat = ChatPrompt {
-                    prompt: p.clone(),
-                    system: self.system.clone(),
-                    think: self.think,
-                };
-                (chat.encode(dir)?, Some(p.clone()))
-            }
+            (Some(t), _) => (parse_token_ids(t, "--token-ids")?, None),
+            (None, Some(p)) => (self.chat().encode(dir)?, Some(p.clone())),
             (None, None) => bail!("give the prompt as --prompt TEXT or --token-ids LIST"),
         };
         config.check_token_ids(&ids).context("--token-ids")?;
         Ok((ids, text))
     }
-}
 
-/// Parses `--token-ids 1,2,3`.
-pub fn parse_token_ids(text: &str) -> Result<Vec<u32>> {
-    let ids = text
-        .split(',')
-        .map(str::trim)
-        .map(|s| {
-            s.parse::<u32>()
-                .map_err(|_| anyhow::anyhow!("--token-ids: `{s}` is not a token id"))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    if ids.is_empty() {
-        bail!("--token-ids: no ids given");
+    fn chat(&self) -> ChatPrompt {
+        ChatPrompt {
+            prompt: self.prompt.clone().unwrap_or_default(),
+            system: self.system.clone(),
+            think: self.think,
+        }
     }
-    Ok(ids)
+
+    /// Where the prompts of a run come from: this prompt, else `file` (`--prompts`), else the shipped set.
+    pub fn source(&self, file: Option<&Path>) -> Result<PromptSource> {
+        Ok(match (&self.token_ids, &self.prompt, file) {
+            (Some(t), _, _) => PromptSource::Ids(parse_token_ids(t, "--token-ids")?),
+            (None, Some(_), _) => PromptSource::Chat(self.chat()),
+            (None, None, Some(f)) => PromptSource::File(f.to_path_buf()),
+            (None, None, None) => PromptSource::Default,
+        })
+    }
 }
 
 /// The backend that computes a dump.
@@ -396,6 +367,200 @@ impl DeviceArgs {
             [] => Ok(()),
             [one] => bail!("{one} only applies to --backend openvino"),
             many => bail!("{} only apply to --backend openvino", many.join(", ")),
+        }
+    }
+}
+
+impl GraphArgs {
+    /// The settings of this project's graphs on `device` (validated; options that do not apply refused by name).
+    pub fn settings(&self, device: &str, form: &FormArgs) -> Result<DeviceSettings> {
+        let block = self.block.unwrap_or(npu::engine::DEFAULT_BLOCK);
+        if block == 0 {
+            bail!("--block must be at least 1");
+        }
+        let context = self.context.unwrap_or(DEFAULT_CONTEXT);
+        if context == 0 {
+            bail!("--context must be at least 1");
+        }
+        let graph_form = form.graph_form()?;
+        if NumericModel::is_sim(device) && self.precision.is_some() {
+            bail!(
+                "--precision applies to OpenVINO devices; {device}'s arithmetic comes from its options \
+                 ({}:store=f16|bf16|f32,ftz=on|off,acc=f32|f16,state=f16|f32,norm=ops|fused)",
+                npu::sim::DEVICE
+            );
+        }
+        Ok(DeviceSettings {
+            device: device.to_string(),
+            block,
+            graph: GraphOptions {
+                form: graph_form,
+                output_scale: form.output_scale(PORT_OUTPUT_SCALE)? as f32,
+                context,
+                taps: true,
+            },
+            compile: self.compile(device)?,
+        })
+    }
+
+    /// The compile options on `device`: `--precision` (f32 by default), `--device-config` and the model cache.
+    pub fn compile(&self, device: &str) -> Result<CompileOptions> {
+        Ok(CompileOptions {
+            precision: self.precision.unwrap_or(InferencePrecision::F32),
+            device_config: device_config(self.device_config.as_deref())?,
+            cache_dir: self.cache_dir(device)?,
+        })
+    }
+
+    /// The model cache directory for `device`: `--cache-dir`, none with `--no-cache`, else the default one for
+    /// devices that cache by default (NPU), else none. FP16SIM compiles nothing: `--cache-dir` is refused for it.
+    pub fn cache_dir(&self, device: &str) -> Result<Option<PathBuf>> {
+        let sim = NumericModel::is_sim(device);
+        if sim && self.cache_dir.is_some() {
+            bail!("--cache-dir applies to OpenVINO devices; {device} compiles nothing");
+        }
+        Ok(match (&self.cache_dir, self.no_cache) {
+            (_, true) => None,
+            (Some(dir), false) => Some(dir.clone()),
+            (None, false) if !sim && npu::devices::caches_by_default(device) => Some(
+                crate::bundled::cache_root()
+                    .join("qwen35-parity")
+                    .join("ov-cache"),
+            ),
+            (None, false) => None,
+        })
+    }
+
+    /// `self` without `--precision` (FP16SIM's arithmetic comes from its options).
+    pub fn for_sim(&self) -> GraphArgs {
+        GraphArgs {
+            precision: None,
+            ..self.clone()
+        }
+    }
+}
+
+/// Fails when an option of this project's graphs is given with `--ir DIR` (they do not apply to graphs made
+/// elsewhere), naming it.
+pub fn refuse_graph_flags(form: &FormArgs, graph: &GraphArgs, ir: &Path) -> Result<()> {
+    let not_here = [
+        ("--chunk", form.chunk.is_some()),
+        ("--inverse", form.inverse.is_some()),
+        ("--decode-form", form.decode_form.is_some()),
+        ("--prefill-block", form.prefill_block.is_some()),
+        ("--output-scale", form.output_scale.is_some()),
+        ("--block", graph.block.is_some()),
+        ("--context", graph.context.is_some()),
+    ];
+    if let Some((flag, _)) = not_here.iter().find(|(_, given)| *given) {
+        bail!(
+            "{flag} applies to this project's graphs, not to graphs made elsewhere (--ir {})",
+            ir.display()
+        );
+    }
+    Ok(())
+}
+
+impl ModelArgs {
+    /// A set made elsewhere (`--ir DIR`) and the checkpoint the reference runs against it: `--model`, else the one
+    /// the set's manifest names, else the bundled model.
+    pub fn open_set(&self, dir: &Path) -> Result<crate::device::set::SetSource> {
+        let set = npu::graphset::manifest::open(dir)
+            .map_err(|e| anyhow::Error::new(e).context(format!("--ir {}", dir.display())))?;
+        let model = ModelArgs {
+            model: self
+                .model
+                .clone()
+                .or_else(|| set.model.clone().filter(|m| m.join("config.json").exists())),
+            ..self.clone()
+        };
+        let (checkpoint, config, store) = model.open()?;
+        Ok(crate::device::set::SetSource::new(
+            dir, set, checkpoint, config, store,
+        ))
+    }
+}
+
+/// Thresholds: each overrides the default for the precision that ran (see `Thresholds::for_precision`).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct ThresholdArgs {
+    /// Largest NMSE of the teacher-forced logits (default 1e-8 at f32, 1e-2 at f16/bf16).
+    #[arg(long, value_name = "X")]
+    pub max_nmse: Option<f64>,
+    /// Largest mean KL(P_ref ‖ P_device) in nats (default 1e-6 at f32, 5e-2 at f16/bf16).
+    #[arg(long, value_name = "X")]
+    pub max_kl: Option<f64>,
+    /// Smallest share of teacher-forced positions with the same top token (default 1 at f32, 0.9 at f16/bf16).
+    #[arg(long, value_name = "X")]
+    pub min_token_agreement: Option<f64>,
+    /// Most teacher-forced disagreements at confident positions (default 0).
+    #[arg(long, value_name = "N")]
+    pub max_confident_flips: Option<usize>,
+    /// Largest NRMSE of a layer's output, over the run and at any position (default 1e-4 at f32, 5e-2 at f16/bf16).
+    #[arg(long, value_name = "X")]
+    pub max_layer_nrmse: Option<f64>,
+    /// Largest NRMSE of a state after the prompt (default 1e-4 at f32, 5e-2 at f16/bf16).
+    #[arg(long, value_name = "X")]
+    pub max_state_nrmse: Option<f64>,
+}
+
+impl ThresholdArgs {
+    /// The thresholds given, validated.
+    pub fn overrides(&self) -> Result<ThresholdOverrides> {
+        let o = ThresholdOverrides {
+            max_nmse: self.max_nmse,
+            max_kl: self.max_kl,
+            min_token_agreement: self.min_token_agreement,
+            max_confident_flips: self.max_confident_flips,
+            max_layer_nrmse: self.max_layer_nrmse,
+            max_state_nrmse: self.max_state_nrmse,
+        };
+        o.validate()?;
+        Ok(o)
+    }
+}
+
+/// Where the reports go.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct ReportArgs {
+    /// Write the report as JSON (stable keys, `schema_version`).
+    #[arg(long, value_name = "FILE.json")]
+    pub json: Option<PathBuf>,
+    /// Write the report as Markdown (machine, versions, what ran, every table), to paste into a bug report.
+    #[arg(long, value_name = "FILE.md")]
+    pub report: Option<PathBuf>,
+    /// Draw the error per layer and per position as an SVG chart.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
+}
+
+impl ReportArgs {
+    /// The outputs asked for, checked before any run (their directories exist).
+    pub fn outputs(&self) -> Result<Outputs> {
+        let o = Outputs {
+            json: self.json.clone(),
+            report: self.report.clone(),
+            plot: self.plot.clone(),
+        };
+        o.check()?;
+        Ok(o)
+    }
+}
+
+/// How the probe feeds the layers (`--mode`, `--probe-mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ModeArg {
+    /// Each block gets the reference's input and incoming state.
+    Isolated,
+    /// Each layer gets the device's own output of the layer before and carries its own state.
+    Chained,
+}
+
+impl From<ModeArg> for Mode {
+    fn from(m: ModeArg) -> Mode {
+        match m {
+            ModeArg::Isolated => Mode::Isolated,
+            ModeArg::Chained => Mode::Chained,
         }
     }
 }

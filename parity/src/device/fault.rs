@@ -56,6 +56,11 @@ impl<B: Backend> Faulty<B> {
     pub fn inner(&self) -> &B {
         &self.inner
     }
+
+    /// The backend underneath, to change how it runs (not what the fault does).
+    pub fn inner_mut(&mut self) -> &mut B {
+        &mut self.inner
+    }
 }
 
 impl<B: Backend> Backend for Faulty<B> {

@@ -12,15 +12,22 @@
 //! output before the gated norm, and the share of its values below fp16's smallest normal; for attention the same
 //! for the scores, recomputed from the tapped queries and keys, and for the gate). For the first layer over
 //! threshold, every intermediate both sides expose is compared in the order the layer computes them, which names
-//! the op where the error starts.
+//! the op where the error starts; per head, each state's error says which head drifts.
+//!
+//! A device with per-layer graphs is probed through them ([`probe`]); a whole-decoder set whose states are ports,
+//! through its states after every block and whatever hidden outputs it has ([`decoder::probe_decoder`]). [`run`]
+//! chooses, for any device under test.
+
+pub mod decoder;
+pub mod run;
+
+pub use crate::device::LayerDevice;
 
 use crate::metrics::{Magnitude, TensorError, exceeds, magnitudes, values};
 use anyhow::{Context, Result, bail};
 use candle_core::Tensor;
-use npu::devices::CompileOptions;
-use npu::engine::{HostLayerState, LayerRunner};
-use npu::graphs::Builder;
-use reference::backend::{Backend, RunRecord, Snapshot};
+use npu::engine::HostLayerState;
+use reference::backend::{Backend, Precision, Snapshot};
 use reference::config::{Config, LayerKind};
 use reference::model::state_names;
 use reference::taps::names;
@@ -28,7 +35,7 @@ use serde::Serialize;
 use std::collections::BTreeMap;
 
 /// How the layers are fed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Mode {
     /// Each block gets the reference's input and incoming state.
@@ -47,100 +54,11 @@ impl Mode {
     }
 }
 
-/// Something that runs one layer over one block: a device's per-layer graphs (or, in tests, a corrupted one).
-pub trait LayerDevice {
-    /// Runs layer `layer` on `hidden` `[T, H]` (`T` at most [`LayerDevice::block`], at positions `start..`),
-    /// updating `state`; returns the outputs under the dump's names less the `layers.{i}.` prefix.
-    fn run(
-        &mut self,
-        layer: usize,
-        hidden: &Tensor,
-        start: usize,
-        state: &mut HostLayerState,
-    ) -> Result<BTreeMap<String, Tensor>>;
-
-    /// Tokens per block.
-    fn block(&self) -> usize;
-
-    /// The static KV context.
-    fn context(&self) -> usize;
-
-    /// What runs.
-    fn record(&self) -> RunRecord;
-}
-
-/// The per-layer graphs of a device.
-pub struct OpenVinoLayers {
-    runners: BTreeMap<usize, LayerRunner>,
-    block: usize,
-    context: usize,
-    record: RunRecord,
-}
-
-impl OpenVinoLayers {
-    /// Builds and compiles the graphs of `layers` for blocks of `block` tokens.
-    pub fn new(
-        builder: &Builder,
-        layers: &[usize],
-        block: usize,
-        device: &str,
-        opts: &CompileOptions,
-    ) -> Result<Self> {
-        let start = std::time::Instant::now();
-        let mut runners = BTreeMap::new();
-        for &l in layers {
-            runners.insert(l, LayerRunner::new(builder, l, block, device, opts)?);
-        }
-        let infos: Vec<_> = runners.values().map(|r| r.info()).collect();
-        if infos.is_empty() {
-            anyhow::bail!("no layer to probe");
-        }
-        let graph = builder.options();
-        let record = RunRecord {
-            taps: true,
-            compile_seconds: Some(start.elapsed().as_secs_f64()),
-            ..npu::engine::record_of(&infos, builder, block, opts)?
-        };
-        Ok(OpenVinoLayers {
-            runners,
-            block,
-            context: graph.context,
-            record,
-        })
-    }
-}
-
-impl LayerDevice for OpenVinoLayers {
-    fn run(
-        &mut self,
-        layer: usize,
-        hidden: &Tensor,
-        start: usize,
-        state: &mut HostLayerState,
-    ) -> Result<BTreeMap<String, Tensor>> {
-        let runner = self
-            .runners
-            .get_mut(&layer)
-            .with_context(|| format!("layer {layer} was not compiled"))?;
-        Ok(runner.run(hidden, start, state)?)
-    }
-
-    fn block(&self) -> usize {
-        self.block
-    }
-
-    fn context(&self) -> usize {
-        self.context
-    }
-
-    fn record(&self) -> RunRecord {
-        self.record.clone()
-    }
-}
-
 /// The reference's run of a prompt in the device's blocks: the taps of every position and the state before and
 /// after every block.
 pub struct ReferenceTrace {
+    /// The prompt.
+    pub ids: Vec<u32>,
     /// Token-major taps over the prompt.
     pub taps: BTreeMap<String, Tensor>,
     /// `states[b]` is the state before block `b`; the last one is the state after the prompt.
@@ -171,6 +89,7 @@ impl ReferenceTrace {
             .map(|(k, v)| Ok((k, Tensor::cat(&v, 0)?)))
             .collect::<Result<_>>()?;
         Ok(ReferenceTrace {
+            ids: ids.to_vec(),
             taps,
             states,
             blocks,
@@ -213,6 +132,17 @@ pub struct HeadMagnitudes {
     pub device: Vec<Magnitude>,
 }
 
+/// One head's error in a state.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct HeadError {
+    /// The head (a DeltaNet value head, or an attention KV head).
+    pub head: usize,
+    /// Its NRMSE.
+    pub nrmse: f64,
+    /// Its relative L2 error.
+    pub rel_l2: f64,
+}
+
 /// One layer probed.
 #[derive(Debug, Clone, Serialize)]
 pub struct LayerProbe {
@@ -220,14 +150,16 @@ pub struct LayerProbe {
     pub layer: usize,
     /// `linear_attention` or `full_attention`.
     pub kind: &'static str,
-    /// The layer's output.
-    pub output: TensorError,
+    /// The layer's output (`None`: the device exposes no hidden state of this layer).
+    pub output: Option<TensorError>,
     /// The mixer's output.
-    pub mixer: TensorError,
+    pub mixer: Option<TensorError>,
     /// The MLP's output.
-    pub mlp: TensorError,
+    pub mlp: Option<TensorError>,
     /// The states after the prompt.
     pub states: Vec<Named>,
+    /// Per head, the main state's error after the prompt (the recurrent state, or the key cache).
+    pub state_heads: Vec<HeadError>,
     /// Positions at the end of every block.
     pub block_ends: Vec<usize>,
     /// The main state's NRMSE after every block (the recurrent state, or the key cache).
@@ -253,8 +185,8 @@ pub struct ProbeThresholds {
 
 impl ProbeThresholds {
     /// The defaults for a device that computed in `precision`: tight at f32, the fp16 port's level otherwise.
-    pub fn for_precision(precision: &str) -> Self {
-        if precision.eq_ignore_ascii_case("f32") {
+    pub fn for_precision(precision: &Precision) -> Self {
+        if precision.is_full() {
             ProbeThresholds {
                 max_nrmse: 1e-4,
                 max_state_nrmse: 1e-4,
@@ -273,13 +205,15 @@ impl ProbeThresholds {
 pub struct DrillDown {
     /// The layer.
     pub layer: usize,
-    /// The first intermediate over threshold, in the order the layer computes them.
+    /// The first intermediate over threshold, in the order the layer computes them, else the first state over
+    /// threshold.
     pub first_over: Option<String>,
     /// Every intermediate both sides expose, in that order.
     pub intermediates: Vec<Named>,
 }
 
-/// Runs the probe of `layers` (sorted; chained mode runs every layer up to the last).
+/// Runs the probe of `layers` (sorted; chained mode runs every layer up to the last) through a device's per-layer
+/// graphs.
 pub fn probe(
     config: &Config,
     trace: &ReferenceTrace,
@@ -309,7 +243,7 @@ pub fn probe(
                 state = HostLayerState::from_snapshot(
                     config,
                     layer,
-                    Some(device.context()),
+                    device.context(),
                     &trace.states[b],
                 )?;
             }
@@ -318,7 +252,8 @@ pub fn probe(
             for (k, v) in r {
                 pieces.entry(k).or_default().push(v);
             }
-            drift.push(state_error(&state, layer, &trace.states[b + 1], kind)?.nrmse);
+            let ours: BTreeMap<String, Tensor> = state.dump_tensors(layer)?.into_iter().collect();
+            drift.push(main_state_error(&ours, layer, &trace.states[b + 1], kind)?.nrmse);
         }
         let device_taps: BTreeMap<String, Tensor> = pieces
             .into_iter()
@@ -329,12 +264,13 @@ pub fn probe(
             .context("the layer graph has no output")?
             .clone();
         if wanted {
+            let ours: BTreeMap<String, Tensor> = state.dump_tensors(layer)?.into_iter().collect();
             out.push(layer_probe(
                 layer,
                 kind,
                 &device_taps,
+                &ours,
                 trace,
-                &state,
                 drift,
                 thresholds,
             )?);
@@ -344,23 +280,49 @@ pub fn probe(
     Ok(out)
 }
 
-/// The main state's error against the reference's: the recurrent state, or the key cache.
-fn state_error(
-    state: &HostLayerState,
+/// The name of a layer's main state: the recurrent state, or the key cache.
+fn main_state(layer: usize, kind: LayerKind) -> String {
+    let [first, second] = state_names(layer, kind);
+    match kind {
+        LayerKind::Linear => second,
+        LayerKind::Full => first,
+    }
+}
+
+/// The main state's error (`ours`: the layer's states under the dump's names) against the reference's.
+fn main_state_error(
+    ours: &BTreeMap<String, Tensor>,
     layer: usize,
     reference: &Snapshot,
     kind: LayerKind,
 ) -> Result<TensorError> {
-    let name = &state_names(layer, kind)[match kind {
-        LayerKind::Linear => 1,
-        LayerKind::Full => 0,
-    }];
-    let ours: BTreeMap<String, Tensor> = state.dump_tensors(layer)?.into_iter().collect();
-    match (ours.get(name), reference.tensors.get(name)) {
+    let name = main_state(layer, kind);
+    match (ours.get(&name), reference.tensors.get(&name)) {
         (Some(a), Some(b)) => TensorError::of(a, b),
         (None, None) => Ok(TensorError::of_slices(&[], &[])),
         _ => bail!("state `{name}`: one side has it and the other not"),
     }
+}
+
+/// Per head (axis 0 of the state in the dump's layout), the error of `a` against `b`.
+pub fn head_errors(a: &Tensor, b: &Tensor) -> Result<Vec<HeadError>> {
+    if a.dims() != b.dims() || a.rank() == 0 {
+        bail!(
+            "a state of shape {:?} against the reference's {:?}",
+            a.dims(),
+            b.dims()
+        );
+    }
+    (0..a.dim(0)?)
+        .map(|h| {
+            let e = TensorError::of(&a.get(h)?, &b.get(h)?)?;
+            Ok(HeadError {
+                head: h,
+                nrmse: e.nrmse,
+                rel_l2: e.rel_l2,
+            })
+        })
+        .collect()
 }
 
 /// The intermediates of a layer kind, in the order the layer computes them (names within the layer).
@@ -374,97 +336,98 @@ pub fn intermediates(kind: LayerKind) -> Vec<String> {
     v
 }
 
-fn layer_probe(
+/// One layer's probe from what the device gave: its outputs under the dump's names less the layer prefix (as many
+/// as it exposes), its states after the prompt under the dump's names, and the main state's drift per block.
+pub fn layer_probe(
     layer: usize,
     kind: LayerKind,
     device: &BTreeMap<String, Tensor>,
+    states_after: &BTreeMap<String, Tensor>,
     trace: &ReferenceTrace,
-    state: &HostLayerState,
     state_drift: Vec<f64>,
     t: ProbeThresholds,
 ) -> Result<LayerProbe> {
-    let pair = |name: &str| -> Result<(&Tensor, &Tensor)> {
-        Ok((
-            device
-                .get(name)
-                .with_context(|| format!("the device's layer {layer} has no output `{name}`"))?,
-            trace.tap(&names::layer(layer, name))?,
-        ))
+    let pair = |name: &str| -> Result<Option<(&Tensor, &Tensor)>> {
+        match device.get(name) {
+            None => Ok(None),
+            Some(a) => Ok(Some((a, trace.tap(&names::layer(layer, name))?))),
+        }
     };
-    let error = |name: &str| -> Result<TensorError> {
-        let (a, b) = pair(name)?;
-        TensorError::of(a, b).with_context(|| format!("layer {layer} `{name}`"))
+    let error = |name: &str| -> Result<Option<TensorError>> {
+        pair(name)?
+            .map(|(a, b)| TensorError::of(a, b).with_context(|| format!("layer {layer} `{name}`")))
+            .transpose()
     };
     let mut inter = Vec::new();
     for name in intermediates(kind) {
-        inter.push(Named {
-            error: error(&name)?,
-            name,
-        });
+        if let Some(e) = error(&name)? {
+            inter.push(Named { error: e, name });
+        }
     }
-    let ours: BTreeMap<String, Tensor> = state.dump_tensors(layer)?.into_iter().collect();
     let after = trace.states.last().context("no reference state")?;
     let mut states = Vec::new();
     for name in state_names(layer, kind) {
-        if let (Some(a), Some(b)) = (ours.get(&name), after.tensors.get(&name)) {
+        if let (Some(a), Some(b)) = (states_after.get(&name), after.tensors.get(&name)) {
             states.push(Named {
                 error: TensorError::of(a, b).with_context(|| format!("state `{name}`"))?,
                 name,
             });
         }
     }
-    let magnitudes = match kind {
+    let main = main_state(layer, kind);
+    let state_heads = match (states_after.get(&main), after.tensors.get(&main)) {
+        (Some(a), Some(b)) => head_errors(a, b)?,
+        _ => Vec::new(),
+    };
+    let mut magnitudes_found = Vec::new();
+    match kind {
         LayerKind::Linear => {
             let name = names::mixer(names::LINEAR_ATTN, names::CORE_OUTPUT);
-            let (a, b) = pair(&name)?;
-            vec![HeadMagnitudes {
-                name,
-                reference: magnitudes(b, 1)?,
-                device: magnitudes(a, 1)?,
-            }]
+            if let Some((a, b)) = pair(&name)? {
+                magnitudes_found.push(HeadMagnitudes {
+                    name,
+                    reference: magnitudes(b, 1)?,
+                    device: magnitudes(a, 1)?,
+                });
+            }
         }
         LayerKind::Full => {
             let q = names::mixer(names::SELF_ATTN, names::QUERY);
             let k = names::mixer(names::SELF_ATTN, names::KEY);
             let gate = names::mixer(names::SELF_ATTN, names::GATE);
-            let (qa, qb) = pair(&q)?;
-            let (ka, kb) = pair(&k)?;
-            let (ga, gb) = pair(&gate)?;
-            let heads = qa.dim(1)?;
-            let per_head = |g: &Tensor| -> Result<Tensor> {
-                let (tt, width) = g.dims2()?;
-                Ok(g.reshape((tt, heads, width / heads))?)
-            };
-            vec![
-                HeadMagnitudes {
+            if let (Some((qa, qb)), Some((ka, kb))) = (pair(&q)?, pair(&k)?) {
+                magnitudes_found.push(HeadMagnitudes {
                     name: names::mixer(names::SELF_ATTN, "scores"),
                     reference: score_magnitudes(qb, kb)?,
                     device: score_magnitudes(qa, ka)?,
-                },
-                HeadMagnitudes {
-                    name: gate,
-                    reference: magnitudes(&per_head(gb)?, 1)?,
-                    device: magnitudes(&per_head(ga)?, 1)?,
-                },
-            ]
+                });
+                if let Some((ga, gb)) = pair(&gate)? {
+                    let heads = qa.dim(1)?;
+                    let per_head = |g: &Tensor| -> Result<Tensor> {
+                        let (tt, width) = g.dims2()?;
+                        Ok(g.reshape((tt, heads, width / heads))?)
+                    };
+                    magnitudes_found.push(HeadMagnitudes {
+                        name: gate,
+                        reference: magnitudes(&per_head(gb)?, 1)?,
+                        device: magnitudes(&per_head(ga)?, 1)?,
+                    });
+                }
+            }
         }
-    };
-    let (output, mixer, mlp) = (
-        error(names::OUTPUT)?,
-        error(names::MIXER_OUTPUT)?,
-        error(names::MLP_OUTPUT)?,
-    );
+    }
     let mut probe = LayerProbe {
         layer,
         kind: kind.name(),
-        output,
-        mixer,
-        mlp,
+        output: error(names::OUTPUT)?,
+        mixer: error(names::MIXER_OUTPUT)?,
+        mlp: error(names::MLP_OUTPUT)?,
         states,
+        state_heads,
         block_ends: trace.blocks.iter().map(|b| b.1).collect(),
         state_drift,
         intermediates: inter,
-        magnitudes,
+        magnitudes: magnitudes_found,
         over: false,
         thresholds: t,
     };
@@ -480,6 +443,7 @@ impl LayerProbe {
         self.thresholds = t;
         self.over = [self.output, self.mixer, self.mlp]
             .iter()
+            .flatten()
             .any(|e| over_nrmse(e, t.max_nrmse))
             || self
                 .states
@@ -495,6 +459,7 @@ impl LayerProbe {
     pub fn worst(&self) -> (f64, f64) {
         let outputs = [self.output, self.mixer, self.mlp]
             .iter()
+            .flatten()
             .map(|e| e.nrmse)
             .fold(0.0, f64::max);
         let states = self
@@ -504,6 +469,13 @@ impl LayerProbe {
             .chain(self.state_drift.iter().copied())
             .fold(0.0, f64::max);
         (outputs, states)
+    }
+
+    /// The worst state after the prompt: its name and NRMSE.
+    pub fn worst_state(&self) -> Option<&Named> {
+        self.states
+            .iter()
+            .max_by(|a, b| a.error.nrmse.total_cmp(&b.error.nrmse))
     }
 }
 
@@ -554,16 +526,23 @@ pub fn score_magnitudes(q: &Tensor, k: &Tensor) -> Result<Vec<Magnitude>> {
 }
 
 /// The drill-down of the first layer over threshold (`None` when every layer holds), judged by that layer's own
-/// threshold.
+/// threshold: the first intermediate over it in computation order, else the first state over it.
 pub fn drill_down(layers: &[LayerProbe]) -> Option<DrillDown> {
     let first = layers.iter().find(|l| l.over)?;
-    let max_nrmse = first.thresholds.max_nrmse;
+    let t = first.thresholds;
+    let over = |e: &TensorError, max: f64| !e.finite() || exceeds(e.nrmse, max);
     Some(DrillDown {
         layer: first.layer,
         first_over: first
             .intermediates
             .iter()
-            .find(|n| !n.error.finite() || exceeds(n.error.nrmse, max_nrmse))
+            .find(|n| over(&n.error, t.max_nrmse))
+            .or_else(|| {
+                first
+                    .states
+                    .iter()
+                    .find(|n| over(&n.error, t.max_state_nrmse))
+            })
             .map(|n| n.name.clone()),
         intermediates: first.intermediates.clone(),
     })

@@ -1,0 +1,95 @@
+//! compare-devices' runs, written once for every device under test: the reference's side of each prompt, a device
+//! against it, and the compression's own error.
+
+use super::{
+    DeviceReport, Distribution, Position, PositionClass, ReferenceRun, ThresholdOverrides,
+    compare_prompt, continuation, rows,
+};
+use crate::device::{DeviceUnderTest, open_reference};
+use crate::metrics::{TensorError, TokenAgreement};
+use crate::progress::Progress;
+use crate::prompts::LabelledPrompt;
+use crate::report::QuantizationError;
+use anyhow::{Context, Result};
+use reference::backend::{Backend, teacher_forced};
+use reference::config::Config;
+use reference::model::RunOptions;
+use reference::weights::WeightStore;
+
+/// The reference's side of every prompt of `set` (a backend recording taps): its greedy tokens, then
+/// teacher-forced on them with every tap.
+pub fn reference_runs(
+    reference: &mut dyn Backend,
+    set: &[LabelledPrompt],
+    tokens: usize,
+    progress: &Progress,
+) -> Result<Vec<ReferenceRun>> {
+    let mut runs = Vec::with_capacity(set.len());
+    for p in set {
+        progress.step(&format!("reference: {}", p.label));
+        runs.push(ReferenceRun::new(reference, &p.label, &p.ids, tokens)?);
+    }
+    Ok(runs)
+}
+
+/// One device under test against the reference's runs: every prompt compared, then aggregated and judged by the
+/// thresholds for the precision the deployed graphs read back.
+pub fn compare_device(
+    dut: &mut dyn DeviceUnderTest,
+    runs: &[ReferenceRun],
+    eos: &[u32],
+    thresholds: &ThresholdOverrides,
+    progress: &Progress,
+) -> Result<DeviceReport> {
+    let mut compared = Vec::with_capacity(runs.len());
+    for run in runs {
+        progress.step(&format!("{}: {}", dut.label(), run.label));
+        compared.push(compare_prompt(run, dut, eos)?);
+    }
+    let record = dut.record()?;
+    let thresholds = thresholds.resolve(&record.judged_precision());
+    Ok(DeviceReport::new(dut.label(), record, thresholds, compared))
+}
+
+/// How far the compression itself moves the reference: the reference on the original weights (`original`) against
+/// the reference on the compressed ones (the runs), teacher-forced on the latter's tokens.
+pub fn quantization_error(
+    config: &Config,
+    original: &WeightStore,
+    runs: &[ReferenceRun],
+    eos: &[u32],
+) -> Result<QuantizationError> {
+    let mut backend = open_reference(config, original, RunOptions::default(), false)?;
+    let mut positions = Vec::new();
+    let mut logits_errors = Vec::new();
+    for run in runs {
+        let forced = teacher_forced(&mut backend, &run.prompt, continuation(&run.tokens))?;
+        // The original weights are the truth here: the compressed run is the one under test.
+        let quantized = &run.forced.run.logits;
+        logits_errors.push(TensorError::of(quantized, &forced.run.logits)?);
+        let (q_rows, o_rows) = (rows(quantized)?, rows(&forced.run.logits)?);
+        for (i, (q, o)) in q_rows.iter().zip(&o_rows).enumerate() {
+            let agreement = TokenAgreement::of(q, o, eos);
+            let logits_max_abs = q.iter().zip(o).fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+            positions.push(Position {
+                index: i,
+                class: if i + 1 < run.prompt.len() {
+                    PositionClass::Prompt
+                } else {
+                    PositionClass::Generated
+                },
+                agreement,
+                logits_max_abs,
+                near_tie: agreement.ref_margin <= 2.0 * logits_max_abs,
+            });
+        }
+    }
+    let worst = logits_errors
+        .into_iter()
+        .reduce(|a, b| if b.nmse > a.nmse { b } else { a })
+        .context("no prompts")?;
+    Ok(QuantizationError {
+        logits: worst,
+        distribution: Distribution::of(&positions),
+    })
+}

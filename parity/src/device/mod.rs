@@ -1,0 +1,214 @@
+//! The device under test, whoever built its graphs: one interface that says what it exposes and hands out the
+//! backends each check drives, so that compare-devices, the probe and every validate check are written once.
+//!
+//! Two implementations: [`own::OwnGraphs`], this project's graphs built from the checkpoint (any block size compiles,
+//! hidden states come from a second set of graphs with every tap, per-layer graphs are built on demand), and
+//! [`set::SetGraphs`], a graph set made elsewhere and read from files (`--ir DIR`: explicit-cache decoder graphs
+//! keyed by tokens per call, a per-layer set chained into a decoder, a stateful export), whose capabilities are
+//! what its manifest maps. A check asks [`DeviceUnderTest::capabilities`] whether it can run, and says in the
+//! report which port it would need when it cannot.
+
+pub mod fault;
+pub mod layers;
+pub mod own;
+mod pieces;
+pub mod set;
+pub mod settings;
+
+pub use layers::{DeviceLayers, LayerDevice};
+pub use settings::DeviceSettings;
+
+use anyhow::{Result, bail};
+use npu::sim::NumericModel;
+use reference::backend::{Backend, ReferenceBackend, RunRecord};
+use reference::config::Config;
+use reference::model::{Model, RunOptions};
+use reference::weights::WeightStore;
+use serde::Serialize;
+
+/// What a device under test exposes.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Capabilities {
+    /// What kind of graphs: `this project's graphs`, `decoder set`, `per-layer set`, `stateful IR`.
+    pub kind: &'static str,
+    /// Every state is a port: compared with the reference's, snapshot and restored on the host.
+    pub states: bool,
+    /// Hidden states come out (taps: every layer's output at least).
+    pub hidden: bool,
+    /// A prompt block can be padded (`token_valid`).
+    pub token_valid: bool,
+    /// A call of one token runs by itself (a 1-token graph, or a graph of any tokens per call), so a prompt can be
+    /// fed without padding.
+    pub single_token: bool,
+    /// Each layer has its own graph (the probe's unit).
+    pub layer_graphs: bool,
+    /// Any block size can be compiled (this project's graphs); otherwise only [`Capabilities::blocks`].
+    pub any_block: bool,
+    /// The block sizes the graphs have (empty: any number of tokens per call).
+    pub blocks: Vec<usize>,
+    /// The deployed prompt block (`None`: a whole call at once).
+    pub block: Option<usize>,
+    /// The static context, if any.
+    pub context: Option<usize>,
+    /// Where the context comes from, as messages name it (`--context`, or the manifest).
+    pub context_source: String,
+}
+
+/// One graph prepared for the device, as it reads back.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GraphInfo {
+    /// What it was compiled for (`deployed`, `taps`, `block 1`, `probe layers`, …).
+    pub purpose: String,
+    /// The graph's name.
+    pub graph: String,
+    /// The inference precision read back.
+    pub precision: String,
+    /// `EXECUTION_DEVICES` read back after compiling.
+    pub execution_devices: Option<String>,
+    /// Seconds spent compiling it.
+    pub compile_seconds: f64,
+    /// Whether OpenVINO loaded the graph from its on-disk model cache (`--cache-dir`; on by default for NPU); null
+    /// without a cache, or for several graphs of which only some came from it.
+    pub loaded_from_cache: Option<bool>,
+}
+
+impl GraphInfo {
+    /// The graph `info` describes, compiled for `purpose`.
+    pub fn of(purpose: &str, info: &npu::devices::ExecInfo) -> Self {
+        GraphInfo {
+            purpose: purpose.to_string(),
+            graph: info.graph.clone(),
+            precision: info.precision.clone(),
+            execution_devices: info.execution_devices.clone(),
+            compile_seconds: info.compile_seconds,
+            loaded_from_cache: info.loaded_from_cache,
+        }
+    }
+}
+
+/// A device under test: its deployed graphs and whatever else it exposes.
+pub trait DeviceUnderTest {
+    /// How reports name it (`CPU`, `CPU IR tiny-stateless`).
+    fn label(&self) -> &str;
+
+    /// The device it runs on.
+    fn device(&self) -> &str;
+
+    /// What it exposes.
+    fn capabilities(&self) -> &Capabilities;
+
+    /// What the deployed graphs ran (compiling them if no check has yet).
+    fn record(&mut self) -> Result<RunRecord>;
+
+    /// The graphs as deployed (this project's are compiled on first use: a probe through per-layer graphs never
+    /// compiles the whole decoder, which an NPU may not manage).
+    fn deployed(&mut self) -> Result<&mut dyn Backend>;
+
+    /// Graphs with hidden outputs when they are other graphs than the deployed ones (this project's, compiled with
+    /// every tap on first use); `None` when the deployed graphs carry whatever hidden outputs there are.
+    fn tapped(&mut self) -> Result<Option<&mut dyn Backend>>;
+
+    /// The deployed graphs with every call fed in pieces of at most `block` tokens: this project's graphs compile
+    /// that block size; a set's calls are cut into pieces its host rule runs.
+    fn with_block(&mut self, block: usize) -> Result<Box<dyn Backend + '_>>;
+
+    /// Pads a prompt's last block (`true`, the deployed rule where `token_valid` is mapped) or feeds it unpadded:
+    /// full blocks, then single tokens.
+    fn set_padding(&mut self, padded: bool) -> Result<()>;
+
+    /// A freshly compiled copy of the deployed graphs.
+    fn fresh(&self) -> Result<Box<dyn Backend>>;
+
+    /// Per-layer graphs of `layers` for blocks of `block` tokens, when the device has per-layer graphs.
+    fn layers(&self, layers: &[usize], block: usize) -> Result<Option<Box<dyn LayerDevice>>>;
+
+    /// Every graph compiled so far, with what it was compiled for.
+    fn graphs(&self) -> Vec<GraphInfo>;
+}
+
+/// Fails unless `device` can run here: the FP16SIM pseudo-device with valid options, or an OpenVINO device that is
+/// present (the error names the ones that are).
+pub fn check_device(device: &str) -> Result<()> {
+    if NumericModel::is_sim(device) {
+        NumericModel::parse(device, &[])?;
+        return Ok(());
+    }
+    let core = npu::runtime::core()?;
+    npu::devices::require(&core, device)?;
+    Ok(())
+}
+
+/// Every OpenVINO device present (the FP16SIM pseudo-device is compared only when named).
+pub fn available_devices() -> Result<Vec<String>> {
+    let core = npu::runtime::core().map_err(|e| {
+        anyhow::anyhow!(
+            "{e} (FP16SIM needs no runtime: pass --devices FP16SIM to compare with it alone)"
+        )
+    })?;
+    Ok(npu::devices::available(&core)?)
+}
+
+/// Splits `CPU,FP16SIM:store=f32,ftz=off,NPU` at the commas between devices (an item `key=value` continues the
+/// options of the FP16SIM before it).
+pub fn split_devices(list: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        match out.last_mut() {
+            Some(prev) if item.contains('=') && !item.contains(':') && prev.contains(':') => {
+                prev.push(',');
+                prev.push_str(item);
+            }
+            _ => out.push(item.to_string()),
+        }
+    }
+    out
+}
+
+/// The reference on the store's weights (the very weights a device runs, dequantized exactly).
+pub fn open_reference(
+    config: &Config,
+    store: &WeightStore,
+    opts: RunOptions,
+    taps: bool,
+) -> Result<ReferenceBackend> {
+    let model = Model::from_weights(config.clone(), store)?;
+    Ok(ReferenceBackend::new(
+        model,
+        opts,
+        taps,
+        &store.format().name(),
+    )?)
+}
+
+/// Fails unless `prompt` tokens and `generate` greedy tokens fit a static context of `context` slots (the last
+/// generated token is never fed back, so it needs no slot); `source` (a flag, or a manifest) is named: a long
+/// prompt is refused, never cut.
+pub fn check_context(prompt: usize, generate: usize, context: usize, source: &str) -> Result<()> {
+    let needed = prompt + generate.saturating_sub(1);
+    if needed > context {
+        bail!(
+            "{prompt} prompt tokens and {generate} generated need {needed} cache slots, but the static context holds \
+             {context} ({source})"
+        );
+    }
+    Ok(())
+}
+
+/// Warns when the deployed graphs computed in another precision than asked (FP16SIM's is its options').
+pub fn warn_precision(dut: &mut dyn DeviceUnderTest) -> Result<()> {
+    if NumericModel::is_sim(dut.device()) {
+        return Ok(());
+    }
+    let r = dut.record()?;
+    if let Some(asked) = &r.precision_requested
+        && r.precision.as_ref() != Some(asked)
+    {
+        eprintln!(
+            "warning: {} computed in {} although {asked} was requested (the device has no such arithmetic); \
+             recorded as `precision`",
+            dut.label(),
+            r.precision_text()
+        );
+    }
+    Ok(())
+}

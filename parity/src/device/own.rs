@@ -1,0 +1,251 @@
+//! This project's graphs, built from the checkpoint, as the device under test.
+
+use super::fault::{Fault, Faulty};
+use super::{Capabilities, DeviceLayers, DeviceSettings, DeviceUnderTest, GraphInfo, LayerDevice};
+use anyhow::{Context, Result};
+use npu::engine::DecoderEngine;
+use npu::graphs::{Builder, GraphOptions};
+use npu::graphset::PromptRule;
+use reference::backend::{Backend, RunRecord};
+use reference::config::Config;
+use reference::weights::WeightStore;
+use std::cell::RefCell;
+
+/// This project's decoder graphs on a device (prompt blocks of the settings' size and single-token decode), with
+/// every other graph a check needs built on demand from the same checkpoint and settings.
+pub struct OwnGraphs<'a> {
+    config: &'a Config,
+    store: &'a WeightStore,
+    settings: DeviceSettings,
+    fault: Option<Fault>,
+    deployed: Option<Faulty<DecoderEngine>>,
+    tapped: Option<Faulty<DecoderEngine>>,
+    caps: Capabilities,
+    log: RefCell<Vec<GraphInfo>>,
+}
+
+impl<'a> OwnGraphs<'a> {
+    /// This project's graphs for `settings`, misbehaving as `fault` says (tests only); the deployed graphs (logits
+    /// and states only) are compiled when a check first runs them.
+    pub fn open(
+        config: &'a Config,
+        store: &'a WeightStore,
+        settings: DeviceSettings,
+        fault: Option<Fault>,
+    ) -> Result<Self> {
+        let interface = npu::graphset::own::decoder(config, false);
+        let mut blocks = vec![1, settings.block];
+        blocks.dedup();
+        let caps = Capabilities {
+            kind: "this project's graphs",
+            states: true,
+            hidden: true,
+            token_valid: interface.has("token_valid"),
+            single_token: true,
+            layer_graphs: true,
+            any_block: true,
+            blocks,
+            block: Some(settings.block),
+            context: Some(settings.graph.context),
+            context_source: "--context".into(),
+        };
+        Ok(OwnGraphs {
+            config,
+            store,
+            fault,
+            deployed: None,
+            tapped: None,
+            caps,
+            settings,
+            log: RefCell::new(Vec::new()),
+        })
+    }
+
+    /// The deployed graphs, compiled on first use.
+    fn engine(&mut self) -> Result<&mut Faulty<DecoderEngine>> {
+        if self.deployed.is_none() {
+            let engine = compile(
+                self.config,
+                self.store,
+                &self.settings,
+                self.settings.block,
+                false,
+                &self.log,
+                "deployed",
+            )?;
+            self.deployed = Some(Faulty::new(engine, self.fault));
+        }
+        self.deployed
+            .as_mut()
+            .context("the deployed graphs are compiled")
+    }
+
+    /// The settings the graphs are built with.
+    pub fn settings(&self) -> &DeviceSettings {
+        &self.settings
+    }
+}
+
+/// Builds and compiles this project's decoder graphs for `settings` (with every tap as an output, or as deployed),
+/// warning when the device computes in another precision than asked: a backend on its own, for a command that
+/// only runs it (`dump`, `bench`).
+pub fn engine(
+    config: &Config,
+    store: &WeightStore,
+    settings: &DeviceSettings,
+    taps: bool,
+) -> Result<DecoderEngine> {
+    let log = RefCell::new(Vec::new());
+    let e = compile(config, store, settings, settings.block, taps, &log, "")?;
+    let r = e.record();
+    if !npu::sim::NumericModel::is_sim(&settings.device)
+        && r.precision.as_ref() != r.precision_requested.as_ref()
+    {
+        eprintln!(
+            "warning: {} computed in {} although {} was requested (the device has no such arithmetic); recorded \
+             as `precision`",
+            settings.device,
+            r.precision_text(),
+            settings.compile.precision.hint()
+        );
+    }
+    Ok(e)
+}
+
+/// Builds and compiles the decoder graphs with prompt blocks of `block` (with taps or not), logging them as
+/// `purpose`.
+fn compile(
+    config: &Config,
+    store: &WeightStore,
+    settings: &DeviceSettings,
+    block: usize,
+    taps: bool,
+    log: &RefCell<Vec<GraphInfo>>,
+    purpose: &str,
+) -> Result<DecoderEngine> {
+    if !npu::sim::NumericModel::is_sim(&settings.device) {
+        npu::runtime::load()?;
+    }
+    let graph = GraphOptions {
+        taps,
+        ..settings.graph
+    };
+    let builder = Builder::new(config, store, graph)?;
+    let engine = DecoderEngine::new(&builder, block, &settings.device, &settings.compile)
+        .with_context(|| format!("compiling the graphs with --block {block}"))?;
+    log.borrow_mut().extend(
+        engine
+            .infos()
+            .into_iter()
+            .map(|i| GraphInfo::of(purpose, i)),
+    );
+    Ok(engine)
+}
+
+impl DeviceUnderTest for OwnGraphs<'_> {
+    fn label(&self) -> &str {
+        &self.settings.device
+    }
+
+    fn device(&self) -> &str {
+        &self.settings.device
+    }
+
+    fn capabilities(&self) -> &Capabilities {
+        &self.caps
+    }
+
+    fn record(&mut self) -> Result<RunRecord> {
+        Ok(self.engine()?.record().clone())
+    }
+
+    fn deployed(&mut self) -> Result<&mut dyn Backend> {
+        Ok(self.engine()?)
+    }
+
+    fn tapped(&mut self) -> Result<Option<&mut dyn Backend>> {
+        if self.tapped.is_none() {
+            let engine = compile(
+                self.config,
+                self.store,
+                &self.settings,
+                self.settings.block,
+                true,
+                &self.log,
+                "taps",
+            )?;
+            self.tapped = Some(Faulty::new(engine, self.fault));
+        }
+        Ok(self.tapped.as_mut().map(|t| t as &mut dyn Backend))
+    }
+
+    fn with_block(&mut self, block: usize) -> Result<Box<dyn Backend + '_>> {
+        if block == self.settings.block {
+            // The deployed graphs themselves: a call of more than a block runs in blocks anyway.
+            return Ok(Box::new(super::pieces::Pieces {
+                inner: self.engine()?,
+                block,
+            }));
+        }
+        let engine = compile(
+            self.config,
+            self.store,
+            &self.settings,
+            block,
+            false,
+            &self.log,
+            &format!("block {block}"),
+        )?;
+        Ok(Box::new(Faulty::new(engine, self.fault)))
+    }
+
+    fn set_padding(&mut self, padded: bool) -> Result<()> {
+        let rule = if padded {
+            PromptRule::Padded
+        } else {
+            PromptRule::Blocks
+        };
+        Ok(self.engine()?.inner_mut().set_prompt_rule(rule)?)
+    }
+
+    fn fresh(&self) -> Result<Box<dyn Backend>> {
+        let engine = compile(
+            self.config,
+            self.store,
+            &self.settings,
+            self.settings.block,
+            false,
+            &self.log,
+            "fresh (back-to-back)",
+        )?;
+        Ok(Box::new(Faulty::new(engine, self.fault)))
+    }
+
+    fn layers(&self, layers: &[usize], block: usize) -> Result<Option<Box<dyn LayerDevice>>> {
+        let builder = Builder::new(
+            self.config,
+            self.store,
+            GraphOptions {
+                taps: true,
+                ..self.settings.graph
+            },
+        )?;
+        let d = DeviceLayers::build(
+            &builder,
+            layers,
+            block,
+            &self.settings.device,
+            &self.settings.compile,
+        )?;
+        self.log.borrow_mut().extend(
+            d.infos()
+                .into_iter()
+                .map(|i| GraphInfo::of("probe layers", i)),
+        );
+        Ok(Some(Box::new(d)))
+    }
+
+    fn graphs(&self) -> Vec<GraphInfo> {
+        self.log.borrow().clone()
+    }
+}

@@ -1,0 +1,68 @@
+//! A backend whose every call is fed in pieces of at most `block` tokens: how a set of fixed graphs (or one that takes
+//! any number of tokens per call) is driven at another block size without compiling anything.
+
+use candle_core::Tensor;
+use reference::backend::{Backend, Forward, RunRecord, Snapshot};
+use reference::config::Config;
+use std::collections::BTreeMap;
+
+/// `inner` with every call cut into pieces of at most `block` tokens.
+pub struct Pieces<'a> {
+    /// The backend.
+    pub inner: &'a mut dyn Backend,
+    /// The largest piece.
+    pub block: usize,
+}
+
+impl Backend for Pieces<'_> {
+    fn config(&self) -> &Config {
+        self.inner.config()
+    }
+
+    fn record(&self) -> &RunRecord {
+        self.inner.record()
+    }
+
+    fn reset(&mut self) -> reference::Result<()> {
+        self.inner.reset()
+    }
+
+    fn forward(&mut self, ids: &[u32], all_logits: bool) -> reference::Result<Forward> {
+        let pieces: Vec<&[u32]> = ids.chunks(self.block.max(1)).collect();
+        let mut logits = Vec::with_capacity(pieces.len());
+        let mut taps: BTreeMap<String, Vec<Tensor>> = BTreeMap::new();
+        for (i, piece) in pieces.iter().enumerate() {
+            let last = i + 1 == pieces.len();
+            let f = self.inner.forward(piece, all_logits)?;
+            if all_logits || last {
+                logits.push(f.logits);
+            }
+            for (k, v) in f.taps {
+                taps.entry(k).or_default().push(v);
+            }
+        }
+        Ok(Forward {
+            logits: Tensor::cat(&logits, 0)?,
+            taps: taps
+                .into_iter()
+                .map(|(k, v)| Ok((k, Tensor::cat(&v, 0)?)))
+                .collect::<reference::Result<_>>()?,
+        })
+    }
+
+    fn exposes_state(&self) -> bool {
+        self.inner.exposes_state()
+    }
+
+    fn position(&self) -> reference::Result<usize> {
+        self.inner.position()
+    }
+
+    fn snapshot(&self) -> reference::Result<Snapshot> {
+        self.inner.snapshot()
+    }
+
+    fn restore(&mut self, snapshot: &Snapshot) -> reference::Result<()> {
+        self.inner.restore(snapshot)
+    }
+}

@@ -1,0 +1,357 @@
+//! A graph set made elsewhere (`--ir DIR`) as the device under test: its decoder graphs, or its per-layer graphs
+//! chained into a decoder, with the capabilities its description maps.
+
+use super::fault::{Fault, Faulty};
+use super::pieces::Pieces;
+use super::{Capabilities, DeviceLayers, DeviceUnderTest, GraphInfo, LayerDevice};
+use anyhow::{Context, Result, bail};
+use npu::devices::CompileOptions;
+use npu::engine::{DecoderEngine, LayerChain};
+use npu::graphset::{GraphSet, PromptRule};
+use npu::sim::NumericModel;
+use reference::backend::{Backend, Forward, RunRecord, Snapshot};
+use reference::config::Config;
+use reference::model::Model;
+use reference::quant::WeightFormat;
+use reference::weights::WeightStore;
+use std::cell::RefCell;
+use std::path::{Path, PathBuf};
+
+/// A set's directory as a command opens it: its description, and the checkpoint and weights the reference runs
+/// against it.
+pub struct SetSource {
+    /// The directory given.
+    pub dir: PathBuf,
+    /// Its description (its manifest, or the convention its port names follow).
+    pub set: GraphSet,
+    /// The checkpoint directory.
+    pub checkpoint: PathBuf,
+    /// Its config.
+    pub config: Config,
+    /// The weights the reference runs.
+    pub store: WeightStore,
+    /// Set when the manifest says the graphs hold other weights than the reference runs.
+    pub weights_warning: Option<String>,
+}
+
+impl SetSource {
+    /// The set of `dir` against the checkpoint `checkpoint` (its `config` and `store`).
+    pub fn new(
+        dir: &Path,
+        set: GraphSet,
+        checkpoint: PathBuf,
+        config: Config,
+        store: WeightStore,
+    ) -> Self {
+        let weights_warning = set.reference_weights.as_ref().and_then(|w| {
+            (WeightFormat::parse(w).ok() != Some(store.format())).then(|| {
+                format!(
+                    "{} says the graphs hold the weights of `--weights {w}`; the reference runs `--weights {}`",
+                    set.source,
+                    store.format()
+                )
+            })
+        });
+        SetSource {
+            dir: dir.to_path_buf(),
+            set,
+            checkpoint,
+            config,
+            store,
+            weights_warning,
+        }
+    }
+
+    /// The directory's own name, for labels.
+    pub fn name(&self) -> String {
+        self.dir.file_name().map_or_else(
+            || self.dir.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        )
+    }
+
+    /// The static context, and where it comes from.
+    pub fn context(&self) -> (Option<usize>, String) {
+        (
+            self.set.context,
+            format!("the `context` of {}", self.set.source),
+        )
+    }
+}
+
+/// The set's decoder, or its per-layer graphs chained.
+enum Graphs {
+    Decoder(DecoderEngine),
+    Chain(LayerChain),
+}
+
+impl Graphs {
+    fn backend(&self) -> &dyn Backend {
+        match self {
+            Graphs::Decoder(d) => d,
+            Graphs::Chain(c) => c,
+        }
+    }
+
+    fn backend_mut(&mut self) -> &mut dyn Backend {
+        match self {
+            Graphs::Decoder(d) => d,
+            Graphs::Chain(c) => c,
+        }
+    }
+
+    fn infos(&self) -> Vec<&npu::devices::ExecInfo> {
+        match self {
+            Graphs::Decoder(d) => d.infos(),
+            Graphs::Chain(c) => c.infos(),
+        }
+    }
+}
+
+impl Backend for Graphs {
+    fn config(&self) -> &Config {
+        self.backend().config()
+    }
+
+    fn record(&self) -> &RunRecord {
+        self.backend().record()
+    }
+
+    fn reset(&mut self) -> reference::Result<()> {
+        self.backend_mut().reset()
+    }
+
+    fn forward(&mut self, ids: &[u32], all_logits: bool) -> reference::Result<Forward> {
+        self.backend_mut().forward(ids, all_logits)
+    }
+
+    fn exposes_state(&self) -> bool {
+        self.backend().exposes_state()
+    }
+
+    fn position(&self) -> reference::Result<usize> {
+        self.backend().position()
+    }
+
+    fn snapshot(&self) -> reference::Result<Snapshot> {
+        self.backend().snapshot()
+    }
+
+    fn restore(&mut self, snapshot: &Snapshot) -> reference::Result<()> {
+        self.backend_mut().restore(snapshot)
+    }
+}
+
+/// A graph set made elsewhere on a device.
+pub struct SetGraphs<'a> {
+    source: &'a SetSource,
+    host: Model,
+    device: String,
+    compile: CompileOptions,
+    fault: Option<Fault>,
+    deployed: Faulty<Graphs>,
+    caps: Capabilities,
+    label: String,
+    log: RefCell<Vec<GraphInfo>>,
+}
+
+impl<'a> SetGraphs<'a> {
+    /// Compiles the set's decoder graphs (or its per-layer graphs, chained) on `device`, an OpenVINO device.
+    pub fn open(
+        source: &'a SetSource,
+        device: &str,
+        compile: &CompileOptions,
+        fault: Option<Fault>,
+    ) -> Result<Self> {
+        if NumericModel::is_sim(device) {
+            bail!(
+                "{device} evaluates this project's own graphs; a set made elsewhere runs on an OpenVINO device \
+                 (--ir {})",
+                source.dir.display()
+            );
+        }
+        let host = Model::from_weights(source.config.clone(), &source.store)?;
+        let log = RefCell::new(Vec::new());
+        let graphs = open_graphs(source, &host, device, compile, &log, "deployed")?;
+        let set = &source.set;
+        let (context, context_source) = source.context();
+        let caps = match &graphs {
+            Graphs::Decoder(d) => {
+                let blocks = d.blocks();
+                Capabilities {
+                    kind: if d.interface().stateful {
+                        "stateful IR"
+                    } else {
+                        "decoder set"
+                    },
+                    states: !d.interface().stateful,
+                    hidden: d.has_taps(),
+                    token_valid: d.takes_token_valid(),
+                    single_token: blocks.is_empty() || blocks.contains(&1),
+                    layer_graphs: set.layers.is_some(),
+                    any_block: false,
+                    block: blocks.last().copied(),
+                    blocks,
+                    context,
+                    context_source,
+                }
+            }
+            Graphs::Chain(c) => {
+                let blocks = c.blocks();
+                Capabilities {
+                    kind: "per-layer set",
+                    states: true,
+                    hidden: true,
+                    token_valid: set
+                        .layers
+                        .as_ref()
+                        .is_some_and(|p| p.interface.has("token_valid")),
+                    single_token: blocks.contains(&1),
+                    layer_graphs: true,
+                    any_block: false,
+                    block: blocks.last().copied(),
+                    blocks,
+                    context,
+                    context_source,
+                }
+            }
+        };
+        Ok(SetGraphs {
+            label: format!("{device} IR {}", source.name()),
+            source,
+            host,
+            device: device.to_string(),
+            compile: compile.clone(),
+            fault,
+            deployed: Faulty::new(graphs, fault),
+            caps,
+            log,
+        })
+    }
+
+    /// The set and its checkpoint.
+    pub fn source(&self) -> &SetSource {
+        self.source
+    }
+}
+
+/// The set's decoder graphs, or its per-layer graphs chained, compiled and logged as `purpose`.
+fn open_graphs(
+    source: &SetSource,
+    host: &Model,
+    device: &str,
+    compile: &CompileOptions,
+    log: &RefCell<Vec<GraphInfo>>,
+    purpose: &str,
+) -> Result<Graphs> {
+    let set = &source.set;
+    let at = || format!("--ir {}", source.dir.display());
+    let graphs = match &set.decoder {
+        Some(part) => {
+            let embeddings = if part.interface.has("embeddings") {
+                let all: Vec<u32> = (0..source.config.vocab_size as u32).collect();
+                Some(host.embed(&all)?)
+            } else {
+                None
+            };
+            Graphs::Decoder(
+                DecoderEngine::open(set, source.config.clone(), device, compile, embeddings)
+                    .with_context(at)?,
+            )
+        }
+        None => {
+            Graphs::Chain(LayerChain::open(set, host.clone(), device, compile).with_context(at)?)
+        }
+    };
+    log.borrow_mut().extend(
+        graphs
+            .infos()
+            .into_iter()
+            .map(|i| GraphInfo::of(purpose, i)),
+    );
+    Ok(graphs)
+}
+
+impl DeviceUnderTest for SetGraphs<'_> {
+    fn label(&self) -> &str {
+        &self.label
+    }
+
+    fn device(&self) -> &str {
+        &self.device
+    }
+
+    fn capabilities(&self) -> &Capabilities {
+        &self.caps
+    }
+
+    fn record(&mut self) -> Result<RunRecord> {
+        Ok(self.deployed.record().clone())
+    }
+
+    fn deployed(&mut self) -> Result<&mut dyn Backend> {
+        Ok(&mut self.deployed)
+    }
+
+    /// The deployed graphs carry whatever hidden outputs the set maps.
+    fn tapped(&mut self) -> Result<Option<&mut dyn Backend>> {
+        Ok(None)
+    }
+
+    fn with_block(&mut self, block: usize) -> Result<Box<dyn Backend + '_>> {
+        Ok(Box::new(Pieces {
+            inner: &mut self.deployed,
+            block,
+        }))
+    }
+
+    fn set_padding(&mut self, padded: bool) -> Result<()> {
+        let rule = if padded {
+            PromptRule::Padded
+        } else {
+            PromptRule::Blocks
+        };
+        match self.deployed.inner_mut() {
+            Graphs::Decoder(d) => d.set_prompt_rule(rule)?,
+            Graphs::Chain(c) => c.set_prompt_rule(rule)?,
+        }
+        Ok(())
+    }
+
+    fn fresh(&self) -> Result<Box<dyn Backend>> {
+        let graphs = open_graphs(
+            self.source,
+            &self.host,
+            &self.device,
+            &self.compile,
+            &self.log,
+            "fresh (back-to-back)",
+        )?;
+        Ok(Box::new(Faulty::new(graphs, self.fault)))
+    }
+
+    fn layers(&self, layers: &[usize], block: usize) -> Result<Option<Box<dyn LayerDevice>>> {
+        if self.source.set.layers.is_none() {
+            return Ok(None);
+        }
+        let d = DeviceLayers::open(
+            &self.source.set,
+            &self.source.config,
+            layers,
+            block,
+            &self.device,
+            &self.compile,
+            self.deployed.record(),
+        )?;
+        self.log.borrow_mut().extend(
+            d.infos()
+                .into_iter()
+                .map(|i| GraphInfo::of("probe layers", i)),
+        );
+        Ok(Some(Box::new(d)))
+    }
+
+    fn graphs(&self) -> Vec<GraphInfo> {
+        self.log.borrow().clone()
+    }
+}
