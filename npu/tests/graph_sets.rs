@@ -208,3 +208,129 @@ fn each_broken_graph_differs_in_exactly_its_state() {
         assert!(errors[0].1 > 5e-3, "{set}: {errors:?}");
     }
 }
+
+/// A copy of the renamed set whose manifest is changed by `edit`, opened on the CPU: the error, if any.
+fn renamed_with(edit: impl FnOnce(&mut serde_json::Value)) -> String {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = testdata().join("sets/tiny-renamed");
+    std::fs::copy(
+        src.join("openvino_model.xml"),
+        tmp.path().join("openvino_model.xml"),
+    )
+    .unwrap();
+    let mut m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("manifest.json")).unwrap()).unwrap();
+    let bin = testdata().join("sets/tiny-stateless/openvino_model.bin");
+    m["decoder"]["graphs"][0]["bin"] = bin.display().to_string().into();
+    edit(&mut m);
+    std::fs::write(tmp.path().join("manifest.json"), m.to_string()).unwrap();
+    let (config, _) = tiny();
+    match manifest::open(tmp.path())
+        .and_then(|set| DecoderEngine::open(&set, config, "CPU", &CompileOptions::default(), None))
+    {
+        Ok(_) => String::new(),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn a_description_that_does_not_match_the_graph_names_the_port_the_file_and_the_key() {
+    assert_eq!(renamed_with(|_| {}), "", "the renamed set opens as it is");
+    // The recurrent states' layout as the stateless naming has it: the graph's ports are transposed.
+    let e = renamed_with(|m| {
+        m["decoder"]["states"]["recurrent_state"]["shape"] =
+            serde_json::json!(["batch", "heads", "key_dim", "value_dim"])
+    });
+    assert!(
+        e.contains("`decoder.states.recurrent_state.input`")
+            && e.contains("`dn0_S_T` dim 2 is 24")
+            && e.contains("`key_dim` is 16")
+            && e.contains("openvino_model.xml"),
+        "{e}"
+    );
+    let e = renamed_with(|m| m["decoder"]["states"]["key_cache"]["type"] = "f16".into());
+    assert!(
+        e.contains("`attn3_K` is f32 in the graph, the description says f16"),
+        "{e}"
+    );
+    let e = renamed_with(|m| {
+        m["decoder"]["states"]
+            .as_object_mut()
+            .unwrap()
+            .remove("value_cache");
+    });
+    assert!(
+        e.contains("`decoder.states.value_cache`") && e.contains("layer 3 (full_attention)"),
+        "{e}"
+    );
+    let e = renamed_with(|m| m["decoder"]["states"]["conv_state"]["input"]["1"] = "nope".into());
+    assert!(
+        e.contains("names input `nope`, which the graph does not have"),
+        "{e}"
+    );
+    let e = renamed_with(|m| {
+        m["decoder"]["inputs"]
+            .as_object_mut()
+            .unwrap()
+            .remove("positions");
+    });
+    assert!(
+        e.contains("has input `where`, which the description maps to no role"),
+        "{e}"
+    );
+    // The manifest itself: an unknown axis, an unknown key, a cache update that is none of the three.
+    let e = renamed_with(|m| {
+        m["decoder"]["inputs"]["input_ids"]["shape"] = serde_json::json!(["tokenz"])
+    });
+    assert!(
+        e.contains("`decoder.inputs.input_ids.shape[0]`") && e.contains("unknown axis `tokenz`"),
+        "{e}"
+    );
+    let e = renamed_with(|m| m["decoder"]["stats"] = serde_json::json!({}));
+    assert!(e.contains("`decoder.stats`: not a key here"), "{e}");
+    let e = renamed_with(|m| {
+        m["decoder"]["states"]["key_cache"]["output_shape"] =
+            serde_json::json!(["batch", "kv_heads", "past", "head_dim"])
+    });
+    assert!(e.contains("`past` → `past`"), "{e}");
+}
+
+mod layout {
+    use candle_core::{Device, Tensor};
+    use npu::graphset::layout::{from_port, to_port};
+    use npu::graphset::{Axis, ElemKind, PortSpec};
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Any axis order, with batch axes anywhere: into a port's layout and back is the identity.
+        #[test]
+        fn a_state_goes_into_any_layout_and_back(perm in Just([0usize, 1, 2]).prop_shuffle(), batch in 0usize..5) {
+            let canonical = [Axis::Heads, Axis::KeyDim, Axis::ValueDim];
+            let dims = [2usize, 3, 5];
+            let t = Tensor::arange(0f32, 30.0, &Device::Cpu).unwrap().reshape(dims.to_vec()).unwrap();
+            let mut shape: Vec<Axis> = perm.iter().map(|&i| canonical[i]).collect();
+            let mut port_dims: Vec<usize> = perm.iter().map(|&i| dims[i]).collect();
+            if batch < 4 {
+                shape.insert(batch.min(shape.len()), Axis::Batch);
+                port_dims.insert(batch.min(port_dims.len()), 1);
+            }
+            let port = PortSpec::new("s", ElemKind::F32, &shape);
+            let p = to_port(&t, &canonical, &port, &port_dims, "test").unwrap();
+            prop_assert_eq!(p.dims(), &port_dims[..]);
+            // Each element lands where its axes say.
+            let pv: Vec<f32> = p.flatten_all().unwrap().to_vec1().unwrap();
+            let named: Vec<usize> = shape.iter().filter_map(|a| canonical.iter().position(|c| c == a)).collect();
+            let strides: Vec<usize> = (0..port_dims.len()).map(|i| port_dims[i + 1..].iter().product()).collect();
+            let named_strides: Vec<usize> = shape.iter().zip(&strides).filter(|(a, _)| !a.is_unit()).map(|(_, s)| *s).collect();
+            for h in 0..2 { for k in 0..3 { for v in 0..5 {
+                let idx = [h, k, v];
+                let at: usize = named.iter().zip(&named_strides).map(|(&c, &s)| idx[c] * s).sum();
+                prop_assert_eq!(pv[at], (h * 15 + k * 5 + v) as f32);
+            }}}
+            let back = from_port(&p, &shape, &canonical, "test").unwrap();
+            let a: Vec<f32> = back.flatten_all().unwrap().to_vec1().unwrap();
+            let b: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+            prop_assert_eq!(a, b);
+        }
+    }
+}

@@ -437,3 +437,167 @@ pub fn empty_state(config: &Config, kind: StateKind) -> Result<Tensor> {
         .collect();
     Ok(Tensor::zeros(d, DType::F32, &Device::Cpu)?)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::graphset::{MaskValues, StateSpec};
+
+    fn config() -> Config {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/models/tiny");
+        Config::from_file(&dir.join("config.json")).unwrap()
+    }
+
+    fn values(t: &Tensor) -> Vec<f64> {
+        t.flatten_all()
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
+    #[test]
+    fn masks_mark_the_past_and_the_calls_tokens_causally() {
+        let c = config();
+        // 3 slots, 2 real tokens, after 2 tokens, static context 4.
+        let call = Call {
+            ids: &[7, 8],
+            tokens: 3,
+            past: 2,
+            context: Some(4),
+        };
+        let bias = PortSpec::new("m", ElemKind::F32, &[Axis::Tokens, Axis::ContextTokens]);
+        let got = values(
+            &fill(
+                &c,
+                InputRole::AttentionMask(MaskValues::Bias),
+                &bias,
+                &call,
+                "m",
+            )
+            .unwrap(),
+        );
+        assert_eq!(got, reference::masks::attention_bias(3, 2, 4));
+        // Ones over the static context, the call's tokens written at slots 2..: causal per query.
+        let ones = PortSpec::new(
+            "m",
+            ElemKind::I64,
+            &[Axis::Batch, Axis::Tokens, Axis::Context],
+        );
+        let got = values(
+            &fill(
+                &c,
+                InputRole::AttentionMask(MaskValues::Ones),
+                &ones,
+                &call,
+                "m",
+            )
+            .unwrap(),
+        );
+        #[rustfmt::skip]
+        assert_eq!(got, vec![1., 1., 1., 0., 1., 1., 1., 1., 1., 1., 1., 1.]);
+        // Ones over the tokens so far without a query axis: the padded slot is 0.
+        let grow = PortSpec::new("m", ElemKind::I64, &[Axis::Batch, Axis::PastTokens]);
+        let got = values(
+            &fill(
+                &c,
+                InputRole::AttentionMask(MaskValues::Ones),
+                &grow,
+                &call,
+                "m",
+            )
+            .unwrap(),
+        );
+        assert_eq!(got, vec![1., 1., 1., 1., 0.]);
+        let ids = PortSpec::new("i", ElemKind::I32, &[Axis::Batch, Axis::Tokens]);
+        assert_eq!(
+            values(&fill(&c, InputRole::InputIds, &ids, &call, "i").unwrap()),
+            vec![7., 8., 0.]
+        );
+        let pos = PortSpec::new("p", ElemKind::I64, &[Axis::Fixed(3), Axis::Tokens]);
+        assert_eq!(
+            values(&fill(&c, InputRole::Positions, &pos, &call, "p").unwrap()),
+            vec![2., 3., 4., 2., 3., 4., 2., 3., 4.]
+        );
+        let valid = PortSpec::new("v", ElemKind::Bool, &[Axis::Tokens]);
+        assert_eq!(
+            values(&fill(&c, InputRole::TokenValid, &valid, &call, "v").unwrap()),
+            vec![1., 1., 0.]
+        );
+    }
+
+    #[test]
+    fn caches_are_padded_to_the_context_and_take_back_their_valid_rows() {
+        let c = config();
+        let (h, d) = (c.num_key_value_heads, c.head_dim);
+        let before = Tensor::ones((h, 2, d), DType::F32, &Device::Cpu).unwrap();
+        let call = Call {
+            ids: &[1, 2],
+            tokens: 3,
+            past: 2,
+            context: Some(6),
+        };
+        let spec = |shape: &[Axis], out: &[Axis]| StateSpec {
+            kind: StateKind::Keys,
+            input: crate::graphset::Names::fixed("k"),
+            output: crate::graphset::Names::fixed("k_out"),
+            ty: ElemKind::F32,
+            shape: shape.to_vec(),
+            output_shape: out.to_vec(),
+        };
+        // Static slots the graph writes: in 6 slots (2 filled, the rest zero), out 6 slots of which 4 are kept.
+        let s = spec(
+            &[Axis::Batch, Axis::KvHeads, Axis::Context, Axis::HeadDim],
+            &[Axis::Batch, Axis::KvHeads, Axis::Context, Axis::HeadDim],
+        );
+        let input = state_in(&c, StateKind::Keys, &s, &before, &call, "k").unwrap();
+        assert_eq!(input.dims(), &[1, h, 6, d]);
+        assert_eq!(
+            values(&input.narrow(2, 2, 4).unwrap()).iter().sum::<f64>(),
+            0.0
+        );
+        let out = Tensor::full(3f32, (1, h, 6, d), &Device::Cpu).unwrap();
+        let after = state_out(
+            StateKind::Keys,
+            &s,
+            s.update("k").unwrap(),
+            &out,
+            &before,
+            &call,
+            "k",
+        )
+        .unwrap();
+        assert_eq!(after.dims(), &[h, 4, d]);
+        // The call's rows only, written by the host: the two real ones appended (the padded slot dropped).
+        let r = spec(
+            &[Axis::KvHeads, Axis::Context, Axis::HeadDim],
+            &[Axis::KvHeads, Axis::Tokens, Axis::HeadDim],
+        );
+        let rows = Tensor::full(5f32, (h, 3, d), &Device::Cpu).unwrap();
+        let after = state_out(
+            StateKind::Keys,
+            &r,
+            r.update("k").unwrap(),
+            &rows,
+            &before,
+            &call,
+            "k",
+        )
+        .unwrap();
+        assert_eq!(after.dims(), &[h, 4, d]);
+        assert_eq!(values(&after.narrow(1, 2, 2).unwrap())[0], 5.0);
+        assert_eq!(values(&after.narrow(1, 0, 2).unwrap())[0], 1.0);
+        // More filled positions than the context holds is an error naming the port.
+        let long = Call {
+            context: Some(1),
+            ..call
+        };
+        assert!(
+            state_in(&c, StateKind::Keys, &s, &before, &long, "k")
+                .unwrap_err()
+                .to_string()
+                .contains("k:")
+        );
+    }
+}

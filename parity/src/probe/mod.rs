@@ -537,13 +537,15 @@ pub fn drill_down(layers: &[LayerProbe]) -> Option<DrillDown> {
             .intermediates
             .iter()
             .find(|n| over(&n.error, t.max_nrmse))
+            .map(|n| n.name.clone())
             .or_else(|| {
+                let prefix = format!("layers.{}.", first.layer);
                 first
                     .states
                     .iter()
                     .find(|n| over(&n.error, t.max_state_nrmse))
-            })
-            .map(|n| n.name.clone()),
+                    .map(|n| n.name.strip_prefix(&prefix).unwrap_or(&n.name).to_string())
+            }),
         intermediates: first.intermediates.clone(),
     })
 }

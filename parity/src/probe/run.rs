@@ -42,8 +42,10 @@ pub struct ProbePlan<'a> {
 pub fn how(caps: &Capabilities) -> std::result::Result<&'static str, String> {
     if caps.layer_graphs {
         Ok("per-layer graphs")
+    } else if caps.states && caps.hidden {
+        Ok("the decoder's states after every block and its hidden outputs")
     } else if caps.states {
-        Ok("the decoder's states after every block, and its hidden outputs")
+        Ok("the decoder's states after every block")
     } else {
         Err(
             "the device exposes neither per-layer graphs (`layers` in a set's manifest) nor its states (state ports, \

@@ -111,6 +111,9 @@ fn set_next(id: CheckId) -> Option<&'static str> {
         CheckId::Length => Some(
             "qwen35 probe --ir DIR --mode chained on a prompt of the first failing length: the state drift per block",
         ),
+        CheckId::Probe => Some(
+            "qwen35 probe --ir DIR --mode isolated: the layer, and the state or op where the error starts",
+        ),
         _ => None,
     }
 }
