@@ -15,14 +15,7 @@ fn set(name: &str) -> PathBuf {
 
 /// Two prompts, 4 tokens each, lengths up to 64.
 fn small(dir: &Path) -> Vec<String> {
-    let prompts = dir.join("two.jsonl");
-    std::fs::write(
-        &prompts,
-        "{\"label\": \"river\", \"prompt\": \"Why does the river rise in spring?\"}\n\
-         {\"label\": \"ids\", \"token_ids\": [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 122, 133, 144, 155, 166, 177, \
-         188, 199, 211]}\n",
-    )
-    .unwrap();
+    let prompts = common::two_prompts(dir);
     [
         "--device",
         "CPU",

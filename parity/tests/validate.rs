@@ -61,14 +61,7 @@ fn failed(v: &Value) -> Vec<String> {
 
 /// Small runs for the fault and precision tests: two prompts, few tokens, blocks of 1 and 16.
 fn small(dir: &Path) -> Vec<String> {
-    let prompts = dir.join("two.jsonl");
-    std::fs::write(
-        &prompts,
-        "{\"label\": \"river\", \"prompt\": \"Why does the river rise in spring?\"}\n\
-         {\"label\": \"ids\", \"token_ids\": [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 122, 133, 144, 155, 166, 177, \
-         188, 199, 211]}\n",
-    )
-    .unwrap();
+    let prompts = common::two_prompts(dir);
     [
         "--device",
         "CPU",

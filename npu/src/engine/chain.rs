@@ -9,7 +9,7 @@ use crate::devices::{CompileOptions, ExecInfo};
 use crate::error::{Error, Result};
 use crate::graphset::{GraphSet, PromptRule};
 use candle_core::Tensor;
-use reference::backend::{Backend, Forward, Precision, RunRecord, Snapshot};
+use reference::backend::{Backend, Forward, RunRecord, Snapshot};
 use reference::config::Config;
 use reference::model::Model;
 use reference::taps::names;
@@ -72,38 +72,11 @@ impl LayerChain {
             .iter()
             .flat_map(|m| m.values().map(|r| r.info()))
             .collect();
-        let info = *infos
-            .first()
-            .ok_or_else(|| Error::Config(format!("{}: no per-layer graph", set.source)))?;
-        let d = crate::devices::describe(&crate::runtime::core()?, device);
         let record = RunRecord {
             backend: "graph-set (per-layer chain)".into(),
-            device: Some(device.to_string()),
-            runtime: Some(crate::runtime::load()?.version.clone()),
-            device_name: Some(d.full_name),
-            driver: d.driver_version,
-            dtype: "f32".into(),
-            precision_requested: Some(Precision::parse(opts.precision.hint())),
-            precision: Some(Precision::parse(&info.precision)),
-            execution_devices: info.execution_devices.clone(),
-            properties: info.properties.clone(),
-            weights: set
-                .reference_weights
-                .clone()
-                .unwrap_or_else(|| "as exported".into()),
-            deltanet_prefill: "as exported".into(),
-            deltanet_decode: "as exported".into(),
-            output_scale: 1.0,
-            prefill_block: None,
             block: first.last().copied(),
-            context: set.context,
             taps: true,
-            compile_seconds: Some(start.elapsed().as_secs_f64()),
-            cache_dir: info.cache_dir.as_ref().map(|d| d.display().to_string()),
-            from_cache: infos
-                .iter()
-                .filter_map(|i| Some((i.graph.clone(), i.loaded_from_cache?)))
-                .collect(),
+            ..super::decoder::set_record(set, &infos, device, opts, start.elapsed().as_secs_f64())?
         };
         let states = (0..config.num_layers())
             .map(|l| HostLayerState::zeros(&config, l))

@@ -387,36 +387,25 @@ impl DecoderEngine {
             };
             inputs.push((port.name.clone(), t));
         }
-        for st in &graph.ports.states {
-            let state = self.states[st.layer].get(st.kind).ok_or_else(|| {
-                Error::Interface(format!("layer {} has no {}", st.layer, st.kind.key()))
-            })?;
-            inputs.push((
-                st.input.clone(),
-                layout::state_in(config, st.kind, &st.spec, state, &call, &at(&st.key))?,
-            ));
-        }
+        let states = &self.states;
+        inputs.extend(super::state_inputs(
+            config,
+            &graph.ports.states,
+            |l| &states[l],
+            &call,
+            &graph_name,
+        )?);
         let refs: Vec<(&str, &Tensor)> = inputs.iter().map(|(n, t)| (n.as_str(), t)).collect();
         let mut out = graph.exec.run(&refs)?;
         let valid = ids.len();
-        for st in &graph.ports.states {
-            let t = out.remove(&st.output).ok_or_else(|| {
-                Error::Interface(format!("the graph gave no output `{}`", st.output))
-            })?;
-            let before = self.states[st.layer].get(st.kind).ok_or_else(|| {
-                Error::Interface(format!("layer {} has no {}", st.layer, st.kind.key()))
-            })?;
-            let new = layout::state_out(
-                st.kind,
-                &st.spec,
-                st.update,
-                &t,
-                before,
-                &call,
-                &at(&st.key),
-            )?;
-            self.states[st.layer].set(st.kind, new)?;
-        }
+        super::take_states(
+            &graph.ports.states,
+            &mut out,
+            &mut self.states,
+            |l| l,
+            &call,
+            &graph_name,
+        )?;
         let port = &graph.ports.output;
         let raw = out
             .remove(&port.name)
@@ -589,7 +578,7 @@ impl Backend for DecoderEngine {
 }
 
 /// What a set read from files ran: the device, the precision that took effect, every property, the model cache.
-fn set_record(
+pub(crate) fn set_record(
     set: &GraphSet,
     infos: &[&ExecInfo],
     device: &str,

@@ -185,35 +185,23 @@ impl LayerRunner {
                 };
                 inputs.push((port.name.clone(), t));
             }
-            for st in &self.ports.states {
-                let t = state.get(st.kind).ok_or_else(|| {
-                    Error::Interface(format!("layer {} has no {}", st.layer, st.kind.key()))
-                })?;
-                inputs.push((
-                    st.input.clone(),
-                    layout::state_in(&self.config, st.kind, &st.spec, t, &call, &at(&st.key))?,
-                ));
-            }
+            inputs.extend(super::state_inputs(
+                &self.config,
+                &self.ports.states,
+                |_| &*state,
+                &call,
+                &graph_name,
+            )?);
             let refs: Vec<(&str, &Tensor)> = inputs.iter().map(|(n, t)| (n.as_str(), t)).collect();
             let mut results = self.session.run(&refs)?;
-            for st in &self.ports.states {
-                let t = results.remove(&st.output).ok_or_else(|| {
-                    Error::Interface(format!("the graph gave no output `{}`", st.output))
-                })?;
-                let before = state.get(st.kind).ok_or_else(|| {
-                    Error::Interface(format!("layer {} has no {}", st.layer, st.kind.key()))
-                })?;
-                let new = layout::state_out(
-                    st.kind,
-                    &st.spec,
-                    st.update,
-                    &t,
-                    before,
-                    &call,
-                    &at(&st.key),
-                )?;
-                state.set(st.kind, new)?;
-            }
+            super::take_states(
+                &self.ports.states,
+                &mut results,
+                std::slice::from_mut(state),
+                |_| 0,
+                &call,
+                &graph_name,
+            )?;
             let port = &self.ports.output;
             let main = results.remove(&port.name).ok_or_else(|| {
                 Error::Interface(format!("the graph gave no output `{}`", port.name))

@@ -13,8 +13,11 @@ pub use decoder::{DecoderEngine, SET_BACKEND, STATE_NOT_EXPOSED, record_of};
 pub use layer::LayerRunner;
 pub use state::HostLayerState;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::graphset::check::LayerState;
+use crate::graphset::layout::{self, Call};
 use candle_core::Tensor;
+use reference::config::Config;
 use std::collections::BTreeMap;
 
 /// Tokens per prompt block of the decoder graphs unless asked otherwise (the NPU port's smaller block).
@@ -55,4 +58,55 @@ impl Collector {
             .map(|(k, v)| Ok((k, Tensor::cat(&v, 0)?)))
             .collect()
     }
+}
+
+/// The state inputs of a call: every state port of `ports` fed from its layer's host state (`state_of(layer)`), in
+/// the port's layout; `graph` names the graph in errors.
+pub(crate) fn state_inputs<'s>(
+    config: &Config,
+    ports: &[LayerState],
+    state_of: impl Fn(usize) -> &'s HostLayerState,
+    call: &Call,
+    graph: &str,
+) -> Result<Vec<(String, Tensor)>> {
+    ports
+        .iter()
+        .map(|st| {
+            let t = state_of(st.layer).get(st.kind).ok_or_else(|| {
+                Error::Interface(format!("layer {} has no {}", st.layer, st.kind.key()))
+            })?;
+            let at = format!("{graph} `{}`", st.key);
+            Ok((
+                st.input.clone(),
+                layout::state_in(config, st.kind, &st.spec, t, call, &at)?,
+            ))
+        })
+        .collect()
+}
+
+/// Takes every state output of `ports` out of a call's outputs into its layer's host state (`states[index(layer)]`),
+/// in the dump's layout (a cache's valid rows).
+pub(crate) fn take_states(
+    ports: &[LayerState],
+    outputs: &mut BTreeMap<String, Tensor>,
+    states: &mut [HostLayerState],
+    index: impl Fn(usize) -> usize,
+    call: &Call,
+    graph: &str,
+) -> Result<()> {
+    for st in ports {
+        let t = outputs
+            .remove(&st.output)
+            .ok_or_else(|| Error::Interface(format!("the graph gave no output `{}`", st.output)))?;
+        let state = states
+            .get_mut(index(st.layer))
+            .ok_or_else(|| Error::Interface(format!("no state of layer {}", st.layer)))?;
+        let before = state.get(st.kind).ok_or_else(|| {
+            Error::Interface(format!("layer {} has no {}", st.layer, st.kind.key()))
+        })?;
+        let at = format!("{graph} `{}`", st.key);
+        let new = layout::state_out(st.kind, &st.spec, st.update, &t, before, call, &at)?;
+        state.set(st.kind, new)?;
+    }
+    Ok(())
 }

@@ -207,6 +207,34 @@ pub struct Position {
     pub near_tie: bool,
 }
 
+impl Position {
+    /// Row `index` of a teacher-forced run over a prompt of `prompt_tokens`: `device` against `reference`.
+    pub fn of(
+        index: usize,
+        prompt_tokens: usize,
+        reference: &[f64],
+        device: &[f64],
+        eos: &[u32],
+    ) -> Self {
+        let agreement = TokenAgreement::of(device, reference, eos);
+        let logits_max_abs = reference
+            .iter()
+            .zip(device)
+            .fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+        Position {
+            index,
+            class: if index + 1 < prompt_tokens {
+                PositionClass::Prompt
+            } else {
+                PositionClass::Generated
+            },
+            agreement,
+            logits_max_abs,
+            near_tie: agreement.ref_margin <= 2.0 * logits_max_abs,
+        }
+    }
+}
+
 /// The error of one tensor of a layer.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Row {
@@ -447,21 +475,7 @@ pub fn compare_tokens(
         .iter()
         .zip(&dev_rows)
         .enumerate()
-        .map(|(index, (r, d))| {
-            let agreement = TokenAgreement::of(d, r, eos);
-            let logits_max_abs = r.iter().zip(d).fold(0f64, |m, (a, b)| m.max((a - b).abs()));
-            Position {
-                index,
-                class: if index + 1 < t {
-                    PositionClass::Prompt
-                } else {
-                    PositionClass::Generated
-                },
-                agreement,
-                logits_max_abs,
-                near_tie: agreement.ref_margin <= 2.0 * logits_max_abs,
-            }
-        })
+        .map(|(index, (r, d))| Position::of(index, t, r, d, eos))
         .collect();
 
     Ok(PromptComparison {

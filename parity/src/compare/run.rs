@@ -2,11 +2,11 @@
 //! against it, and the compression's own error.
 
 use super::{
-    DeviceReport, Distribution, Position, PositionClass, ReferenceRun, ThresholdOverrides,
-    compare_prompt, continuation, rows,
+    DeviceReport, Distribution, Position, ReferenceRun, ThresholdOverrides, compare_prompt,
+    continuation, rows,
 };
 use crate::device::{DeviceUnderTest, open_reference};
-use crate::metrics::{TensorError, TokenAgreement};
+use crate::metrics::TensorError;
 use crate::progress::Progress;
 use crate::prompts::LabelledPrompt;
 use crate::report::QuantizationError;
@@ -69,19 +69,7 @@ pub fn quantization_error(
         logits_errors.push(TensorError::of(quantized, &forced.run.logits)?);
         let (q_rows, o_rows) = (rows(quantized)?, rows(&forced.run.logits)?);
         for (i, (q, o)) in q_rows.iter().zip(&o_rows).enumerate() {
-            let agreement = TokenAgreement::of(q, o, eos);
-            let logits_max_abs = q.iter().zip(o).fold(0f64, |m, (a, b)| m.max((a - b).abs()));
-            positions.push(Position {
-                index: i,
-                class: if i + 1 < run.prompt.len() {
-                    PositionClass::Prompt
-                } else {
-                    PositionClass::Generated
-                },
-                agreement,
-                logits_max_abs,
-                near_tie: agreement.ref_margin <= 2.0 * logits_max_abs,
-            });
+            positions.push(Position::of(i, run.prompt.len(), o, q, eos));
         }
     }
     let worst = logits_errors

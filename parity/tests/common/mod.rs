@@ -181,3 +181,16 @@ pub fn dump(
     assert!(o.status.success(), "{args:?}: {}", stderr(&o));
     parity::dump::Dump::read(&out).unwrap()
 }
+
+/// Writes `dir/two.jsonl`, two short prompts (a chat message and token ids) for quick runs, and returns its path.
+pub fn two_prompts(dir: &Path) -> PathBuf {
+    let prompts = dir.join("two.jsonl");
+    std::fs::write(
+        &prompts,
+        "{\"label\": \"river\", \"prompt\": \"Why does the river rise in spring?\"}\n\
+         {\"label\": \"ids\", \"token_ids\": [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 122, 133, 144, 155, 166, 177, \
+         188, 199, 211]}\n",
+    )
+    .unwrap();
+    prompts
+}
