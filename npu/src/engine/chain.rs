@@ -76,7 +76,7 @@ impl LayerChain {
             backend: "graph-set (per-layer chain)".into(),
             block: first.last().copied(),
             taps: true,
-            ..super::decoder::set_record(set, &infos, device, opts, start.elapsed().as_secs_f64())?
+            ..super::record::set_record(set, &infos, device, opts, start.elapsed().as_secs_f64())?
         };
         let states = (0..config.num_layers())
             .map(|l| HostLayerState::zeros(&config, l))

@@ -2,7 +2,7 @@
 //! reads them. Tap outputs carry the dump's names ([`reference::taps::names`]); this module names the rest.
 //!
 //! A per-layer graph's ports have these names as they are; in the decoder graph every per-layer port is prefixed by
-//! `layers.{i}.` ([`in_layer`]).
+//! `layers.{i}.` ([`layer_prefix`]).
 
 use reference::config::LayerKind;
 

@@ -199,6 +199,22 @@ pub fn fill(
     typed(values, &d, port.ty)
 }
 
+/// Pads `[n, …]` to `[tokens, …]` by repeating the last row. The padded rows never reach a valid one (masked out
+/// of attention, `token_valid` zeroing their decay and write strength), but they are computed: rows of zeros would
+/// make the RMSNorms divide 0 by 0 wherever the norm's epsilon does not survive the device's arithmetic (1e-6 is
+/// flushed to zero in fp16), and the NaN would reach valid rows through products with zero weights. A real token's
+/// row (as the decoder graphs get from padding with token 0) is what a deployed graph sees.
+pub fn pad_rows(x: &Tensor, tokens: usize) -> Result<Tensor> {
+    let n = x.dim(0)?;
+    if n == tokens {
+        return Ok(x.clone());
+    }
+    let last = x.narrow(0, n - 1, 1)?;
+    let mut rows = vec![x.clone()];
+    rows.extend(std::iter::repeat_n(last, tokens - n));
+    Ok(Tensor::cat(&rows, 0)?)
+}
+
 /// `rows` `[n, H]` (the call's embeddings or hidden states) padded to the call's slots by repeating the last row, in
 /// the port's layout and type.
 pub fn rows(
@@ -208,7 +224,7 @@ pub fn rows(
     call: &Call,
     at: &str,
 ) -> Result<Tensor> {
-    let padded = crate::engine::pad_rows(rows, call.tokens)?;
+    let padded = pad_rows(rows, call.tokens)?;
     to_port(
         &padded,
         &[Axis::Tokens, Axis::Hidden],

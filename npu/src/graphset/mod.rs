@@ -23,6 +23,7 @@ pub mod convention;
 pub mod layout;
 pub mod manifest;
 pub mod own;
+mod write;
 
 use crate::error::{Error, Result};
 use reference::config::{Config, LayerKind};

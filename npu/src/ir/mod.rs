@@ -4,8 +4,8 @@
 //! Every op method checks its operands and returns an error naming the graph and the op on a mismatch, so a wrong
 //! graph fails here, with a readable message, rather than inside OpenVINO's reader.
 //!
-//! [`Graph`] holds the nodes and the `.bin`; its op methods are in [`ops`] (element-wise, matrix and shape ops) and
-//! [`loop_op`] (the `Loop` op and its body); `xml` writes the IR. A graph keeps its constants in memory, or streams
+//! [`Graph`] holds the nodes and the `.bin`; its op methods are in `ops` (element-wise, matrix and shape ops) and
+//! `loop_op` (the `Loop` op and its body); `xml` writes the IR. A graph keeps its constants in memory, or streams
 //! them to a [`SharedBin`] file as it is built: several graphs can point into one such file, and a constant written
 //! under a key (a checkpoint tensor) is written once and reused by every graph that asks for the same key (`bin`).
 

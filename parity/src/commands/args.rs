@@ -347,7 +347,7 @@ pub struct DeviceArgs {
     /// Which backend computes the dump.
     #[arg(long, value_enum, default_value = "reference")]
     pub backend: Backend,
-    /// OpenVINO device (CPU, NPU, GPU, ...) or FP16SIM[:options] (an fp16 accelerator's arithmetic on the same
+    /// OpenVINO device (CPU, NPU, GPU, ...) or `FP16SIM[:options]` (an fp16 accelerator's arithmetic on the same
     /// graphs: store=f16|bf16|f32, ftz=on|off, acc=f32|f16, state=f16|f32, norm=ops|fused). Default CPU.
     #[arg(long)]
     pub device: Option<String>,

@@ -11,7 +11,7 @@
 //! they run the very same graphs on the very same inputs (a sequence after another against it alone), the device
 //! must be deterministic: bit-identical tokens, logits and states.
 
-use super::{Agreement, Context, Finding, StateDiff, details, run, ties_text};
+use super::{Agreement, Context, Finding, StateDiff, details, greedy_on, ties_text};
 use crate::device::DeviceUnderTest;
 use crate::metrics::{TensorError, exceeds};
 use crate::prompts::LabelledPrompt;
@@ -53,7 +53,7 @@ pub fn blocks(
     let mut base: Vec<Generation> = Vec::new();
     for prompt in ctx.set {
         let what = format!("deployed, `{}`", prompt.label);
-        base.push(run(
+        base.push(greedy_on(
             dut.deployed()?,
             &prompt.ids,
             ctx.tokens,
@@ -80,7 +80,7 @@ pub fn blocks(
                 continue;
             }
             let what = format!("block {block}, `{}`", prompt.label);
-            let g = run(
+            let g = greedy_on(
                 dev.as_mut(),
                 &prompt.ids,
                 ctx.tokens,
@@ -222,7 +222,7 @@ pub fn padding(ctx: &Context, dut: &mut dyn DeviceUnderTest) -> Result<Finding> 
     }
     let t = &ctx.thresholds;
     let mut failures = Vec::new();
-    let padded = run(
+    let padded = greedy_on(
         dut.deployed()?,
         &prompt.ids,
         ctx.tokens,
@@ -231,7 +231,7 @@ pub fn padding(ctx: &Context, dut: &mut dyn DeviceUnderTest) -> Result<Finding> 
         &mut failures,
     )?;
     dut.set_padding(false)?;
-    let unpadded = run(
+    let unpadded = greedy_on(
         dut.deployed()?,
         &prompt.ids,
         ctx.tokens,
@@ -326,7 +326,7 @@ pub fn prefix_reuse(
     let follow = follow_up(ctx.set);
     let mut failures = Vec::new();
     let device = dut.deployed()?;
-    let answer = run(
+    let answer = greedy_on(
         device,
         &turn1.ids,
         ctx.tokens,
@@ -344,7 +344,7 @@ pub fn prefix_reuse(
     conversation.extend(&follow.ids);
     let (reused, scratch) = if states {
         let kept = device.snapshot()?;
-        let scratch = run(
+        let scratch = greedy_on(
             device,
             &conversation,
             ctx.tokens,
@@ -380,7 +380,7 @@ pub fn prefix_reuse(
             });
         }
         let reused = continue_greedy(device, &follow.ids, ctx.tokens, &[], false, |_| Ok(()))?;
-        let scratch = run(
+        let scratch = greedy_on(
             device,
             &conversation,
             ctx.tokens,
@@ -500,7 +500,7 @@ pub fn back_to_back(ctx: &Context, dut: &mut dyn DeviceUnderTest) -> Result<Find
     let second = &ctx.set[0];
     let mut failures = Vec::new();
     let mut fresh = dut.fresh()?;
-    let alone = run(
+    let alone = greedy_on(
         fresh.as_mut(),
         &second.ids,
         ctx.tokens,
@@ -509,7 +509,7 @@ pub fn back_to_back(ctx: &Context, dut: &mut dyn DeviceUnderTest) -> Result<Find
         &mut failures,
     )?;
     drop(fresh);
-    run(
+    greedy_on(
         dut.deployed()?,
         &first.ids,
         ctx.tokens,
@@ -517,7 +517,7 @@ pub fn back_to_back(ctx: &Context, dut: &mut dyn DeviceUnderTest) -> Result<Find
         "the first sequence",
         &mut failures,
     )?;
-    let after = run(
+    let after = greedy_on(
         dut.deployed()?,
         &second.ids,
         ctx.tokens,

@@ -1,6 +1,6 @@
 //! Prompt-lookup decoding against plain greedy on the device: the same tokens, and what the drafts bought.
 
-use super::{Agreement, Context, Finding, details, run, ties_text};
+use super::{Agreement, Context, Finding, details, greedy_on, ties_text};
 use crate::device::DeviceUnderTest;
 use anyhow::Result;
 use reference::backend::{LookupOptions, prompt_lookup};
@@ -36,7 +36,7 @@ pub fn lookup(
     let mut notes = Vec::new();
     let mut runs = Vec::new();
     for prompt in ctx.set.iter().chain(std::iter::once(ctx.repeated)) {
-        let plain = run(
+        let plain = greedy_on(
             deployed,
             &prompt.ids,
             tokens,

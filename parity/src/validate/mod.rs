@@ -439,7 +439,7 @@ pub(crate) fn ties_text(ties: usize) -> String {
 }
 
 /// Greedy on `dev`, its NaN (if any) recorded in `failures` under `what`.
-pub(crate) fn run(
+pub(crate) fn greedy_on(
     dev: &mut dyn Backend,
     ids: &[u32],
     tokens: usize,
