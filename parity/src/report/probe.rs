@@ -135,13 +135,20 @@ impl ProbeReport {
         for l in &self.layers {
             let state = l.states.iter().map(|n| n.error.nrmse).fold(0.0, f64::max);
             let drift = l.state_drift.iter().copied().fold(0.0, f64::max);
-            let (rms, small) = l.magnitudes.first().map_or((f64::NAN, f64::NAN), |m| {
+            let (rms, small) = l.magnitudes.first().map_or(("-".into(), "-".into()), |m| {
                 (
-                    m.device.iter().map(|h| h.rms).fold(f64::INFINITY, f64::min),
-                    m.device
-                        .iter()
-                        .map(|h| h.below_f16_normal)
-                        .fold(0.0, f64::max),
+                    format!(
+                        "{:.2e}",
+                        m.device.iter().map(|h| h.rms).fold(f64::INFINITY, f64::min)
+                    ),
+                    format!(
+                        "{:.1}%",
+                        100.0
+                            * m.device
+                                .iter()
+                                .map(|h| h.below_f16_normal)
+                                .fold(0.0, f64::max)
+                    ),
                 )
             });
             let mark = if l.over {
@@ -152,7 +159,7 @@ impl ProbeReport {
             let nan = l.output.map_or(0, |o| o.nan + o.inf);
             let _ = writeln!(
                 s,
-                "{:>5} {:<6} {:>10} {:>10} {:>10} {:>10.2e} {:>10.2e} {:>12.2e} {:>9.1}% {:>9.1e} {mark}{}",
+                "{:>5} {:<6} {:>10} {:>10} {:>10} {:>10.2e} {:>10.2e} {:>12} {:>10} {:>9.1e} {mark}{}",
                 l.layer,
                 if l.kind == "linear_attention" {
                     "delta"
@@ -165,7 +172,7 @@ impl ProbeReport {
                 state,
                 drift,
                 rms,
-                100.0 * small,
+                small,
                 l.thresholds.max_nrmse,
                 if nan > 0 {
                     format!(" {nan} NaN/Inf")

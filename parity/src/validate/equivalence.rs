@@ -202,12 +202,13 @@ fn padded_prompt(set: &[LabelledPrompt], block: usize) -> LabelledPrompt {
 pub fn padding(ctx: &Context, dut: &mut dyn DeviceUnderTest) -> Result<Finding> {
     let caps = dut.capabilities().clone();
     let Some(block) = caps.block.filter(|&b| b > 1) else {
+        let why = match caps.block {
+            Some(_) => "the prompt block is 1 token: nothing is padded",
+            None => "the graphs take any number of tokens per call: nothing is padded",
+        };
         return Ok(Finding {
-            skipped: Some(match caps.block {
-                Some(_) => "the prompt block is 1 token: nothing is padded".into(),
-                None => "the graphs take any number of tokens per call: nothing is padded".into(),
-            }),
-            figure: "not applicable".into(),
+            skipped: Some(why.into()),
+            figure: format!("skipped: {why}"),
             ..Finding::default()
         });
     };
@@ -216,7 +217,7 @@ pub fn padding(ctx: &Context, dut: &mut dyn DeviceUnderTest) -> Result<Finding> 
     if n < 2 {
         return Ok(Finding {
             skipped: Some("the prompt has one token: it runs in the single-token graph".into()),
-            figure: "not applicable (1-token prompt)".into(),
+            figure: "skipped: a 1-token prompt runs in the single-token graph".into(),
             ..Finding::default()
         });
     }

@@ -323,7 +323,7 @@ pub fn over_long(ctx: &Lengths, device: &mut dyn Backend) -> Result<Finding> {
             skipped: Some(
                 "the device has no static context: it takes sequences of any length, so none is over-long".into(),
             ),
-            figure: "not applicable (no static context)".into(),
+            figure: "skipped: no static context, so no prompt is over-long".into(),
             ..Finding::default()
         });
     };

@@ -121,8 +121,8 @@ fn set_next(id: CheckId) -> Option<&'static str> {
 /// A skipped check's finding.
 fn skipped(why: String) -> Finding {
     Finding {
+        figure: format!("skipped: {why}"),
         skipped: Some(why),
-        figure: "not applicable to this device".into(),
         ..Finding::default()
     }
 }
