@@ -20,6 +20,8 @@ It writes, under testdata/sets/:
 - `tiny-renamed/`: the same graph with every port renamed, and the recurrent states' ports transposed to
   `[batch, heads, value_dim, key_dim]` (a Transpose after the input and before the output, so the math is the
   same): only its manifest says what each port is.
+- `tiny-embeds/`: the stateless graph taking the token embeddings (`inputs_embeds` `[batch, tokens, hidden]`) in
+  place of `input_ids` and its embedding lookup, as a decoder fed by a host (or a graph) that embeds.
 - `broken-conv-shift/`: the stateless graph with layer 1's conv state output shifted by one step along the
   kernel (time) axis, its oldest column zero.
 - `broken-kv-late/`: the stateless graph with layer 3's (the first attention layer's) new key rows written one slot
@@ -130,6 +132,25 @@ def kv_late(model: ov.Model, name: str, past_input: str) -> None:
         return ops.concat([head, one, tail], 2).output(0)
 
     replace_output(model, name, make)
+
+
+def embeds_input(model: ov.Model) -> None:
+    """Takes the token embeddings as an input, `inputs_embeds` [batch, tokens, hidden], in place of `input_ids` and the
+    embedding lookup (as a pipeline that embeds on the host, or in a graph of its own, feeds its decoder)."""
+    ids = next(p for p in model.get_parameters() if "input_ids" in p.output(0).get_names())
+    lookup = next(
+        t.get_node()
+        for c in ids.output(0).get_target_inputs()
+        for t in c.get_node().output(0).get_target_inputs()
+        if t.get_node().get_type_name() == "Gather"
+    )
+    hidden = lookup.output(0).get_partial_shape()[2]
+    embeds = ops.parameter(ov.PartialShape([-1, -1, hidden]), ov.Type.f32, name="inputs_embeds")
+    lookup.output(0).replace(embeds.output(0))
+    model.remove_parameter(ids)
+    model.add_parameters([embeds])
+    embeds.output(0).get_tensor().set_names({"inputs_embeds"})
+    model.validate_nodes_and_infer_types()
 
 
 def ssm_scaled(model: ov.Model, name: str) -> None:
@@ -315,15 +336,26 @@ def share_bin(xml: Path, own_bin: Path, shared: Path) -> None:
 # --- self-checks ---------------------------------------------------------------------------------------------------
 
 
-def run_stateless(xml: Path, bin_: Path, names: dict | None = None, ssm_transposed: bool = False) -> dict:
+def embedding_rows() -> np.ndarray:
+    """The tiny model's embeddings of PROMPT `[1, T, H]`, read from its checkpoint."""
+    from safetensors.numpy import load_file
+
+    table = load_file(MODEL / "model.safetensors")["model.embed_tokens.weight"]
+    return table[PROMPT][None].astype(np.float32)
+
+
+def run_stateless(
+    xml: Path, bin_: Path, names: dict | None = None, ssm_transposed: bool = False, embeds: bool = False
+) -> dict:
     """Runs PROMPT in one call from zero states; returns every output under the stateless names."""
     core = ov.Core()
     model = core.read_model(xml, bin_)
     c = core.compile_model(model, "CPU", CPU)
     n = names or {}
     t = len(PROMPT)
+    tokens = {"inputs_embeds": embedding_rows()} if embeds else {n.get("input_ids", "input_ids"): np.array([PROMPT], np.int64)}
     feed = {
-        n.get("input_ids", "input_ids"): np.array([PROMPT], np.int64),
+        **tokens,
         n.get("attention_mask", "attention_mask"): np.ones((1, t), np.int64),
         n.get("position_ids", "position_ids"): np.arange(t, dtype=np.int64)[None],
         n.get("past_key_values.0.key", "past_key_values.0.key"): np.zeros((1, 2, 0, 32), np.float32),
@@ -419,6 +451,32 @@ def main() -> None:
             raise SystemExit(f"the renamed graph computes something else: {worst}")
         write_manifest(d, part, "../tiny-stateless/openvino_model.bin", "the stateless graph, every port renamed and "
                        "the recurrent states' ports transposed to [batch, heads, value_dim, key_dim]")
+
+        # Embeddings in place of token ids.
+        m = stateless()
+        embeds_input(m)
+        d = OUT / "tiny-embeds"
+        d.mkdir()
+        ov.save_model(m, d / "openvino_model.xml", compress_to_fp16=False)
+        share_bin(d / "openvino_model.xml", d / "openvino_model.bin", base / "openvino_model.bin")
+        names = sorted(n for p in ov.Core().read_model(d / "openvino_model.xml", base / "openvino_model.bin").inputs
+                       for n in p.get_names())
+        if "inputs_embeds" not in names or "input_ids" in names:
+            raise SystemExit(f"tiny-embeds: its inputs are {names}")
+        out = run_stateless(d / "openvino_model.xml", base / "openvino_model.bin", embeds=True)
+        worst = max(rel(out[k], reference[k]) for k in reference)
+        figures["tiny-embeds"] = {"worst_rel_vs_stateless": worst}
+        if worst > 1e-6:
+            raise SystemExit(f"the graph taking embeddings computes something else: {worst}")
+        part = stateless_part()
+        del part["inputs"]["input_ids"]
+        part["inputs"]["embeddings"] = {
+            "name": "inputs_embeds",
+            "type": "f32",
+            "shape": ["batch", "tokens", "hidden"],
+        }
+        write_manifest(d, part, "../tiny-stateless/openvino_model.bin", "the stateless graph taking the token "
+                       "embeddings (inputs_embeds) in place of input_ids and its embedding lookup")
 
         for name, spec in BROKEN.items():
             m = stateless()

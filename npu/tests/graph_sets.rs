@@ -180,6 +180,32 @@ fn the_stateless_export_exposes_states_that_agree_with_the_reference() {
     let again = device.forward(&[5], false).unwrap().logits;
     assert_eq!(rel(&again, &next), 0.0);
 
+    // Embeddings fed by the host in place of token ids: the same graph but for the lookup, bit for bit.
+    let (config, store) = tiny();
+    let model = Model::from_weights(config.clone(), &store).unwrap();
+    let all: Vec<u32> = (0..config.vocab_size as u32).collect();
+    let table = model.embed(&all).unwrap();
+    let set = manifest::open(&testdata().join("sets/tiny-embeds")).unwrap();
+    let e = DecoderEngine::open(
+        &set,
+        config.clone(),
+        "CPU",
+        &CompileOptions::default(),
+        None,
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(e.contains("embedding table"), "{e}");
+    let mut embeds =
+        DecoderEngine::open(&set, config, "CPU", &CompileOptions::default(), Some(table)).unwrap();
+    let x = greedy(&mut embeds, &ids, 8, &[], true, |_| Ok(())).unwrap();
+    assert_eq!(x.tokens, d.tokens);
+    assert_eq!(rel(&x.prompt.logits, &d.prompt.logits), 0.0);
+    for (name, e) in state_errors(&x.after_prompt, &d.after_prompt) {
+        assert_eq!(e, 0.0, "{name}");
+    }
+
     // The renamed copy (its recurrent states transposed) is the same graph: bit for bit.
     let mut renamed = open("tiny-renamed");
     let n = greedy(&mut renamed, &ids, 8, &[], true, |_| Ok(())).unwrap();
