@@ -22,6 +22,7 @@ It writes, under testdata/sets/:
   same): only its manifest says what each port is.
 - `tiny-embeds/`: the stateless graph taking the token embeddings (`inputs_embeds` `[batch, tokens, hidden]`) in
   place of `input_ids` and its embedding lookup, as a decoder fed by a host (or a graph) that embeds.
+- `tiny-last-logits/`: the stateless graph whose logits are the call's last token's only (`[batch, 1, vocab]`).
 - `broken-conv-shift/`: the stateless graph with layer 1's conv state output shifted by one step along the
   kernel (time) axis, its oldest column zero.
 - `broken-kv-late/`: the stateless graph with layer 3's (the first attention layer's) new key rows written one slot
@@ -151,6 +152,16 @@ def embeds_input(model: ov.Model) -> None:
     model.add_parameters([embeds])
     embeds.output(0).get_tensor().set_names({"inputs_embeds"})
     model.validate_nodes_and_infer_types()
+
+
+def last_logits(model: ov.Model) -> None:
+    """Outputs the logits of the call's last token only, `[batch, 1, vocab]` (as a decoder that computes the LM head
+    on the last position alone)."""
+    replace_output(
+        model,
+        "logits",
+        lambda x: ops.slice(x, np.array([-1]), np.array([2**62]), np.array([1]), np.array([1])).output(0),
+    )
 
 
 def ssm_scaled(model: ov.Model, name: str) -> None:
@@ -477,6 +488,26 @@ def main() -> None:
         }
         write_manifest(d, part, "../tiny-stateless/openvino_model.bin", "the stateless graph taking the token "
                        "embeddings (inputs_embeds) in place of input_ids and its embedding lookup")
+
+        # The last token's logits only.
+        m = stateless()
+        last_logits(m)
+        m.validate_nodes_and_infer_types()
+        d = OUT / "tiny-last-logits"
+        d.mkdir()
+        ov.save_model(m, d / "openvino_model.xml", compress_to_fp16=False)
+        share_bin(d / "openvino_model.xml", d / "openvino_model.bin", base / "openvino_model.bin")
+        out = run_stateless(d / "openvino_model.xml", base / "openvino_model.bin")
+        worst = max(rel(out[k], reference[k]) for k in reference if k != "logits")
+        last = rel(out["logits"][:, -1:], reference["logits"][:, -1:])
+        figures["tiny-last-logits"] = {"worst_state_rel_vs_stateless": worst, "last_logits_rel": last}
+        if worst > 1e-6 or last > 1e-6 or out["logits"].shape[1] != 1:
+            raise SystemExit(f"the last-logits graph computes something else: {figures['tiny-last-logits']}")
+        part = stateless_part()
+        part["outputs"]["logits"]["shape"] = ["batch", 1, "vocab"]
+        part["outputs"]["logits"]["rows"] = "last"
+        write_manifest(d, part, "../tiny-stateless/openvino_model.bin", "the stateless graph giving the logits of "
+                       "the call's last token only")
 
         for name, spec in BROKEN.items():
             m = stateless()

@@ -66,7 +66,7 @@ fn every_set_agrees_with_the_reference_state_by_state() {
     let tmp = tempfile::tempdir().unwrap();
     let small = small(tmp.path());
     // (set, what it exposes: hidden outputs, per-layer graphs; the checks it cannot have)
-    let cases: [(&str, bool, &[&str]); 5] = [
+    let cases: [(&str, bool, &[&str]); 6] = [
         ("tiny-decoder", true, &[]),
         ("tiny-layers", true, &[]),
         // Dynamic graphs with no static context: nothing is padded, nothing is over-long.
@@ -74,6 +74,8 @@ fn every_set_agrees_with_the_reference_state_by_state() {
         ("tiny-renamed", false, &["padding", "over-long"]),
         // Embeddings looked up on the host from the checkpoint, in place of token ids.
         ("tiny-embeds", false, &["padding", "over-long"]),
+        // The last token's logits only: every prompt position's are had one token per call.
+        ("tiny-last-logits", false, &["padding", "over-long"]),
     ];
     for (name, hidden, skipped) in cases {
         // compare-devices takes the run's options, not validate's (--max-length, --lookup-tokens).
