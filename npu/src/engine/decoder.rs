@@ -281,11 +281,6 @@ impl DecoderEngine {
         self.graphs.iter().any(|g| !g.ports.taps.is_empty())
     }
 
-    /// The host rule for prompts.
-    pub fn prompt_rule(&self) -> PromptRule {
-        self.rule
-    }
-
     /// Changes the host rule for prompts (padded blocks need `token_valid`).
     pub fn set_prompt_rule(&mut self, rule: PromptRule) -> Result<()> {
         if rule == PromptRule::Padded && !self.takes_token_valid() && !self.blocks().is_empty() {

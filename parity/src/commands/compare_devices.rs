@@ -2,15 +2,11 @@
 //! by layer and state by state, with a verdict against thresholds.
 
 use super::Outcome;
-use super::args::{
-    FormArgs, GraphArgs, ModelArgs, PromptArgs, ReportArgs, ThresholdArgs, refuse_graph_flags,
-};
+use super::args::{FormArgs, GraphArgs, ModelArgs, PromptArgs, ReportArgs, ThresholdArgs};
+use super::target::Target;
 use crate::compare::run::{compare_device, quantization_error, reference_runs};
-use crate::device::own::OwnGraphs;
-use crate::device::set::SetGraphs;
 use crate::device::{
-    DeviceUnderTest, available_devices, check_context, check_device, open_reference, split_devices,
-    warn_precision,
+    available_devices, check_context, check_device, open_reference, split_devices, warn_precision,
 };
 use crate::progress::Progress;
 use crate::prompts::eos_ids;
@@ -79,25 +75,8 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
     if args.tokens == 0 {
         bail!("--tokens must be at least 1");
     }
-    let source = match &args.ir {
-        Some(ir) => {
-            refuse_graph_flags(&args.form, &args.graph, ir)?;
-            let s = args.model.open_set(ir)?;
-            if let Some(w) = &s.weights_warning {
-                eprintln!("warning: {w}");
-            }
-            Some(s)
-        }
-        None => None,
-    };
-    let opened;
-    let (dir, config, store): (&std::path::Path, &reference::Config, &WeightStore) = match &source {
-        Some(s) => (&s.checkpoint, &s.config, &s.store),
-        None => {
-            opened = args.model.open()?;
-            (&opened.0, &opened.1, &opened.2)
-        }
-    };
+    let target = Target::open(&args.model, args.ir.as_deref(), &args.form, &args.graph)?;
+    let (dir, config, store) = target.checkpoint();
     let devices = devices(args.devices.as_deref())?;
     let settings = devices
         .iter()
@@ -114,10 +93,7 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
         .prompt
         .source(args.prompts.as_deref())?
         .load(dir, config)?;
-    let (context, context_source) = match &source {
-        Some(s) => s.context(),
-        None => (Some(settings[0].graph.context), "--context".to_string()),
-    };
+    let (context, context_source) = target.context(&settings[0]);
     if let Some(context) = context {
         for p in &set {
             check_context(p.ids.len(), args.tokens, context, &context_source)
@@ -140,15 +116,7 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
     let mut reports = Vec::with_capacity(devices.len());
     for (device, settings) in devices.iter().zip(settings) {
         progress.message(&format!("{device}: compiling"));
-        let mut dut: Box<dyn DeviceUnderTest> = match &source {
-            Some(s) => Box::new(SetGraphs::open(
-                s,
-                device,
-                &args.graph.compile(device)?,
-                None,
-            )?),
-            None => Box::new(OwnGraphs::open(config, store, settings, None)?),
-        };
+        let mut dut = target.device(settings, &args.graph, None)?;
         warn_precision(dut.as_mut())?;
         reports.push(compare_device(
             dut.as_mut(),

@@ -13,6 +13,7 @@ pub mod probe;
 pub mod ranges;
 pub mod run;
 pub mod synth;
+pub mod target;
 pub mod validate;
 
 /// What a command concluded: exit code 0 when every check passed, 1 when one failed (errors are 2).

@@ -3,11 +3,9 @@
 //! whole-decoder set's states (`--ir DIR`).
 
 use super::Outcome;
-use super::args::{
-    FormArgs, GraphArgs, ModeArg, ModelArgs, PromptArgs, ReportArgs, refuse_graph_flags,
-};
+use super::args::{FormArgs, GraphArgs, ModeArg, ModelArgs, PromptArgs, ReportArgs};
+use super::target::Target;
 use crate::device::own::OwnGraphs;
-use crate::device::set::SetGraphs;
 use crate::device::{DeviceUnderTest, check_device};
 use crate::probe::run::{ProbePlan, run};
 use anyhow::{Context, Result, bail};
@@ -77,20 +75,14 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
         bail!("--factor {}: must be a finite number ≥ 1", args.factor);
     }
     let device = args.device.clone().unwrap_or_else(|| "CPU".into());
-    let source = match &args.ir {
-        Some(ir) => {
-            refuse_graph_flags(&args.form, &args.graph, ir)?;
-            if args.tolerance_from.is_some() {
-                bail!(
-                    "--tolerance-from builds this project's graphs under FP16SIM; it does not apply to graphs made \
-                     elsewhere (--ir {})",
-                    ir.display()
-                );
-            }
-            Some(args.model.open_set(ir)?)
-        }
-        None => None,
-    };
+    if let (Some(ir), Some(_)) = (&args.ir, &args.tolerance_from) {
+        bail!(
+            "--tolerance-from builds this project's graphs under FP16SIM; it does not apply to graphs made elsewhere \
+             (--ir {})",
+            ir.display()
+        );
+    }
+    let target = Target::open(&args.model, args.ir.as_deref(), &args.form, &args.graph)?;
     let settings = args.graph.settings(&device, &args.form)?;
     let baseline_settings = match &args.tolerance_from {
         Some(b) => {
@@ -104,27 +96,12 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
         }
         None => None,
     };
-    let opened;
-    let (dir, config, store) = match &source {
-        Some(s) => (&s.checkpoint, &s.config, &s.store),
-        None => {
-            opened = args.model.open()?;
-            (&opened.0, &opened.1, &opened.2)
-        }
-    };
+    let (dir, config, store) = target.checkpoint();
     let set = args.prompt.source(None)?.load(dir, config)?;
     let prompt = set.into_iter().next().context("no prompt")?;
     let outputs = args.report.outputs()?;
     check_device(&device).context("--device")?;
-    let mut dut: Box<dyn DeviceUnderTest> = match &source {
-        Some(s) => Box::new(SetGraphs::open(
-            s,
-            &device,
-            &args.graph.compile(&device)?,
-            None,
-        )?),
-        None => Box::new(OwnGraphs::open(config, store, settings, None)?),
-    };
+    let mut dut = target.device(settings, &args.graph, None)?;
     let mut baseline = match baseline_settings {
         Some(b) => Some(OwnGraphs::open(config, store, b, None)?),
         None => None,

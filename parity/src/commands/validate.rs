@@ -3,14 +3,10 @@
 //! each check runs where its capabilities allow (the others are reported as skipped, naming what they would need).
 
 use super::Outcome;
-use super::args::{
-    FormArgs, GraphArgs, ModeArg, ModelArgs, PromptArgs, ReportArgs, ThresholdArgs,
-    refuse_graph_flags,
-};
+use super::args::{FormArgs, GraphArgs, ModeArg, ModelArgs, PromptArgs, ReportArgs, ThresholdArgs};
+use super::target::Target;
+use crate::device::check_device;
 use crate::device::fault::Fault;
-use crate::device::own::OwnGraphs;
-use crate::device::set::SetGraphs;
-use crate::device::{DeviceUnderTest, check_device};
 use crate::prompts::{eos_ids, repeated_prompt};
 use crate::validate::CheckId;
 use crate::validate::run::{SetInputs, ValidatePlan, run, skip_reason};
@@ -134,38 +130,20 @@ pub fn exec(args: ValidateArgs) -> Result<Outcome> {
         None => None,
     };
     let device = args.device.clone().unwrap_or_else(|| "CPU".into());
-    let source = match &args.ir {
-        Some(ir) => {
-            refuse_graph_flags(&args.form, &args.graph, ir)?;
-            if NumericModel::is_sim(&device) {
-                bail!(
-                    "--device {device}: FP16SIM evaluates this project's own graphs; a set made elsewhere runs on \
-                     an OpenVINO device (--ir {})",
-                    ir.display()
-                );
-            }
-            let s = args.model.open_set(ir)?;
-            if let Some(w) = &s.weights_warning {
-                eprintln!("warning: {w}");
-            }
-            Some(s)
-        }
-        None => None,
-    };
+    if let Some(ir) = &args.ir
+        && NumericModel::is_sim(&device)
+    {
+        bail!(
+            "--device {device}: FP16SIM evaluates this project's own graphs; a set made elsewhere runs on an \
+             OpenVINO device (--ir {})",
+            ir.display()
+        );
+    }
+    let target = Target::open(&args.model, args.ir.as_deref(), &args.form, &args.graph)?;
     let settings = args.graph.settings(&device, &args.form)?;
     check_device(&device).context("--device")?;
-    let opened;
-    let (dir, config, store) = match &source {
-        Some(s) => (&s.checkpoint, &s.config, &s.store),
-        None => {
-            opened = args.model.open()?;
-            (&opened.0, &opened.1, &opened.2)
-        }
-    };
-    let context = match &source {
-        Some(s) => s.context().0,
-        None => Some(settings.graph.context),
-    };
+    let (dir, config, store) = target.checkpoint();
+    let context = target.context(&settings).0;
     let max_length = args
         .max_length
         .unwrap_or_else(|| context.map_or(DEFAULT_MAX_LENGTH, |c| c.saturating_sub(1)));
@@ -180,15 +158,7 @@ pub fn exec(args: ValidateArgs) -> Result<Outcome> {
     let outputs = args.report.outputs()?;
     let eos = eos_ids(dir, config);
     let fault_kind = fault.as_ref().map(|(f, _)| *f);
-    let mut dut: Box<dyn DeviceUnderTest> = match &source {
-        Some(s) => Box::new(SetGraphs::open(
-            s,
-            &device,
-            &args.graph.compile(&device)?,
-            fault_kind,
-        )?),
-        None => Box::new(OwnGraphs::open(config, store, settings, fault_kind)?),
-    };
+    let mut dut = target.device(settings, &args.graph, fault_kind)?;
     // A flag that configures a check which cannot run on this device is refused, not ignored.
     let caps = dut.capabilities().clone();
     // The block sizes compared: this project's graphs compile 1, 16 and 64; a set is fed in pieces of its own
@@ -258,12 +228,12 @@ pub fn exec(args: ValidateArgs) -> Result<Outcome> {
         lookup_tokens,
         max_length,
         allow_precision: args.allow_precision.clone(),
-        set_inputs: source.as_ref().map(|s| SetInputs {
+        set_inputs: target.set().map(|s| SetInputs {
             dir: s.dir.display().to_string(),
             reference_weights: s.set.reference_weights.clone(),
         }),
-        warnings: source
-            .as_ref()
+        warnings: target
+            .set()
             .and_then(|s| s.weights_warning.clone())
             .into_iter()
             .collect(),

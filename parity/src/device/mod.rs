@@ -86,6 +86,28 @@ impl GraphInfo {
     }
 }
 
+/// Every graph a device compiled, in order, with what it was compiled for.
+#[derive(Debug, Default)]
+pub struct GraphLog(std::cell::RefCell<Vec<GraphInfo>>);
+
+impl GraphLog {
+    /// Logs the graphs `infos` describe as compiled for `purpose`.
+    pub fn add<'i>(
+        &self,
+        purpose: &str,
+        infos: impl IntoIterator<Item = &'i npu::devices::ExecInfo>,
+    ) {
+        self.0
+            .borrow_mut()
+            .extend(infos.into_iter().map(|i| GraphInfo::of(purpose, i)));
+    }
+
+    /// Every graph logged.
+    pub fn all(&self) -> Vec<GraphInfo> {
+        self.0.borrow().clone()
+    }
+}
+
 /// A device under test: its deployed graphs and whatever else it exposes.
 pub trait DeviceUnderTest {
     /// How reports name it (`CPU`, `CPU IR tiny-stateless`).

@@ -1,7 +1,9 @@
 //! This project's graphs, built from the checkpoint, as the device under test.
 
 use super::fault::{Fault, Faulty};
-use super::{Capabilities, DeviceLayers, DeviceSettings, DeviceUnderTest, GraphInfo, LayerDevice};
+use super::{
+    Capabilities, DeviceLayers, DeviceSettings, DeviceUnderTest, GraphInfo, GraphLog, LayerDevice,
+};
 use anyhow::{Context, Result};
 use npu::engine::DecoderEngine;
 use npu::graphs::{Builder, GraphOptions};
@@ -9,7 +11,6 @@ use npu::graphset::PromptRule;
 use reference::backend::{Backend, RunRecord};
 use reference::config::Config;
 use reference::weights::WeightStore;
-use std::cell::RefCell;
 
 /// This project's decoder graphs on a device (prompt blocks of the settings' size and single-token decode), with
 /// every other graph a check needs built on demand from the same checkpoint and settings.
@@ -21,7 +22,7 @@ pub struct OwnGraphs<'a> {
     deployed: Option<Faulty<DecoderEngine>>,
     tapped: Option<Faulty<DecoderEngine>>,
     caps: Capabilities,
-    log: RefCell<Vec<GraphInfo>>,
+    log: GraphLog,
 }
 
 impl<'a> OwnGraphs<'a> {
@@ -57,7 +58,7 @@ impl<'a> OwnGraphs<'a> {
             tapped: None,
             caps,
             settings,
-            log: RefCell::new(Vec::new()),
+            log: GraphLog::default(),
         })
     }
 
@@ -79,11 +80,6 @@ impl<'a> OwnGraphs<'a> {
             .as_mut()
             .context("the deployed graphs are compiled")
     }
-
-    /// The settings the graphs are built with.
-    pub fn settings(&self) -> &DeviceSettings {
-        &self.settings
-    }
 }
 
 /// Builds and compiles this project's decoder graphs for `settings` (with every tap as an output, or as deployed),
@@ -95,7 +91,7 @@ pub fn engine(
     settings: &DeviceSettings,
     taps: bool,
 ) -> Result<DecoderEngine> {
-    let log = RefCell::new(Vec::new());
+    let log = GraphLog::default();
     let e = compile(config, store, settings, settings.block, taps, &log, "")?;
     let r = e.record();
     if !npu::sim::NumericModel::is_sim(&settings.device)
@@ -120,7 +116,7 @@ fn compile(
     settings: &DeviceSettings,
     block: usize,
     taps: bool,
-    log: &RefCell<Vec<GraphInfo>>,
+    log: &GraphLog,
     purpose: &str,
 ) -> Result<DecoderEngine> {
     if !npu::sim::NumericModel::is_sim(&settings.device) {
@@ -133,12 +129,7 @@ fn compile(
     let builder = Builder::new(config, store, graph)?;
     let engine = DecoderEngine::new(&builder, block, &settings.device, &settings.compile)
         .with_context(|| format!("compiling the graphs with --block {block}"))?;
-    log.borrow_mut().extend(
-        engine
-            .infos()
-            .into_iter()
-            .map(|i| GraphInfo::of(purpose, i)),
-    );
+    log.add(purpose, engine.infos());
     Ok(engine)
 }
 
@@ -237,15 +228,11 @@ impl DeviceUnderTest for OwnGraphs<'_> {
             &self.settings.device,
             &self.settings.compile,
         )?;
-        self.log.borrow_mut().extend(
-            d.infos()
-                .into_iter()
-                .map(|i| GraphInfo::of("probe layers", i)),
-        );
+        self.log.add("probe layers", d.infos());
         Ok(Some(Box::new(d)))
     }
 
     fn graphs(&self) -> Vec<GraphInfo> {
-        self.log.borrow().clone()
+        self.log.all()
     }
 }

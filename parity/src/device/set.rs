@@ -3,7 +3,7 @@
 
 use super::fault::{Fault, Faulty};
 use super::pieces::Pieces;
-use super::{Capabilities, DeviceLayers, DeviceUnderTest, GraphInfo, LayerDevice};
+use super::{Capabilities, DeviceLayers, DeviceUnderTest, GraphInfo, GraphLog, LayerDevice};
 use anyhow::{Context, Result, bail};
 use npu::devices::CompileOptions;
 use npu::engine::{DecoderEngine, LayerChain};
@@ -14,7 +14,6 @@ use reference::config::Config;
 use reference::model::Model;
 use reference::quant::WeightFormat;
 use reference::weights::WeightStore;
-use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 
 /// A set's directory as a command opens it: its description, and the checkpoint and weights the reference runs
@@ -152,7 +151,7 @@ pub struct SetGraphs<'a> {
     deployed: Faulty<Graphs>,
     caps: Capabilities,
     label: String,
-    log: RefCell<Vec<GraphInfo>>,
+    log: GraphLog,
 }
 
 impl<'a> SetGraphs<'a> {
@@ -171,7 +170,7 @@ impl<'a> SetGraphs<'a> {
             );
         }
         let host = Model::from_weights(source.config.clone(), &source.store)?;
-        let log = RefCell::new(Vec::new());
+        let log = GraphLog::default();
         let graphs = open_graphs(source, &host, device, compile, &log, "deployed")?;
         let set = &source.set;
         let (context, context_source) = source.context();
@@ -228,11 +227,6 @@ impl<'a> SetGraphs<'a> {
             log,
         })
     }
-
-    /// The set and its checkpoint.
-    pub fn source(&self) -> &SetSource {
-        self.source
-    }
 }
 
 /// The set's decoder graphs, or its per-layer graphs chained, compiled and logged as `purpose`.
@@ -241,7 +235,7 @@ fn open_graphs(
     host: &Model,
     device: &str,
     compile: &CompileOptions,
-    log: &RefCell<Vec<GraphInfo>>,
+    log: &GraphLog,
     purpose: &str,
 ) -> Result<Graphs> {
     let set = &source.set;
@@ -263,12 +257,7 @@ fn open_graphs(
             Graphs::Chain(LayerChain::open(set, host.clone(), device, compile).with_context(at)?)
         }
     };
-    log.borrow_mut().extend(
-        graphs
-            .infos()
-            .into_iter()
-            .map(|i| GraphInfo::of(purpose, i)),
-    );
+    log.add(purpose, graphs.infos());
     Ok(graphs)
 }
 
@@ -343,15 +332,11 @@ impl DeviceUnderTest for SetGraphs<'_> {
             &self.compile,
             self.deployed.record(),
         )?;
-        self.log.borrow_mut().extend(
-            d.infos()
-                .into_iter()
-                .map(|i| GraphInfo::of("probe layers", i)),
-        );
+        self.log.add("probe layers", d.infos());
         Ok(Some(Box::new(d)))
     }
 
     fn graphs(&self) -> Vec<GraphInfo> {
-        self.log.borrow().clone()
+        self.log.all()
     }
 }

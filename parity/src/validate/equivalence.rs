@@ -11,7 +11,7 @@
 //! they run the very same graphs on the very same inputs (a sequence after another against it alone), the device
 //! must be deterministic: bit-identical tokens, logits and states.
 
-use super::{Agreement, Context, Finding, StateDiff, details, greedy_on, ties_text};
+use super::{Agreement, Context, Finding, StateDiff, details, greedy_on, state_within, ties_text};
 use crate::device::DeviceUnderTest;
 use crate::metrics::{TensorError, exceeds};
 use crate::prompts::LabelledPrompt;
@@ -250,14 +250,13 @@ pub fn padding(ctx: &Context, dut: &mut dyn DeviceUnderTest) -> Result<Finding> 
         ));
     }
     let state = if caps.states {
-        let s = StateDiff::of(&padded.after_prompt, &unpadded.after_prompt)?;
-        if exceeds(s.nrmse, t.max_state_nrmse) || !s.finite {
-            failures.push(format!(
-                "the state after the prompt: {} NRMSE {:.2e} > {:.1e} (--max-state-nrmse)",
-                s.worst, s.nrmse, t.max_state_nrmse
-            ));
-        }
-        Some(s)
+        Some(state_within(
+            &padded.after_prompt,
+            &unpadded.after_prompt,
+            "the state after the prompt",
+            t.max_state_nrmse,
+            &mut failures,
+        )?)
     } else {
         None
     };
@@ -408,14 +407,13 @@ pub fn prefix_reuse(
         .into_iter()
         .collect();
     let state = if states {
-        let s = StateDiff::of(&reused.after_prompt, &scratch.after_prompt)?;
-        if exceeds(s.nrmse, t.max_state_nrmse) || !s.finite {
-            failures.push(format!(
-                "the state after the follow-up: {} NRMSE {:.2e} > {:.1e} (--max-state-nrmse)",
-                s.worst, s.nrmse, t.max_state_nrmse
-            ));
-        }
-        Some(s)
+        Some(state_within(
+            &reused.after_prompt,
+            &scratch.after_prompt,
+            "the state after the follow-up",
+            t.max_state_nrmse,
+            &mut failures,
+        )?)
     } else {
         notes.push(format!(
             "no snapshot: the follow-up continues the state the device kept after turn 1; the logits only, its state \

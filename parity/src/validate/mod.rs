@@ -429,6 +429,25 @@ impl StateDiff {
     }
 }
 
+/// The state `test` against `base`, a failure under `what` in `failures` when it is over `--max-state-nrmse` or
+/// not finite.
+pub(crate) fn state_within(
+    test: &Snapshot,
+    base: &Snapshot,
+    what: &str,
+    max_state_nrmse: f64,
+    failures: &mut Vec<String>,
+) -> Result<StateDiff> {
+    let s = StateDiff::of(test, base)?;
+    if exceeds(s.nrmse, max_state_nrmse) || !s.finite {
+        failures.push(format!(
+            "{what}: {} NRMSE {:.2e} > {max_state_nrmse:.1e} (--max-state-nrmse)",
+            s.worst, s.nrmse
+        ));
+    }
+    Ok(s)
+}
+
 /// ` (N at near ties)` when some runs diverged at a near tie.
 pub(crate) fn ties_text(ties: usize) -> String {
     match ties {

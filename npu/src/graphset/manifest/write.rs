@@ -1,7 +1,9 @@
 //! Writing a graph set's `manifest.json` (what `qwen35 export-ir` writes; [`super::manifest`] reads it back).
 
-use super::manifest::{FORMAT, VERSION};
-use super::{Axis, GraphSet, InputRole, LogitRows, MaskValues, Names, Part, PortSpec, Taps};
+use super::{FORMAT, VERSION};
+use crate::graphset::{
+    Axis, GraphSet, InputRole, LogitRows, MaskValues, Names, Part, PortSpec, Taps,
+};
 use serde_json::{Map, Value, json};
 use std::path::Path;
 

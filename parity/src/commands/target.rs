@@ -1,0 +1,85 @@
+//! What a checking command (compare-devices, probe, validate) puts under test, shared by them: this project's graphs
+//! of `--model`'s checkpoint, or a graph set made elsewhere (`--ir DIR`) and the checkpoint the reference runs
+//! against it.
+
+use super::args::{FormArgs, GraphArgs, ModelArgs, refuse_graph_flags};
+use crate::device::fault::Fault;
+use crate::device::own::OwnGraphs;
+use crate::device::set::{SetGraphs, SetSource};
+use crate::device::{DeviceSettings, DeviceUnderTest};
+use anyhow::Result;
+use reference::config::Config;
+use reference::weights::WeightStore;
+use std::path::{Path, PathBuf};
+
+/// The graphs under test and the checkpoint the reference runs.
+pub enum Target {
+    /// This project's graphs, built from the checkpoint: its directory, config and weights.
+    Own(Box<(PathBuf, Config, WeightStore)>),
+    /// A set made elsewhere.
+    Set(Box<SetSource>),
+}
+
+impl Target {
+    /// Opens `--ir DIR` (refusing the options of this project's graphs, warning when the manifest says the graphs
+    /// hold other weights), else `--model`'s checkpoint.
+    pub fn open(
+        model: &ModelArgs,
+        ir: Option<&Path>,
+        form: &FormArgs,
+        graph: &GraphArgs,
+    ) -> Result<Self> {
+        Ok(match ir {
+            Some(ir) => {
+                refuse_graph_flags(form, graph, ir)?;
+                let s = model.open_set(ir)?;
+                if let Some(w) = &s.weights_warning {
+                    eprintln!("warning: {w}");
+                }
+                Target::Set(Box::new(s))
+            }
+            None => Target::Own(Box::new(model.open()?)),
+        })
+    }
+
+    /// The checkpoint the reference runs: its directory, config and weights.
+    pub fn checkpoint(&self) -> (&Path, &Config, &WeightStore) {
+        match self {
+            Target::Own(c) => (&c.0, &c.1, &c.2),
+            Target::Set(s) => (&s.checkpoint, &s.config, &s.store),
+        }
+    }
+
+    /// The set made elsewhere, if that is what is tested.
+    pub fn set(&self) -> Option<&SetSource> {
+        match self {
+            Target::Set(s) => Some(s),
+            Target::Own(_) => None,
+        }
+    }
+
+    /// The static context of the graphs (`settings`' for this project's), and where it comes from.
+    pub fn context(&self, settings: &DeviceSettings) -> (Option<usize>, String) {
+        match self {
+            Target::Set(s) => s.context(),
+            Target::Own(_) => (Some(settings.graph.context), "--context".into()),
+        }
+    }
+
+    /// The device under test on `settings.device`: this project's graphs with `settings`, or the set compiled with
+    /// `graph`'s compile options; misbehaving as `fault` says (tests only).
+    pub fn device(
+        &self,
+        settings: DeviceSettings,
+        graph: &GraphArgs,
+        fault: Option<Fault>,
+    ) -> Result<Box<dyn DeviceUnderTest + '_>> {
+        Ok(match self {
+            Target::Set(s) => {
+                let compile = graph.compile(&settings.device)?;
+                Box::new(SetGraphs::open(s, &settings.device, &compile, fault)?)
+            }
+            Target::Own(c) => Box::new(OwnGraphs::open(&c.1, &c.2, settings, fault)?),
+        })
+    }
+}
