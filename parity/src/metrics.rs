@@ -190,7 +190,7 @@ impl Magnitude {
     pub fn of(x: &[f64]) -> Self {
         let n = x.len().max(1) as f64;
         let rms = (x.iter().map(|v| v * v).sum::<f64>() / n).sqrt();
-        let max_abs = x.iter().fold(0f64, |m, v| m.max(v.abs()));
+        let max_abs = nan_max(x.iter().map(|v| v.abs()));
         let small = x
             .iter()
             .filter(|v| **v != 0.0 && v.abs() < F16_MIN_NORMAL)
@@ -232,6 +232,10 @@ pub struct TokenAgreement {
     pub delta_p: f64,
     /// Probability of the end-of-sequence tokens under the reference, and under the other side.
     pub eos_p: (f64, f64),
+    /// Logits of the other side that are NaN or infinite (a row with any chooses no token: it never agrees).
+    pub non_finite: usize,
+    /// Logits of the reference that are NaN or infinite (a dump given as the reference can hold them).
+    pub ref_non_finite: usize,
 }
 
 impl TokenAgreement {
@@ -259,7 +263,11 @@ impl TokenAgreement {
         } else {
             f64::INFINITY
         };
+        // Undefined (NaN) on a side whose row is not all finite, even when no end-of-sequence id is known.
         let eos_p = |l: &[f64]| -> f64 {
+            if l.iter().any(|x| !x.is_finite()) {
+                return f64::NAN;
+            }
             eos.iter()
                 .filter_map(|&e| l.get(e as usize))
                 .map(|x| x.exp())
@@ -273,12 +281,14 @@ impl TokenAgreement {
             top5_overlap: overlap,
             delta_p: p[ref_top].exp() - q[ref_top].exp(),
             eos_p: (eos_p(&q), eos_p(&p)),
+            non_finite: logits.iter().filter(|x| !x.is_finite()).count(),
+            ref_non_finite: reference.iter().filter(|x| !x.is_finite()).count(),
         }
     }
 
-    /// Whether both sides choose the same token.
+    /// Whether both sides choose the same token (never when either row holds a non-finite logit).
     pub fn same_top(&self) -> bool {
-        self.ref_top == self.top
+        self.ref_top == self.top && self.non_finite == 0 && self.ref_non_finite == 0
     }
 }
 
@@ -289,27 +299,58 @@ pub fn log_softmax(x: &[f64]) -> Vec<f64> {
     x.iter().map(|v| v - lse).collect()
 }
 
-/// Indices of the `k` largest values, largest first (lower index first on ties, as argmax).
+/// Indices of the `k` largest values, largest first (lower index first on ties, as argmax). A NaN ranks below every
+/// number (a total order: the sort never sees an inconsistent comparison), so it is never a top token while a
+/// number is left; whether a row held one is for the caller to count ([`TokenAgreement::non_finite`]).
 pub fn top_k(x: &[f64], k: usize) -> Vec<usize> {
+    let key = |i: usize| {
+        if x[i].is_nan() {
+            f64::NEG_INFINITY
+        } else {
+            x[i]
+        }
+    };
     let mut idx: Vec<usize> = (0..x.len()).collect();
     idx.sort_by(|&a, &b| {
-        x[b].partial_cmp(&x[a])
-            .unwrap_or(std::cmp::Ordering::Equal)
+        key(b)
+            .total_cmp(&key(a))
+            .then(x[a].is_nan().cmp(&x[b].is_nan()))
             .then(a.cmp(&b))
     });
     idx.truncate(k);
     idx
 }
 
-/// Percentile `q` (0..=1) of `x` by linear interpolation (NaN for an empty slice).
+/// The largest of `x`, 0 when empty, NaN when any is NaN (`f64::max` would drop it and report a number that looks
+/// fine).
+pub fn nan_max(x: impl IntoIterator<Item = f64>) -> f64 {
+    x.into_iter().fold(0f64, |m, v| {
+        if m.is_nan() || v.is_nan() {
+            f64::NAN
+        } else {
+            m.max(v)
+        }
+    })
+}
+
+/// The largest `|a − b|` over two equally long slices, NaN when any difference is NaN.
+pub fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
+    nan_max(a.iter().zip(b).map(|(x, y)| (x - y).abs()))
+}
+
+/// Percentile `q` (0..=1) of `x` by linear interpolation (NaN for an empty slice, or when any value is NaN).
 pub fn percentile(x: &[f64], q: f64) -> f64 {
-    if x.is_empty() {
+    if x.is_empty() || x.iter().any(|v| v.is_nan()) {
         return f64::NAN;
     }
     let mut v = x.to_vec();
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+    v.sort_by(f64::total_cmp);
     let pos = q.clamp(0.0, 1.0) * (v.len() - 1) as f64;
     let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
+    if v[lo] == v[hi] {
+        // Equal ends (infinities included: ∞ − ∞ would make a NaN of a defined percentile).
+        return v[lo];
+    }
     v[lo] + (v[hi] - v[lo]) * (pos - lo as f64)
 }
 
@@ -363,5 +404,12 @@ mod tests {
         assert!((kl - expected).abs() < 1e-12);
         assert_eq!(percentile(&[3.0, 1.0, 2.0], 0.5), 2.0);
         assert_eq!(top_k(&[1.0, 5.0, 5.0, 0.0], 2), vec![1, 2]);
+        // NaN ranks last; all-NaN rows never agree.
+        assert_eq!(top_k(&[f64::NAN, 2.0, f64::NAN, 3.0], 3), vec![3, 1, 0]);
+        let nan_row = TokenAgreement::of(&[f64::NAN; 3], &[3.0, 1.0, 2.0], &[0]);
+        assert!(!nan_row.same_top() && nan_row.non_finite == 3 && nan_row.kl.is_nan());
+        assert!(nan_max([1.0, f64::NAN, 3.0]).is_nan() && nan_max([1.0, 3.0]) == 3.0);
+        assert!(percentile(&[1.0, f64::NAN], 0.5).is_nan());
+        assert!(max_abs_diff(&[1.0, f64::NAN], &[1.0, 1.0]).is_nan());
     }
 }

@@ -8,6 +8,7 @@
 //! subnormal: flushed, it is zero). The first overflow, in the order the decoder computes, is named.
 
 use crate::metrics::values;
+use crate::non_finite::NonFinite;
 use anyhow::Result;
 use candle_core::Tensor;
 use npu::sim::numeric::Storage;
@@ -52,8 +53,10 @@ impl Limits {
 /// What a tensor's values (or their squares) do in the format.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Range {
-    /// Largest magnitude.
+    /// Largest magnitude of the finite values.
     pub max_abs: f64,
+    /// Values that are NaN or infinite already in the reference (a broken checkpoint: no format holds them).
+    pub non_finite: usize,
     /// Values beyond the largest finite value.
     pub overflow: usize,
     /// Share of the nonzero values below the smallest normal.
@@ -67,8 +70,15 @@ impl Range {
     pub fn of(x: &[f64], limits: Limits) -> Self {
         let nonzero = x.iter().filter(|v| **v != 0.0).count().max(1);
         Range {
-            max_abs: x.iter().fold(0f64, |m, v| m.max(v.abs())),
-            overflow: x.iter().filter(|v| v.abs() > limits.max).count(),
+            max_abs: x
+                .iter()
+                .filter(|v| v.is_finite())
+                .fold(0f64, |m, v| m.max(v.abs())),
+            non_finite: x.iter().filter(|v| !v.is_finite()).count(),
+            overflow: x
+                .iter()
+                .filter(|v| v.is_finite() && v.abs() > limits.max)
+                .count(),
             below_normal: x
                 .iter()
                 .filter(|v| **v != 0.0 && v.abs() < limits.min_normal)
@@ -129,6 +139,11 @@ pub struct RangeReport {
     pub constants: Vec<ConstantRow>,
     /// The first activation (or square) that overflows, in compute order.
     pub first_overflow: Option<String>,
+    /// The first activation or state that is NaN or infinite already in the reference, in compute order (`null`:
+    /// none); the report then fails, since nothing after it is meaningful.
+    pub first_non_finite: Option<NonFinite>,
+    /// The checkpoint's tensors holding NaN or infinity.
+    pub weights_non_finite: Vec<NonFinite>,
 }
 
 fn store(x: f64, storage: Storage) -> f64 {
@@ -150,6 +165,7 @@ pub fn range_report(
 ) -> Result<RangeReport> {
     let limits = Limits::of(storage);
     let mut activations = Vec::new();
+    let mut first_non_finite: Option<NonFinite> = None;
     let mut row = |name: String,
                    layer: Option<usize>,
                    t: &Tensor,
@@ -157,6 +173,9 @@ pub fn range_report(
                    norm_input: bool|
      -> Result<()> {
         let v: Vec<f64> = values(t)?.into_iter().map(|x| x * scale).collect();
+        if first_non_finite.is_none() {
+            first_non_finite = NonFinite::of_values(&name, t.dims(), &v);
+        }
         let squares = norm_input.then(|| {
             let sq: Vec<f64> = v.iter().map(|x| x * x).collect();
             Range::of(&sq, limits)
@@ -225,10 +244,14 @@ pub fn range_report(
         }
     });
     let mut weights = Vec::new();
+    let mut weights_non_finite = Vec::new();
     for spec in Schema::new(config).tensors() {
-        let v = values(&store_.load(&spec)?)?;
+        let t = store_.load(&spec)?;
+        let v = values(&t)?;
+        let name = store_.full_name(&spec);
+        weights_non_finite.extend(NonFinite::of_values(&name, t.dims(), &v));
         weights.push(RangeRow {
-            name: store_.full_name(&spec),
+            name,
             layer: spec.layer,
             values: Range::of(&v, limits),
             squares: None,
@@ -267,6 +290,8 @@ pub fn range_report(
         weights,
         constants,
         first_overflow,
+        first_non_finite,
+        weights_non_finite,
     })
 }
 
@@ -333,11 +358,26 @@ impl RangeReport {
             s,
             "  weights: {weights_over} tensors with values beyond the range, {weights_small} with values below the smallest normal"
         );
+        for w in self.weights_non_finite.iter().take(4) {
+            let _ = writeln!(s, "  non-finite weight: {}", w.describe());
+        }
         let _ = writeln!(
             s,
             "first overflow: {}",
             self.first_overflow.as_deref().unwrap_or("none")
         );
+        if let Some(n) = &self.first_non_finite {
+            let _ = writeln!(
+                s,
+                "first non-finite value: {} (already in the reference: the checkpoint or the prompt is broken)",
+                n.describe()
+            );
+        }
         s
+    }
+
+    /// Whether the reference itself produced (or the checkpoint holds) NaN or infinity: the report then fails.
+    pub fn non_finite(&self) -> bool {
+        self.first_non_finite.is_some() || !self.weights_non_finite.is_empty()
     }
 }

@@ -300,6 +300,16 @@ fn injected_faults_fail_the_checks_that_look_for_them() {
     assert_eq!(at(39), true);
     assert_eq!(at(40), false);
     assert_eq!(v["inputs"]["fault"], "logits-from=40");
+
+    // A device whose logits turn NaN from position 40 on: a finding of the checks that reach it (never a panic
+    // or a pass), named as non-finite, its undefined measures `null` in the JSON.
+    let (code, v) = validate(tmp.path(), "nan", &with("nan-from=40"));
+    assert_eq!(code, Some(1));
+    let length = check(&v, "length");
+    assert_eq!(length["passed"], false, "{length}");
+    assert_eq!(length["details"]["first_failing"], 40, "{length}");
+    let failures = serde_json::to_string(&v).unwrap();
+    assert!(failures.contains("NaN"), "no check names the NaN");
 }
 
 #[test]

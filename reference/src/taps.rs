@@ -100,6 +100,47 @@ pub mod names {
     pub fn mixer(mixer: &str, name: &str) -> String {
         format!("{mixer}.{name}")
     }
+
+    /// Where a dump name comes in the order the decoder computes: the embeddings, then layer by layer its mixer's
+    /// taps (in [`LINEAR_ATTN_TAPS`] or [`SELF_ATTN_TAPS`] order), the mixer output, the MLP output, the layer
+    /// output and the layer's states, then the final norm and the logits. Names outside the format sort last (by
+    /// name, which the caller's ordering adds). Sorting by this key finds the tensor where a fault first shows.
+    pub fn computation_order(name: &str) -> (u8, usize, usize) {
+        match name {
+            EMBEDDINGS => return (0, 0, 0),
+            FINAL_NORM => return (2, 0, 0),
+            LOGITS => return (3, 0, 0),
+            _ => {}
+        }
+        let Some((layer, rest)) = name
+            .strip_prefix("layers.")
+            .and_then(|r| r.split_once('.'))
+            .and_then(|(l, rest)| Some((l.parse::<usize>().ok()?, rest)))
+        else {
+            return (4, 0, 0);
+        };
+        let within = |taps: &[&str], tap: &str| taps.iter().position(|t| *t == tap);
+        let step = if let Some(tap) = rest.strip_prefix("linear_attn.") {
+            within(&LINEAR_ATTN_TAPS, tap).map(|i| 1 + i)
+        } else if let Some(tap) = rest.strip_prefix("self_attn.") {
+            within(&SELF_ATTN_TAPS, tap).map(|i| 1 + i)
+        } else {
+            [
+                MIXER_OUTPUT,
+                MLP_OUTPUT,
+                OUTPUT,
+                CONV_STATE,
+                RECURRENT_STATE,
+                KEY_CACHE,
+                VALUE_CACHE,
+            ]
+            .iter()
+            .position(|t| *t == rest)
+            .map(|i| 100 + i)
+        };
+        // A layer's name outside the format comes after the layer's known tensors.
+        (1, layer, step.unwrap_or(200))
+    }
 }
 
 /// A recorder of named intermediates; a disabled recorder costs nothing.

@@ -32,14 +32,30 @@ pub struct DiffArgs {
     report: ReportArgs,
 }
 
-/// The token ids of a dump's i64 tensor.
-fn ids(d: &Dump, name: &str, path: &Path) -> Result<Vec<u32>> {
+/// The token ids of a dump's integer tensor `name` (one axis), each checked to be below `vocab` (the logits' width).
+fn ids(d: &Dump, name: &str, path: &Path, vocab: usize) -> Result<Vec<u32>> {
     let t = d.get(name).with_context(|| path.display().to_string())?;
-    Ok(t.to_dtype(candle_core::DType::I64)?
-        .to_vec1::<i64>()?
-        .into_iter()
-        .map(|x| x as u32)
-        .collect())
+    let at = || format!("{}: `{name}`", path.display());
+    if t.rank() != 1 || t.dtype().is_float() {
+        bail!(
+            "{}: token ids are integers along one axis; this one is {:?} {:?}",
+            at(),
+            t.dtype(),
+            t.dims()
+        );
+    }
+    let raw = t.to_dtype(candle_core::DType::I64)?.to_vec1::<i64>()?;
+    if let Some((i, x)) = raw
+        .iter()
+        .enumerate()
+        .find(|(_, x)| !(0..vocab as i64).contains(x))
+    {
+        bail!(
+            "{}: id {x} at index {i} is outside the vocabulary of {vocab} (the logits' width)",
+            at()
+        );
+    }
+    Ok(raw.into_iter().map(|x| x as u32).collect())
 }
 
 /// The layers a dump's names mention (`layers.{i}.…`): how many there are.
@@ -127,9 +143,9 @@ fn split(
 }
 
 /// The generated ids a dump holds (none when it has no `generated`).
-fn generated(d: &Dump, p: &Path) -> Result<Vec<u32>> {
+fn generated(d: &Dump, p: &Path, vocab: usize) -> Result<Vec<u32>> {
     if d.tensors.contains_key("generated") {
-        ids(d, "generated", p)
+        ids(d, "generated", p, vocab)
     } else {
         Ok(vec![])
     }
@@ -153,9 +169,36 @@ pub fn exec(args: DiffArgs) -> Result<Outcome> {
     };
     let a = Dump::read(&args.actual)?;
     let b = Dump::read(&args.reference)?;
+    let logits = |d: &Dump, p: &Path| -> Result<candle_core::Tensor> {
+        let t = d.get(names::LOGITS).with_context(|| {
+            format!(
+                "{}: logits are what every comparison starts from",
+                p.display()
+            )
+        })?;
+        if t.rank() != 2 || !t.dtype().is_float() {
+            bail!(
+                "{}: `logits` must be floats [T, V]; this one is {:?} {:?}",
+                p.display(),
+                t.dtype(),
+                t.dims()
+            );
+        }
+        Ok(t.clone())
+    };
+    let (logits_a, logits_b) = (logits(&a, &args.actual)?, logits(&b, &args.reference)?);
+    let vocab = logits_b.dim(1)?;
+    if logits_a.dim(1)? != vocab {
+        bail!(
+            "{} has logits over {} tokens, {} over {vocab}: the dumps are of different models",
+            args.actual.display(),
+            logits_a.dim(1)?,
+            args.reference.display()
+        );
+    }
     let (ids_a, ids_b) = (
-        ids(&a, "token_ids", &args.actual)?,
-        ids(&b, "token_ids", &args.reference)?,
+        ids(&a, "token_ids", &args.actual, vocab)?,
+        ids(&b, "token_ids", &args.reference, vocab)?,
     );
     if ids_a != ids_b {
         bail!(
@@ -174,8 +217,8 @@ pub fn exec(args: DiffArgs) -> Result<Outcome> {
     let kinds = kinds((&a, &args.actual), (&b, &args.reference), config.as_ref())?;
     // Greedy tokens are compared when both dumps hold them.
     let (mut gen_a, mut gen_b) = (
-        generated(&a, &args.actual)?,
-        generated(&b, &args.reference)?,
+        generated(&a, &args.actual, vocab)?,
+        generated(&b, &args.reference, vocab)?,
     );
     if gen_a.is_empty() || gen_b.is_empty() {
         gen_a.clear();
@@ -188,17 +231,6 @@ pub fn exec(args: DiffArgs) -> Result<Outcome> {
         .and_then(|n| n.to_str())
         .unwrap_or("actual")
         .to_string();
-    let logits = |d: &Dump, p: &Path| -> Result<candle_core::Tensor> {
-        Ok(d.get(names::LOGITS)
-            .with_context(|| {
-                format!(
-                    "{}: logits are what every comparison starts from",
-                    p.display()
-                )
-            })?
-            .clone())
-    };
-    let (logits_a, logits_b) = (logits(&a, &args.actual)?, logits(&b, &args.reference)?);
     let mut comparison = compare_runs(
         &label,
         &kinds,

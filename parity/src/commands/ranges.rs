@@ -64,5 +64,9 @@ pub fn exec(args: RangesArgs) -> Result<Outcome> {
         }
         crate::report::write(p, &serde_json::to_string_pretty(&v)?)?;
     }
-    Ok(Outcome::Pass)
+    Ok(if report.non_finite() {
+        Outcome::Fail
+    } else {
+        Outcome::Pass
+    })
 }

@@ -3,6 +3,7 @@
 use super::Outcome;
 use super::args::{FormArgs, ModelArgs};
 use crate::device::open_reference;
+use crate::non_finite::explain_reference;
 use crate::prompts::ChatPrompt;
 use anyhow::Result;
 use reference::backend::greedy;
@@ -66,6 +67,13 @@ pub fn exec(args: RunArgs) -> Result<Outcome> {
         write!(out, "{}", &text[printed..])?;
     }
     writeln!(out)?;
+    if let Some(i) = generation.nan_at {
+        eprintln!(
+            "error: the logits hold NaN at generated token {i}, so no token could be chosen there: {}",
+            explain_reference(&config, &store, opts, &ids)?
+        );
+        return Ok(Outcome::Fail);
+    }
     eprintln!(
         "[{}] prompt {} tokens in {:.2} s ({:.1} tok/s); generated {} tokens in {:.2} s ({:.1} tok/s)",
         dir.display(),

@@ -1,7 +1,8 @@
 //! A device's comparisons over every prompt, aggregated and checked against the thresholds.
 
 use super::{LayerTrace, Position, PositionClass, PromptComparison, Row, Thresholds};
-use crate::metrics::{TensorError, exceeds, falls_short, mean, percentile};
+use crate::metrics::{TensorError, exceeds, falls_short, mean, nan_max, percentile};
+use crate::non_finite::{NonFinite, summary};
 use reference::backend::RunRecord;
 use serde::Serialize;
 
@@ -64,12 +65,12 @@ impl Distribution {
             ),
             kl_mean: mean(&kl),
             kl_p99: percentile(&kl, 0.99),
-            kl_max: kl.iter().copied().fold(0.0, f64::max),
+            kl_max: nan_max(kl.iter().copied()),
             delta_p_mean: mean(&dp),
             delta_p_rms: mean(&dp.iter().map(|x| x * x).collect::<Vec<_>>()).sqrt(),
             near_tie_flips: flips(true),
             confident_flips: flips(false),
-            eos_drift_max: eos.iter().fold(0f64, |m, x| m.max(x.abs())),
+            eos_drift_max: nan_max(eos.iter().map(|x| x.abs())),
             eos_drift_mean: mean(&eos),
         }
     }
@@ -84,6 +85,17 @@ pub struct FirstDivergence {
     pub position: Option<(usize, usize)>,
     /// The prompt and the index of the first free-running token that differs.
     pub token: Option<(String, usize)>,
+}
+
+/// Where a device's non-finite values first appear.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FirstNonFinite {
+    /// The prompt.
+    pub prompt: String,
+    /// How many of its tensors hold non-finite values.
+    pub tensors: usize,
+    /// The first of them, in computation order.
+    pub first: NonFinite,
 }
 
 /// A device against the reference over every prompt.
@@ -125,6 +137,9 @@ pub struct DeviceReport {
     pub tapped_vs_deployed: f64,
     /// Where the device first leaves tolerance.
     pub first_divergence: FirstDivergence,
+    /// The first tensor (in computation order, of the first prompt that has one) where the device produced NaN or
+    /// infinity; `null` when every value was finite.
+    pub first_non_finite: Option<FirstNonFinite>,
     /// Deployed prompt throughput, tokens per second.
     pub prompt_tokens_per_s: f64,
     /// Deployed decode throughput, tokens per second.
@@ -232,10 +247,14 @@ impl DeviceReport {
             final_norm,
             states,
             not_available: prompts.iter().find_map(|p| p.not_available.clone()),
-            tapped_vs_deployed: prompts
-                .iter()
-                .map(|p| p.tapped_vs_deployed)
-                .fold(0.0, f64::max),
+            tapped_vs_deployed: nan_max(prompts.iter().map(|p| p.tapped_vs_deployed)),
+            first_non_finite: prompts.iter().find_map(|p| {
+                Some(FirstNonFinite {
+                    prompt: p.label.clone(),
+                    tensors: p.non_finite.len(),
+                    first: p.non_finite.first()?.clone(),
+                })
+            }),
             first_divergence: FirstDivergence {
                 layer: layer_over,
                 position: position_over,
@@ -258,6 +277,15 @@ impl DeviceReport {
         let t = &self.thresholds;
         let mut f = Vec::new();
         for p in &self.prompts {
+            if let Some(s) = summary(&p.non_finite) {
+                f.push(format!("prompt `{}`: {s}", p.label));
+            }
+            if let Some(s) = summary(&p.reference_non_finite) {
+                f.push(format!(
+                    "prompt `{}`: the reference's side holds {s}",
+                    p.label
+                ));
+            }
             if let Some(i) = p.greedy.device_nan_at {
                 f.push(format!(
                     "prompt `{}`: the logits hold a NaN at generated token {i} (free-running greedy stopped there)",

@@ -9,10 +9,11 @@
 mod aggregate;
 pub mod run;
 
-pub use aggregate::{DeviceReport, Distribution, FirstDivergence};
+pub use aggregate::{DeviceReport, Distribution, FirstDivergence, FirstNonFinite};
 
 use crate::device::DeviceUnderTest;
-use crate::metrics::{TensorError, TokenAgreement, per_slice, values};
+use crate::metrics::{TensorError, TokenAgreement, max_abs_diff, per_slice, values};
+use crate::non_finite::{NonFinite, scan_all};
 use anyhow::{Context, Result, bail};
 use candle_core::Tensor;
 use reference::backend::{Backend, Forced, Precision, greedy, teacher_forced};
@@ -203,7 +204,7 @@ pub struct Position {
     /// Largest `|logit − reference logit|` at this position.
     pub logits_max_abs: f64,
     /// Whether the reference's top-two margin is within twice the device's logit error here, so a flip is the
-    /// size of the error rather than a fault.
+    /// size of the error rather than a fault (never where either side's logits are not finite).
     pub near_tie: bool,
 }
 
@@ -217,10 +218,7 @@ impl Position {
         eos: &[u32],
     ) -> Self {
         let agreement = TokenAgreement::of(device, reference, eos);
-        let logits_max_abs = reference
-            .iter()
-            .zip(device)
-            .fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+        let logits_max_abs = max_abs_diff(reference, device);
         Position {
             index,
             class: if index + 1 < prompt_tokens {
@@ -230,7 +228,9 @@ impl Position {
             },
             agreement,
             logits_max_abs,
-            near_tie: agreement.ref_margin <= 2.0 * logits_max_abs,
+            near_tie: agreement.non_finite == 0
+                && agreement.ref_non_finite == 0
+                && agreement.ref_margin <= 2.0 * logits_max_abs,
         }
     }
 }
@@ -282,6 +282,11 @@ pub struct PromptComparison {
     pub final_norm: Option<TensorError>,
     /// The states after the prompt.
     pub states: Vec<Row>,
+    /// Every tensor of the device's side (logits, hidden states, states) holding NaN or infinity, in the order the
+    /// decoder computes them: the first is where the fault shows first.
+    pub non_finite: Vec<NonFinite>,
+    /// The same for the reference's side (a dump given as the reference can hold them).
+    pub reference_non_finite: Vec<NonFinite>,
     /// Why the layers, the final norm and the states were not compared (a backend that exposes neither, such as
     /// an external IR); `None` when they were.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -431,7 +436,19 @@ pub fn compare_runs(
         }
     }
     c.final_norm = error(names::FINAL_NORM)?;
+    c.non_finite = non_finite_of(&device)?;
+    c.reference_non_finite = non_finite_of(&reference)?;
     Ok(c)
+}
+
+/// Every tensor of one side holding a non-finite value (its logits, taps and states), in computation order.
+fn non_finite_of(side: &Side) -> Result<Vec<NonFinite>> {
+    let logits = names::LOGITS.to_string();
+    scan_all(
+        std::iter::once((&logits, side.logits))
+            .chain(side.taps.iter())
+            .chain(side.states.iter()),
+    )
 }
 
 /// The token-level part of [`compare_runs`]: greedy agreement, every teacher-forced position and the logits (no
@@ -487,6 +504,8 @@ pub fn compare_tokens(
         layers: Vec::new(),
         final_norm: None,
         states: Vec::new(),
+        non_finite: Vec::new(),
+        reference_non_finite: Vec::new(),
         not_available: None,
         tapped_vs_deployed: 0.0,
         prompt_seconds: 0.0,

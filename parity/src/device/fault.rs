@@ -17,18 +17,23 @@ pub enum Fault {
     IgnoreRestore,
     /// The logits of every position from this one on are negated (a device that breaks past a length).
     LogitsFrom(usize),
+    /// The logits of every position from this one on are NaN (a device whose fp16 values overflow past a length).
+    NanFrom(usize),
 }
 
 impl Fault {
-    /// Parses `leak-state`, `ignore-restore` or `logits-from=P`.
+    /// Parses `leak-state`, `ignore-restore`, `logits-from=P` or `nan-from=P`.
     pub fn parse(s: &str) -> Result<Self> {
+        let from = |prefix: &str| s.strip_prefix(prefix)?.parse::<usize>().ok();
         Ok(match s {
             "leak-state" => Fault::LeakState,
             "ignore-restore" => Fault::IgnoreRestore,
-            _ => match s.strip_prefix("logits-from=").map(str::parse::<usize>) {
-                Some(Ok(p)) => Fault::LogitsFrom(p),
+            _ => match (from("logits-from="), from("nan-from=")) {
+                (Some(p), _) => Fault::LogitsFrom(p),
+                (_, Some(p)) => Fault::NanFrom(p),
                 _ => bail!(
-                    "--inject-fault {s}: expected leak-state, ignore-restore or logits-from=POSITION"
+                    "--inject-fault {s}: expected leak-state, ignore-restore, logits-from=POSITION or \
+                     nan-from=POSITION"
                 ),
             },
         })
@@ -91,22 +96,25 @@ impl<B: Backend> Backend for Faulty<B> {
     fn forward(&mut self, ids: &[u32], all_logits: bool) -> reference::Result<Forward> {
         let mut out = self.inner.forward(ids, all_logits)?;
         self.position += ids.len();
-        if let Some(Fault::LogitsFrom(from)) = self.fault {
-            let rows = out.logits.dim(0)?;
-            // Row r holds the position `first + r`.
-            let first = self.position - rows;
-            let negated = (0..rows)
-                .map(|r| {
-                    let row = out.logits.narrow(0, r, 1)?;
-                    if first + r >= from {
-                        row.neg()
-                    } else {
-                        Ok(row)
-                    }
-                })
-                .collect::<candle_core::Result<Vec<Tensor>>>()?;
-            out.logits = Tensor::cat(&negated, 0)?;
-        }
+        let (from, nan) = match self.fault {
+            Some(Fault::LogitsFrom(from)) => (from, false),
+            Some(Fault::NanFrom(from)) => (from, true),
+            _ => return Ok(out),
+        };
+        let rows = out.logits.dim(0)?;
+        // Row r holds the position `first + r`.
+        let first = self.position - rows;
+        let changed = (0..rows)
+            .map(|r| {
+                let row = out.logits.narrow(0, r, 1)?;
+                match (first + r >= from, nan) {
+                    (false, _) => Ok(row),
+                    (true, false) => row.neg(),
+                    (true, true) => row.affine(0.0, f64::NAN),
+                }
+            })
+            .collect::<candle_core::Result<Vec<Tensor>>>()?;
+        out.logits = Tensor::cat(&changed, 0)?;
         Ok(out)
     }
 

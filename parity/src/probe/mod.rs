@@ -23,7 +23,7 @@ pub mod run;
 
 pub use crate::device::LayerDevice;
 
-use crate::metrics::{Magnitude, TensorError, exceeds, magnitudes, values};
+use crate::metrics::{Magnitude, TensorError, exceeds, magnitudes, nan_max, values};
 use anyhow::{Context, Result, bail};
 use candle_core::Tensor;
 use npu::engine::HostLayerState;
@@ -458,17 +458,15 @@ impl LayerProbe {
     /// The largest NRMSE of its outputs, and of its states (after the prompt and after any block).
     pub fn worst(&self) -> (f64, f64) {
         let outputs = [self.output, self.mixer, self.mlp]
-            .iter()
+            .into_iter()
             .flatten()
-            .map(|e| e.nrmse)
-            .fold(0.0, f64::max);
+            .map(|e| e.nrmse);
         let states = self
             .states
             .iter()
             .map(|s| s.error.nrmse)
-            .chain(self.state_drift.iter().copied())
-            .fold(0.0, f64::max);
-        (outputs, states)
+            .chain(self.state_drift.iter().copied());
+        (nan_max(outputs), nan_max(states))
     }
 
     /// The worst state after the prompt: its name and NRMSE.

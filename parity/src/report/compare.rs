@@ -14,12 +14,15 @@
 //! `output`, `mixer`, `mlp`, `nrmse_by_position`}]), `states` ([{`name`, `layer`, `error`}]), `not_available`
 //! (present only when the backend exposes no hidden state nor state, e.g. an external IR: why `layers`, `states` and
 //! `final_norm` are empty), `tapped_vs_deployed`, `first_divergence` {`layer`, `position`,
-//! `token`}, `prompt_tokens_per_s`, `decode_tokens_per_s` and `prompts` (every prompt's own comparison, with every
-//! teacher-forced position).
+//! `token`}, `first_non_finite` (null, or {`prompt`, `tensors`, `first`: {`name`, `nan`, `inf`, `count`, `shape`,
+//! `first` (the index of the first non-finite element)}}: where the device's NaN or infinity first appears, in the
+//! order the decoder computes), `prompt_tokens_per_s`, `decode_tokens_per_s` and `prompts` (every prompt's own comparison, with every
+//! teacher-forced position, and `non_finite` / `reference_non_finite`: every tensor of either side holding NaN or
+//! infinity, in computation order). A measure that is undefined (NaN: a side held a non-finite value) is `null`.
 
 use super::{Machine, Outputs, paint, short_model, stamped, write};
 use crate::compare::{DeviceReport, Distribution};
-use crate::metrics::TensorError;
+use crate::metrics::{TensorError, nan_max};
 use anyhow::Result;
 use reference::backend::RunRecord;
 use serde::Serialize;
@@ -163,7 +166,7 @@ impl CompareReport {
                 .layers
                 .iter()
                 .max_by(|a, b| a.output.nrmse.total_cmp(&b.output.nrmse));
-            let state = d.states.iter().map(|s| s.error.nrmse).fold(0.0, f64::max);
+            let state = nan_max(d.states.iter().map(|s| s.error.nrmse));
             let verdict = if d.passed() {
                 paint("PASS", "32", color)
             } else {
@@ -522,8 +525,8 @@ fn hidden_sections(s: &mut String, d: &DeviceReport) {
         let worst_pos = d
             .prompts
             .iter()
-            .flat_map(|p| p.layers[l].nrmse_by_position.iter().copied())
-            .fold(0.0, f64::max);
+            .flat_map(|p| p.layers[l].nrmse_by_position.iter().copied());
+        let worst_pos = nan_max(worst_pos);
         let _ = writeln!(
             s,
             "| {} | {} | {:.2e} | {:.2e} | {:.8} | {} | {} | {:.2e} |",
@@ -561,6 +564,15 @@ fn hidden_sections(s: &mut String, d: &DeviceReport) {
 /// The line naming the first divergence at every level.
 pub fn first_divergence_line(d: &DeviceReport) -> String {
     let f = &d.first_divergence;
+    // Non-finite values come first: every measure after them is undefined.
+    if let Some(n) = &d.first_non_finite {
+        return format!(
+            "NaN/Inf first in {} (prompt `{}`, {} tensor(s) affected)",
+            n.first.describe(),
+            n.prompt,
+            n.tensors
+        );
+    }
     let layer = f.layer.map_or("no layer over threshold".into(), |(l, e)| {
         format!("first layer over threshold: {l} (NRMSE {e:.2e})")
     });

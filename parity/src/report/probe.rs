@@ -11,7 +11,7 @@
 //! (null, or {`layer`, `first_over`, `intermediates`} for the first layer over threshold).
 
 use super::{Machine, Outputs, paint, short_model, stamped, write};
-use crate::metrics::TensorError;
+use crate::metrics::{TensorError, nan_max};
 use crate::plot::{Panel, Series, draw};
 use crate::probe::{DrillDown, LayerProbe, Mode, ProbeThresholds};
 use anyhow::Result;
@@ -133,8 +133,8 @@ impl ProbeReport {
             "<f16 min"
         );
         for l in &self.layers {
-            let state = l.states.iter().map(|n| n.error.nrmse).fold(0.0, f64::max);
-            let drift = l.state_drift.iter().copied().fold(0.0, f64::max);
+            let state = nan_max(l.states.iter().map(|n| n.error.nrmse));
+            let drift = nan_max(l.state_drift.iter().copied());
             let (rms, small) = l.magnitudes.first().map_or(("-".into(), "-".into()), |m| {
                 (
                     format!(
@@ -289,7 +289,7 @@ impl ProbeReport {
                 e2(l.mixer),
                 e2(l.mlp),
                 states.join(", "),
-                l.state_drift.iter().copied().fold(0.0, f64::max),
+                nan_max(l.state_drift.iter().copied()),
                 l.output.map_or(0, |o| o.nan + o.inf)
             );
         }

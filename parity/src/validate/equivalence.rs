@@ -13,7 +13,7 @@
 
 use super::{Agreement, Context, Finding, StateDiff, details, greedy_on, state_within, ties_text};
 use crate::device::DeviceUnderTest;
-use crate::metrics::{TensorError, exceeds};
+use crate::metrics::{TensorError, exceeds, nan_max};
 use crate::prompts::LabelledPrompt;
 use anyhow::Result;
 use reference::backend::{Backend, Generation, continue_greedy, greedy};
@@ -133,10 +133,10 @@ pub fn blocks(
             .max_by(|a, b| a.nmse.total_cmp(&b.nmse))
             .map_or("-".into(), |e| format!("{:.1e}", e.nmse))
     };
-    let max_abs = runs
-        .iter()
-        .flat_map(|r| [r.prompt_logits.max_abs, r.against_deployed.logits.max_abs])
-        .fold(0.0, f64::max);
+    let max_abs = nan_max(
+        runs.iter()
+            .flat_map(|r| [r.prompt_logits.max_abs, r.against_deployed.logits.max_abs]),
+    );
     let sizes: Vec<String> = blocks.iter().map(|b| b.to_string()).collect();
     let deployed = caps
         .block

@@ -17,7 +17,7 @@
 use super::{Context, Finding, StateDiff, details};
 use crate::compare::Thresholds;
 use crate::device::{Capabilities, check_context};
-use crate::metrics::{TensorError, TokenAgreement, exceeds, values};
+use crate::metrics::{TensorError, TokenAgreement, exceeds, max_abs_diff, values};
 use crate::prompts::LabelledPrompt;
 use anyhow::{Result, bail};
 use candle_core::Tensor;
@@ -153,10 +153,7 @@ fn compare_at(
         let a = TokenAgreement::of(&d, &e, ctx.eos);
         if !a.same_top() {
             flips += 1;
-            let max_abs = d
-                .iter()
-                .zip(&e)
-                .fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+            let max_abs = max_abs_diff(&d, &e);
             if a.ref_margin > 2.0 * max_abs {
                 confident_flips += 1;
             }

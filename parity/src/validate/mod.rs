@@ -26,7 +26,7 @@ pub mod run;
 pub mod setup;
 
 use crate::compare::Thresholds;
-use crate::metrics::{TensorError, exceeds, values};
+use crate::metrics::{TensorError, exceeds, max_abs_diff, nan_max, values};
 use crate::progress::Progress;
 use crate::prompts::LabelledPrompt;
 use anyhow::{Context as _, Result, bail};
@@ -300,10 +300,7 @@ impl Agreement {
         let margin_at_divergence = match first_divergence {
             Some(d) if d < n => {
                 let (b, t) = (values(&base.1[d])?, values(&test.1[d])?);
-                let diff = b
-                    .iter()
-                    .zip(&t)
-                    .fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+                let diff = max_abs_diff(&b, &t);
                 let mut sorted = b.clone();
                 sorted.sort_by(|x, y| y.total_cmp(x));
                 Some((
@@ -418,7 +415,7 @@ impl StateDiff {
                 bail!("one state has `{name}` and the other not");
             };
             let e = TensorError::of(t, b).with_context(|| format!("state `{name}`"))?;
-            diff.max_abs = diff.max_abs.max(e.max_abs);
+            diff.max_abs = nan_max([diff.max_abs, e.max_abs]);
             diff.finite &= e.finite();
             if diff.worst.is_empty() || exceeds(e.nrmse, diff.nrmse) {
                 diff.worst = name.clone();

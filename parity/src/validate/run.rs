@@ -7,6 +7,7 @@ use crate::compare::run::{compare_device, reference_runs};
 use crate::compare::{DeviceReport, ThresholdOverrides};
 use crate::device::fault::Fault;
 use crate::device::{Capabilities, DeviceUnderTest, open_reference};
+use crate::metrics::nan_max;
 use crate::probe::Mode;
 use crate::probe::run::{ProbePlan, how};
 use crate::progress::Progress;
@@ -134,11 +135,7 @@ fn compare_finding(report: &DeviceReport) -> Finding {
     } else {
         format!(
             "worst layer NRMSE {:.1e}",
-            report
-                .layers
-                .iter()
-                .map(|l| l.output.nrmse)
-                .fold(0.0, f64::max)
+            nan_max(report.layers.iter().map(|l| l.output.nrmse))
         )
     };
     let states = match report
