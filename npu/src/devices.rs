@@ -74,6 +74,12 @@ pub fn available(core: &Core) -> Result<Vec<String>> {
 /// Fails unless `device` (or, for `GPU`, some `GPU.N`) is available, naming those that are.
 pub fn require(core: &Core, device: &str) -> Result<()> {
     let names = available(core)?;
+    if device.trim().is_empty() {
+        return Err(Error::Device {
+            device: device.to_string(),
+            message: format!("no device named (available: {})", names.join(", ")),
+        });
+    }
     let base = device.split('.').next().unwrap_or(device);
     if names
         .iter()
@@ -179,14 +185,27 @@ pub fn parse_device_config(json: &str, source: &str) -> Result<BTreeMap<String, 
         .collect()
 }
 
-/// Device configuration from a file if given, else from `QWEN35_DEVICE_CONFIG` if set, else empty.
+/// Device configuration from a file if given, else from `QWEN35_DEVICE_CONFIG` if set (a JSON object, or the path
+/// of a file holding one), else empty.
 pub fn device_config(file: Option<&Path>) -> Result<BTreeMap<String, String>> {
     if let Some(path) = file {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         return parse_device_config(&text, &path.display().to_string());
     }
     match std::env::var(DEVICE_CONFIG_ENV) {
-        Ok(text) => parse_device_config(&text, DEVICE_CONFIG_ENV),
+        Ok(text) if text.trim_start().starts_with('{') => {
+            parse_device_config(&text, DEVICE_CONFIG_ENV)
+        }
+        Ok(path) => {
+            let source = format!("{DEVICE_CONFIG_ENV}={path}");
+            let text = std::fs::read_to_string(&path).map_err(|e| {
+                Error::Config(format!(
+                    "{source}: takes a JSON object of device properties or the path of a file holding one; \
+                     reading it as a path failed: {e}"
+                ))
+            })?;
+            parse_device_config(&text, &source)
+        }
         Err(_) => Ok(BTreeMap::new()),
     }
 }

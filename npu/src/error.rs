@@ -9,7 +9,7 @@ pub enum Error {
     #[error("OpenVINO runtime: {0}")]
     Runtime(String),
     /// A device is absent or refused a request.
-    #[error("device {device}: {message}")]
+    #[error("device `{device}`: {message}")]
     Device {
         /// The device name.
         device: String,

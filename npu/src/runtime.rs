@@ -115,6 +115,47 @@ pub fn locate() -> Result<PathBuf> {
     )))
 }
 
+/// Functions of OpenVINO's C API every run calls: a library without them is not `libopenvino_c` (the C++
+/// `libopenvino.so` beside it, or another library), and openvino-sys would panic at the first call.
+const REQUIRED_SYMBOLS: [&str; 5] = [
+    "ov_get_openvino_version",
+    "ov_core_create",
+    "ov_core_read_model",
+    "ov_core_compile_model",
+    "ov_infer_request_infer",
+];
+
+/// Fails unless `library` loads and exports [`REQUIRED_SYMBOLS`], naming where the path came from.
+fn check_symbols(library: &Path) -> std::result::Result<(), String> {
+    let origin = if std::env::var_os("OPENVINO_LIB").is_some() {
+        "OPENVINO_LIB"
+    } else {
+        "the runtime found"
+    };
+    // SAFETY: loading runs the library's initialisers; the file is the one the user (or the search) chose as the
+    // OpenVINO runtime, which is then loaded anyway.
+    let lib = unsafe { libloading::Library::new(library) }
+        .map_err(|e| format!("{origin}: {} cannot be loaded: {e}", library.display()))?;
+    let missing: Vec<&str> = REQUIRED_SYMBOLS
+        .iter()
+        .copied()
+        .filter(|name| {
+            // SAFETY: only the symbol's presence is checked; it is never called through this pointer.
+            unsafe { lib.get::<*const ()>(name.as_bytes()) }.is_err()
+        })
+        .collect();
+    if !missing.is_empty() {
+        return Err(format!(
+            "{origin}: {} is not OpenVINO's C API library (it has no {}); point OPENVINO_LIB at \
+             libopenvino_c.so.* (not the C++ libopenvino.so beside it), or unset it to use \
+             scripts/fetch-openvino.sh's copy",
+            library.display(),
+            missing.join(", ")
+        ));
+    }
+    Ok(())
+}
+
 static RUNTIME: OnceLock<std::result::Result<Runtime, String>> = OnceLock::new();
 
 /// Loads the runtime (once per process) and reports what was loaded.
@@ -122,6 +163,7 @@ pub fn load() -> Result<&'static Runtime> {
     RUNTIME
         .get_or_init(|| {
             let library = locate().map_err(|e| e.to_string())?;
+            check_symbols(&library)?;
             openvino_sys::library::load_from(&library).map_err(|e| {
                 format!(
                     "OpenVINO runtime: loading {} failed: {e}",

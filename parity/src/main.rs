@@ -52,6 +52,13 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // A closed pipe (`qwen35 devices | head`) ends the process quietly, as it does any Unix tool, instead of a panic
+    // in `print!`: Rust ignores SIGPIPE by default.
+    #[cfg(unix)]
+    // SAFETY: restoring the default disposition of one signal before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(a) => commands::run::exec(a),

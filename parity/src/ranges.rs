@@ -68,24 +68,9 @@ pub struct Range {
 impl Range {
     /// The range of `x` in `limits`.
     pub fn of(x: &[f64], limits: Limits) -> Self {
-        let nonzero = x.iter().filter(|v| **v != 0.0).count().max(1);
-        Range {
-            max_abs: x
-                .iter()
-                .filter(|v| v.is_finite())
-                .fold(0f64, |m, v| m.max(v.abs())),
-            non_finite: x.iter().filter(|v| !v.is_finite()).count(),
-            overflow: x
-                .iter()
-                .filter(|v| v.is_finite() && v.abs() > limits.max)
-                .count(),
-            below_normal: x
-                .iter()
-                .filter(|v| **v != 0.0 && v.abs() < limits.min_normal)
-                .count() as f64
-                / nonzero as f64,
-            count: x.len(),
-        }
+        let mut sum = RangeSum::default();
+        sum.add(x, limits);
+        sum.range()
     }
 }
 
@@ -154,145 +139,255 @@ fn store(x: f64, storage: Storage) -> f64 {
     }
 }
 
-/// Builds the report from the reference's taps and states over a prompt, its weights and the graph options.
-pub fn range_report(
-    config: &Config,
-    store_: &WeightStore,
-    taps: &BTreeMap<String, Tensor>,
-    states: &BTreeMap<String, Tensor>,
+/// What a [`Range`] sums over the pieces of a tensor seen so far (one block of the prompt at a time).
+#[derive(Debug, Clone, Copy, Default)]
+struct RangeSum {
+    max_abs: f64,
+    non_finite: usize,
+    overflow: usize,
+    below_normal: usize,
+    nonzero: usize,
+    count: usize,
+}
+
+impl RangeSum {
+    fn add(&mut self, x: &[f64], limits: Limits) {
+        for &v in x {
+            if !v.is_finite() {
+                self.non_finite += 1;
+                continue;
+            }
+            let a = v.abs();
+            self.max_abs = self.max_abs.max(a);
+            self.overflow += usize::from(a > limits.max);
+            if v != 0.0 {
+                self.nonzero += 1;
+                self.below_normal += usize::from(a < limits.min_normal);
+            }
+        }
+        self.count += x.len();
+    }
+
+    fn range(&self) -> Range {
+        Range {
+            max_abs: self.max_abs,
+            non_finite: self.non_finite,
+            overflow: self.overflow,
+            below_normal: self.below_normal as f64 / self.nonzero.max(1) as f64,
+            count: self.count,
+        }
+    }
+}
+
+/// One activation or state of the report and how its values are read.
+struct Tracked {
+    name: String,
+    layer: Option<usize>,
+    /// The factor the graphs apply before storing it (the DeltaNet output rescaling).
+    scale: f64,
+    /// Whether a norm sums its squares.
+    norm_input: bool,
+    /// A state after the prompt (not a token-major tap).
+    state: bool,
+    values: RangeSum,
+    squares: RangeSum,
+    seen: bool,
+}
+
+/// The range report built as the prompt runs, one block of taps at a time, so its memory does not grow with the
+/// prompt's length: [`RangeScan::add_taps`] for each forward call, [`RangeScan::add_states`] after the prompt, then
+/// [`RangeScan::finish`].
+pub struct RangeScan {
+    limits: Limits,
     storage: Storage,
     output_scale: f64,
-) -> Result<RangeReport> {
-    let limits = Limits::of(storage);
-    let mut activations = Vec::new();
-    let mut first_non_finite: Option<NonFinite> = None;
-    let mut row = |name: String,
-                   layer: Option<usize>,
-                   t: &Tensor,
-                   scale: f64,
-                   norm_input: bool|
-     -> Result<()> {
-        let v: Vec<f64> = values(t)?.into_iter().map(|x| x * scale).collect();
-        if first_non_finite.is_none() {
-            first_non_finite = NonFinite::of_values(&name, t.dims(), &v);
-        }
-        let squares = norm_input.then(|| {
-            let sq: Vec<f64> = v.iter().map(|x| x * x).collect();
-            Range::of(&sq, limits)
-        });
-        activations.push(RangeRow {
-            name,
-            layer,
-            values: Range::of(&v, limits),
-            squares,
-        });
-        Ok(())
-    };
-    if let Some(t) = taps.get(names::EMBEDDINGS) {
-        row(names::EMBEDDINGS.into(), None, t, 1.0, true)?;
-    }
-    for (layer, kind) in config.layer_types.iter().enumerate() {
-        let (mixer, mixer_taps): (&str, &[&str]) = match kind {
-            LayerKind::Linear => (names::LINEAR_ATTN, &names::LINEAR_ATTN_TAPS),
-            LayerKind::Full => (names::SELF_ATTN, &names::SELF_ATTN_TAPS),
-        };
-        for tap in mixer_taps {
-            let name = names::layer(layer, &names::mixer(mixer, tap));
-            let Some(t) = taps.get(&name) else { continue };
-            // The graphs compute the DeltaNet output scaled (q × S) and normalise it; the l2 norms and the gated
-            // norm sum squares.
-            let (scale, norm_input) = match (*kind, *tap) {
-                (LayerKind::Linear, names::CORE_OUTPUT) => (output_scale, true),
-                (LayerKind::Linear, names::QUERY | names::KEY) => (1.0, true),
-                _ => (1.0, false),
+    tracked: Vec<Tracked>,
+    first_non_finite: Option<NonFinite>,
+}
+
+impl RangeScan {
+    /// A scan of the activations and states of `config`, in the order the decoder computes them.
+    pub fn new(config: &Config, storage: Storage, output_scale: f64) -> Self {
+        let mut tracked = Vec::new();
+        let mut track =
+            |name: String, layer: Option<usize>, scale: f64, norm_input: bool, state: bool| {
+                tracked.push(Tracked {
+                    name,
+                    layer,
+                    scale,
+                    norm_input,
+                    state,
+                    values: RangeSum::default(),
+                    squares: RangeSum::default(),
+                    seen: false,
+                })
             };
-            row(name, Some(layer), t, scale, norm_input)?;
-        }
-        for (tap, norm_input) in [
-            (names::MIXER_OUTPUT, false),
-            (names::MLP_OUTPUT, false),
-            (names::OUTPUT, true),
-        ] {
-            if let Some(t) = taps.get(&names::layer(layer, tap)) {
-                row(names::layer(layer, tap), Some(layer), t, 1.0, norm_input)?;
+        track(names::EMBEDDINGS.into(), None, 1.0, true, false);
+        for (layer, kind) in config.layer_types.iter().enumerate() {
+            let (mixer, mixer_taps): (&str, &[&str]) = match kind {
+                LayerKind::Linear => (names::LINEAR_ATTN, &names::LINEAR_ATTN_TAPS),
+                LayerKind::Full => (names::SELF_ATTN, &names::SELF_ATTN_TAPS),
+            };
+            for tap in mixer_taps {
+                // The graphs compute the DeltaNet output scaled (q × S) and normalise it; the l2 norms and the
+                // gated norm sum squares.
+                let (scale, norm_input) = match (*kind, *tap) {
+                    (LayerKind::Linear, names::CORE_OUTPUT) => (output_scale, true),
+                    (LayerKind::Linear, names::QUERY | names::KEY) => (1.0, true),
+                    _ => (1.0, false),
+                };
+                let name = names::layer(layer, &names::mixer(mixer, tap));
+                track(name, Some(layer), scale, norm_input, false);
+            }
+            for (tap, norm_input) in [
+                (names::MIXER_OUTPUT, false),
+                (names::MLP_OUTPUT, false),
+                (names::OUTPUT, true),
+            ] {
+                track(
+                    names::layer(layer, tap),
+                    Some(layer),
+                    1.0,
+                    norm_input,
+                    false,
+                );
+            }
+            for name in state_names(layer, *kind) {
+                track(name, Some(layer), 1.0, false, true);
             }
         }
-        for name in state_names(layer, *kind) {
-            if let Some(t) = states.get(&name) {
-                row(name, Some(layer), t, 1.0, false)?;
+        track(names::FINAL_NORM.into(), None, 1.0, false, false);
+        track(names::LOGITS.into(), None, 1.0, false, false);
+        RangeScan {
+            limits: Limits::of(storage),
+            storage,
+            output_scale,
+            tracked,
+            first_non_finite: None,
+        }
+    }
+
+    /// Adds the taps (and logits) of one forward call whose first token is at `position`.
+    pub fn add_taps(&mut self, taps: &BTreeMap<String, Tensor>, position: usize) -> Result<()> {
+        self.add(taps, false, position)
+    }
+
+    /// Adds the states after the prompt.
+    pub fn add_states(&mut self, states: &BTreeMap<String, Tensor>) -> Result<()> {
+        self.add(states, true, 0)
+    }
+
+    fn add(
+        &mut self,
+        tensors: &BTreeMap<String, Tensor>,
+        states: bool,
+        position: usize,
+    ) -> Result<()> {
+        let limits = self.limits;
+        for t in self.tracked.iter_mut().filter(|t| t.state == states) {
+            let Some(x) = tensors.get(&t.name) else {
+                continue;
+            };
+            let v: Vec<f64> = values(x)?.into_iter().map(|v| v * t.scale).collect();
+            // The first non-finite value in time: the earliest forward call, then the computation order.
+            if self.first_non_finite.is_none()
+                && let Some(mut f) = NonFinite::of_values(&t.name, x.dims(), &v)
+            {
+                if !states && let Some(p) = f.first.first_mut() {
+                    *p += position;
+                }
+                self.first_non_finite = Some(f);
             }
+            t.values.add(&v, limits);
+            if t.norm_input {
+                let sq: Vec<f64> = v.iter().map(|x| x * x).collect();
+                t.squares.add(&sq, limits);
+            }
+            t.seen = true;
         }
+        Ok(())
     }
-    for tap in [names::FINAL_NORM, names::LOGITS] {
-        if let Some(t) = taps.get(tap) {
-            row(tap.into(), None, t, 1.0, false)?;
-        }
-    }
-    let first_overflow = activations.iter().find(|r| r.overflows()).map(|r| {
-        if r.values.overflow > 0 {
-            format!(
-                "{} ({} values beyond {:.0})",
-                r.name, r.values.overflow, limits.max
-            )
-        } else {
-            format!(
-                "{} squared, as its norm sums it ({} squares beyond {:.0})",
-                r.name,
-                r.squares.map_or(0, |s| s.overflow),
-                limits.max
-            )
-        }
-    });
-    let mut weights = Vec::new();
-    let mut weights_non_finite = Vec::new();
-    for spec in Schema::new(config).tensors() {
-        let t = store_.load(&spec)?;
-        let v = values(&t)?;
-        let name = store_.full_name(&spec);
-        weights_non_finite.extend(NonFinite::of_values(&name, t.dims(), &v));
-        weights.push(RangeRow {
-            name,
-            layer: spec.layer,
-            values: Range::of(&v, limits),
-            squares: None,
+
+    /// The report: the activations and states seen, the weights of `store` and the graphs' constants.
+    pub fn finish(self, config: &Config, store_: &WeightStore) -> Result<RangeReport> {
+        let limits = self.limits;
+        let activations: Vec<RangeRow> = self
+            .tracked
+            .iter()
+            .filter(|t| t.seen)
+            .map(|t| RangeRow {
+                name: t.name.clone(),
+                layer: t.layer,
+                values: t.values.range(),
+                squares: t.norm_input.then(|| t.squares.range()),
+            })
+            .collect();
+        let first_overflow = activations.iter().find(|r| r.overflows()).map(|r| {
+            if r.values.overflow > 0 {
+                format!(
+                    "{} ({} values beyond {:.0})",
+                    r.name, r.values.overflow, limits.max
+                )
+            } else {
+                format!(
+                    "{} squared, as its norm sums it ({} squares beyond {:.0})",
+                    r.name,
+                    r.squares.map_or(0, |s| s.overflow),
+                    limits.max
+                )
+            }
         });
+        let mut weights = Vec::new();
+        let mut weights_non_finite = Vec::new();
+        for spec in Schema::new(config).tensors() {
+            let t = store_.load(&spec)?;
+            let v = values(&t)?;
+            let name = store_.full_name(&spec);
+            weights_non_finite.extend(NonFinite::of_values(&name, t.dims(), &v));
+            weights.push(RangeRow {
+                name,
+                layer: spec.layer,
+                values: Range::of(&v, limits),
+                squares: None,
+            });
+        }
+        let (eps, output_scale, storage) = (config.rms_norm_eps, self.output_scale, self.storage);
+        let constants = [
+            ("rms_norm_eps (the RMSNorms)".to_string(), eps),
+            ("l2 norm eps (q and k)".to_string(), L2_NORM_EPS),
+            (
+                format!("gated norm eps × output scale² ({eps:e} × {output_scale}²)"),
+                eps * output_scale * output_scale,
+            ),
+        ]
+        .into_iter()
+        .map(|(name, value)| {
+            let stored = store(value, storage);
+            ConstantRow {
+                name,
+                value,
+                stored,
+                subnormal: stored != 0.0 && stored.abs() < limits.min_normal,
+            }
+        })
+        .collect();
+        Ok(RangeReport {
+            storage: match storage {
+                Storage::F16 => "f16",
+                Storage::Bf16 => "bf16",
+                Storage::F32 => "f32",
+            }
+            .into(),
+            limits,
+            output_scale,
+            activations,
+            weights,
+            constants,
+            first_overflow,
+            first_non_finite: self.first_non_finite,
+            weights_non_finite,
+        })
     }
-    let eps = config.rms_norm_eps;
-    let constants = [
-        ("rms_norm_eps (the RMSNorms)".to_string(), eps),
-        ("l2 norm eps (q and k)".to_string(), L2_NORM_EPS),
-        (
-            format!("gated norm eps × output scale² ({eps:e} × {output_scale}²)"),
-            eps * output_scale * output_scale,
-        ),
-    ]
-    .into_iter()
-    .map(|(name, value)| {
-        let stored = store(value, storage);
-        ConstantRow {
-            name,
-            value,
-            stored,
-            subnormal: stored != 0.0 && stored.abs() < limits.min_normal,
-        }
-    })
-    .collect();
-    Ok(RangeReport {
-        storage: match storage {
-            Storage::F16 => "f16",
-            Storage::Bf16 => "bf16",
-            Storage::F32 => "f32",
-        }
-        .into(),
-        limits,
-        output_scale,
-        activations,
-        weights,
-        constants,
-        first_overflow,
-        first_non_finite,
-        weights_non_finite,
-    })
 }
 
 impl RangeReport {

@@ -145,7 +145,7 @@ fn bad_flags_are_refused_by_name() {
             "--model",
             tmp.path().join("nowhere").to_str().unwrap(),
         ],
-        &["--model", "config.json"],
+        &["--model", "no such directory"],
     );
     expect_error(
         &[

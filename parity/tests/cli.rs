@@ -242,7 +242,7 @@ fn bad_input_gives_clear_errors() {
             "--out",
             out,
         ],
-        &["--model", "config.json"],
+        &["--model", "no such directory"],
     );
     expect_error(
         &["dump", "--token-ids", "1", "--chunk", "0", "--out", out],

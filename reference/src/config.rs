@@ -68,6 +68,9 @@ pub struct Config {
     pub rms_norm_eps: f64,
     /// Vocabulary size (rows of the embedding and the LM head).
     pub vocab_size: usize,
+    /// The most positions a sequence may hold (`max_position_embeddings`): prompts and generations past it are
+    /// refused by the commands, never run.
+    pub max_position_embeddings: usize,
     /// Whether the LM head is the embedding matrix.
     pub tie_word_embeddings: bool,
     /// RoPE parameters.
@@ -141,14 +144,12 @@ impl Config {
 
     /// Parses and validates a config; `source` names the file in errors.
     pub fn from_json_str(text: &str, source: &str) -> Result<Self> {
-        let value: Value = serde_json::from_str(text).map_err(|e| Error::Config {
+        let value: Value = serde_json::from_str(text).map_err(|e| Error::File {
             file: source.to_string(),
-            key: "(file)".into(),
             message: format!("not valid JSON: {e}"),
         })?;
-        let top = value.as_object().ok_or_else(|| Error::Config {
+        let top = value.as_object().ok_or_else(|| Error::File {
             file: source.to_string(),
-            key: "(file)".into(),
             message: "expected a JSON object".into(),
         })?;
         let outer = Fields {
@@ -339,6 +340,7 @@ impl Config {
             linear_conv_kernel_dim: f.usize("linear_conv_kernel_dim")?,
             rms_norm_eps: f.f64("rms_norm_eps")?,
             vocab_size: f.usize("vocab_size")?,
+            max_position_embeddings: f.usize("max_position_embeddings")?,
             tie_word_embeddings,
             rope,
             eos_token_ids,
@@ -476,6 +478,7 @@ mod tests {
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
             "linear_num_key_heads": 2, "linear_num_value_heads": 4,
             "linear_key_head_dim": 16, "linear_value_head_dim": 24, "linear_conv_kernel_dim": 4,
+            "max_position_embeddings": 4096,
             "rms_norm_eps": 1e-6, "vocab_size": 300, "tie_word_embeddings": false,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                                 "mrope_section": [2, 1, 1], "mrope_interleaved": true}

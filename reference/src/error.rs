@@ -25,6 +25,15 @@ pub enum Error {
         /// What is wrong with it.
         message: String,
     },
+    /// A file as a whole is unusable (not JSON, not safetensors, absent), or a key of a JSON file that is not a
+    /// tensor's name is wrong.
+    #[error("{file}: {message}")]
+    File {
+        /// The file (or directory).
+        file: String,
+        /// What is wrong with it.
+        message: String,
+    },
     /// An input of a run is invalid (token id out of range, bad shape of a state, ...).
     #[error("{0}")]
     Input(String),

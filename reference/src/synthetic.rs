@@ -76,6 +76,7 @@ pub fn small_config_json() -> serde_json::Value {
         "linear_num_key_heads": 2, "linear_num_value_heads": 4,
         "linear_key_head_dim": 8, "linear_value_head_dim": 12, "linear_conv_kernel_dim": 4,
         "rms_norm_eps": 1e-6, "vocab_size": 97, "tie_word_embeddings": false,
+        "max_position_embeddings": 2048,
         "hidden_act": "silu",
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                             "mrope_section": [2, 1, 1], "mrope_interleaved": true}

@@ -92,7 +92,27 @@ impl NumericModel {
                 )));
             }
         }
+        let from_name = pairs.len();
         pairs.extend(config.iter().cloned());
+        // Each option is given once: a second value (in the name, or a device config overriding the name) is
+        // refused naming both, never decided by order.
+        let mut seen: std::collections::BTreeMap<String, (usize, String)> = Default::default();
+        for (i, (k, v)) in pairs.iter().enumerate() {
+            let where_ = |i: usize| {
+                if i < from_name {
+                    "the device name"
+                } else {
+                    "the device config"
+                }
+            };
+            if let Some((j, first)) = seen.insert(k.to_ascii_lowercase(), (i, v.clone())) {
+                return Err(Error::Config(format!(
+                    "{DEVICE} option `{k}` given twice: {k}={first} in {} and {k}={v} in {}",
+                    where_(j),
+                    where_(i)
+                )));
+            }
+        }
         let mut m = NumericModel::default();
         for (k, v) in pairs {
             let bad = || {

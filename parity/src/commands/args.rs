@@ -115,7 +115,12 @@ impl ModelArgs {
     /// The model directory, checked to hold a config: `--model`, or the bundled tiny model.
     pub fn dir(&self) -> Result<PathBuf> {
         match &self.model {
-            Some(d) if d.join("config.json").exists() => Ok(d.clone()),
+            Some(d) if d.join("config.json").is_file() => Ok(d.clone()),
+            Some(d) if !d.exists() => bail!("--model {}: no such directory", d.display()),
+            Some(d) if !d.is_dir() => bail!(
+                "--model {}: a file; --model takes the checkpoint's directory (the one holding config.json)",
+                d.display()
+            ),
             Some(d) => bail!("--model {}: no config.json in this directory", d.display()),
             None => crate::bundled::model_dir(),
         }
@@ -259,8 +264,31 @@ impl PromptArgs {
         self.token_ids.is_some() || self.prompt.is_some()
     }
 
+    /// Fails on an option of a chat message given without one (`--system`, `--think` without `--prompt`), naming
+    /// what it was given with: it would be ignored.
+    fn check_chat_options(&self, file: Option<&Path>) -> Result<()> {
+        if self.prompt.is_some() {
+            return Ok(());
+        }
+        let with = match (&self.token_ids, file) {
+            (Some(_), _) => "--token-ids (ids are fed as they are)".to_string(),
+            (None, Some(f)) => format!(
+                "--prompts {} (each line says its own messages and thinking)",
+                f.display()
+            ),
+            (None, None) => "no --prompt".to_string(),
+        };
+        for (flag, given) in [("--system", self.system.is_some()), ("--think", self.think)] {
+            if given {
+                bail!("{flag} applies to --prompt, a chat message; it was given with {with}");
+            }
+        }
+        Ok(())
+    }
+
     /// The token ids (checked against the vocabulary) and the prompt text if any.
     pub fn ids(&self, dir: &Path, config: &Config) -> Result<(Vec<u32>, Option<String>)> {
+        self.check_chat_options(None)?;
         let (ids, text) = match (&self.token_ids, &self.prompt) {
             (Some(t), _) => (parse_token_ids(t, "--token-ids")?, None),
             (None, Some(p)) => (self.chat().encode(dir)?, Some(p.clone())),
@@ -280,6 +308,7 @@ impl PromptArgs {
 
     /// Where the prompts of a run come from: this prompt, else `file` (`--prompts`), else the shipped set.
     pub fn source(&self, file: Option<&Path>) -> Result<PromptSource> {
+        self.check_chat_options(file)?;
         Ok(match (&self.token_ids, &self.prompt, file) {
             (Some(t), _, _) => PromptSource::Ids(parse_token_ids(t, "--token-ids")?),
             (None, Some(_), _) => PromptSource::Chat(self.chat()),
@@ -374,13 +403,21 @@ impl DeviceArgs {
 impl GraphArgs {
     /// The settings of this project's graphs on `device` (validated; options that do not apply refused by name).
     pub fn settings(&self, device: &str, form: &FormArgs) -> Result<DeviceSettings> {
-        let block = self.block.unwrap_or(npu::engine::DEFAULT_BLOCK);
-        if block == 0 {
-            bail!("--block must be at least 1");
-        }
         let context = self.context.unwrap_or(DEFAULT_CONTEXT);
         if context == 0 {
             bail!("--context must be at least 1");
+        }
+        // The default block never exceeds a small context; a block given that does is refused.
+        let block = self
+            .block
+            .unwrap_or(npu::engine::DEFAULT_BLOCK.min(context));
+        if block == 0 {
+            bail!("--block must be at least 1");
+        }
+        if block > context {
+            bail!(
+                "--block {block}: a prompt block longer than the static context of {context} (--context) never fits"
+            );
         }
         let graph_form = form.graph_form()?;
         if NumericModel::is_sim(device) && self.precision.is_some() {
@@ -405,9 +442,31 @@ impl GraphArgs {
 
     /// The compile options on `device`: `--precision` (f32 by default), `--device-config` and the model cache.
     pub fn compile(&self, device: &str) -> Result<CompileOptions> {
+        let precision = self.precision.unwrap_or(InferencePrecision::F32);
+        let device_config = device_config(self.device_config.as_deref())?;
+        // The precision is --precision's alone: a device configuration asking another one would run it while the
+        // report says otherwise.
+        if let Some(hint) = device_config.get("INFERENCE_PRECISION_HINT")
+            && !hint.eq_ignore_ascii_case(precision.hint())
+        {
+            let config = match &self.device_config {
+                Some(p) => format!("--device-config {}", p.display()),
+                None => "QWEN35_DEVICE_CONFIG".to_string(),
+            };
+            let asked = if self.precision.is_some() {
+                "--precision"
+            } else {
+                "the default --precision"
+            };
+            bail!(
+                "{config} sets INFERENCE_PRECISION_HINT {hint} but {asked} is {}: give the precision with \
+                 --precision only",
+                precision.hint()
+            );
+        }
         Ok(CompileOptions {
-            precision: self.precision.unwrap_or(InferencePrecision::F32),
-            device_config: device_config(self.device_config.as_deref())?,
+            precision,
+            device_config,
             cache_dir: self.cache_dir(device)?,
         })
     }
@@ -467,11 +526,19 @@ impl ModelArgs {
     pub fn open_set(&self, dir: &Path) -> Result<crate::device::set::SetSource> {
         let set = npu::graphset::manifest::open(dir)
             .map_err(|e| anyhow::Error::new(e).context(format!("--ir {}", dir.display())))?;
+        if self.model.is_none()
+            && let Some(m) = &set.model
+            && !m.join("config.json").is_file()
+        {
+            bail!(
+                "--ir {}: {}'s `model` is {}, which holds no config.json; fix it or give --model",
+                dir.display(),
+                set.source,
+                m.display()
+            );
+        }
         let model = ModelArgs {
-            model: self
-                .model
-                .clone()
-                .or_else(|| set.model.clone().filter(|m| m.join("config.json").exists())),
+            model: self.model.clone().or(set.model.clone()),
             ..self.clone()
         };
         let (checkpoint, config, store) = model.open()?;

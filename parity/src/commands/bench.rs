@@ -5,7 +5,7 @@
 use super::Outcome;
 use super::args::{Backend, DeviceArgs, Dtype, FormArgs, ModelArgs};
 use crate::device::own::engine;
-use crate::device::{DeviceSettings, check_context, open_reference};
+use crate::device::{DeviceSettings, check_context, check_positions, open_reference};
 use crate::perf::flops::{self, Flops, RunShape};
 use crate::perf::machine::{self, Machine};
 use crate::perf::memory::{self, Sampler};
@@ -29,7 +29,8 @@ pub struct BenchArgs {
     /// Prompt length: this many token ids drawn uniformly from the vocabulary with `--seed`.
     #[arg(long, default_value_t = 256, value_name = "N")]
     prompt_tokens: usize,
-    /// Greedy tokens decoded after the prompt (single-token forward calls).
+    /// Single-token decode steps timed after the prompt. The run chooses N + 1 tokens: the first from the prompt's
+    /// logits, then one per step (`generated_ids` lists them all).
     #[arg(long, default_value_t = 16, value_name = "N")]
     decode_tokens: usize,
     /// The seed of the prompt's token ids.
@@ -97,7 +98,7 @@ pub struct BenchReport {
     pub machine: Option<Machine>,
     /// The prompt's token ids.
     pub prompt_ids: Vec<u32>,
-    /// The greedy tokens chosen (the first from the prompt's logits).
+    /// The greedy tokens chosen: `decode_tokens + 1`, the first from the prompt's logits, then one per decode step.
     pub generated_ids: Vec<u32>,
 }
 
@@ -172,7 +173,7 @@ pub fn exec(args: BenchArgs) -> Result<Outcome> {
             let settings = args.device.graph.settings(device, &args.form)?;
             check_context(
                 args.prompt_tokens,
-                args.decode_tokens + 1,
+                args.decode_tokens.saturating_add(1),
                 settings.graph.context,
                 "--context",
             )?;
@@ -193,6 +194,12 @@ pub fn exec(args: BenchArgs) -> Result<Outcome> {
     let sampler = Sampler::start(Duration::from_millis(10));
     let start = Instant::now();
     let (dir, config, store) = args.model.open()?;
+    check_positions(
+        args.prompt_tokens,
+        args.decode_tokens.saturating_add(1),
+        &config,
+        "--prompt-tokens and --decode-tokens",
+    )?;
     let ids = prompt_ids(args.prompt_tokens, config.vocab_size, args.seed);
     let (mut backend, shape, decode_weight_bytes_per_token): (
         Box<dyn reference::backend::Backend>,
@@ -339,12 +346,14 @@ pub fn terminal(r: &BenchReport) -> String {
         gflop(&r.prompt_flops, r.prompt_tokens)
     );
     out += &format!(
-        "  decode   {:>9.2} s  {:>5} tokens  {:>9.2} tok/s  {:>8.1} GFLOP/s  ({:.2} GFLOP/token)\n",
+        "  decode   {:>9.2} s  {:>5} steps   {:>9.2} tok/s  {:>8.1} GFLOP/s  ({:.2} GFLOP/token; {} tokens chosen, \
+         the first from the prompt)\n",
         r.decode_seconds,
         r.decode_tokens,
         r.decode_tokens_per_s,
         r.decode_gflops_per_s,
-        gflop(&r.decode_flops, r.decode_tokens)
+        gflop(&r.decode_flops, r.decode_tokens),
+        r.generated_ids.len()
     );
     if let (Some(b), Some(rate)) = (r.decode_weight_bytes_per_token, r.decode_weight_gb_per_s) {
         out += &format!(

@@ -6,7 +6,8 @@ use super::args::{FormArgs, GraphArgs, ModelArgs, PromptArgs, ReportArgs, Thresh
 use super::target::Target;
 use crate::compare::run::{compare_device, quantization_error, reference_runs};
 use crate::device::{
-    available_devices, check_context, check_device, open_reference, split_devices, warn_precision,
+    available_devices, check_context, check_device, check_positions, open_reference, split_devices,
+    warn_precision,
 };
 use crate::progress::Progress;
 use crate::prompts::eos_ids;
@@ -93,6 +94,10 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
         .prompt
         .source(args.prompts.as_deref())?
         .load(dir, config)?;
+    for p in &set {
+        check_positions(p.ids.len(), args.tokens, config, "--tokens")
+            .with_context(|| format!("prompt `{}`", p.label))?;
+    }
     let (context, context_source) = target.context(&settings[0]);
     if let Some(context) = context {
         for p in &set {

@@ -4,7 +4,7 @@
 use super::Outcome;
 use super::args::{Backend, DeviceArgs, Dtype, FormArgs, ModelArgs, PromptArgs};
 use crate::device::own::engine;
-use crate::device::{DeviceSettings, check_context, open_reference};
+use crate::device::{DeviceSettings, check_context, check_positions, open_reference};
 use crate::dump::{FORMAT, run_dump};
 use anyhow::{Result, bail};
 use std::path::PathBuf;
@@ -58,6 +58,7 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
     };
     let (dir, config, store) = args.model.open()?;
     let (ids, prompt) = args.prompt.ids(&dir, &config)?;
+    check_positions(ids.len(), args.generate, &config, "--generate")?;
     let mut d = match &plan {
         Plan::Reference(opts) => {
             let mut backend = open_reference(&config, &store, *opts, true)?;

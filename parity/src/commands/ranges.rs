@@ -2,14 +2,19 @@
 
 use super::Outcome;
 use super::args::{ModelArgs, PromptArgs};
+use crate::device::check_positions;
 use crate::device::open_reference;
-use crate::ranges::range_report;
+use crate::ranges::RangeScan;
 use anyhow::{Context, Result, bail};
 use npu::sim::numeric::Storage;
 use reference::backend::Backend;
 use reference::linear_attn::{PORT_OUTPUT_SCALE, check_output_scale};
 use reference::model::RunOptions;
 use std::path::PathBuf;
+
+/// Prompt tokens per forward call: the attention scores of a call are `[heads, BLOCK, tokens so far]`, not the
+/// square of the prompt.
+const BLOCK: usize = 256;
 
 /// Arguments of `qwen35 ranges`.
 #[derive(clap::Args)]
@@ -45,13 +50,20 @@ pub fn exec(args: RangesArgs) -> Result<Outcome> {
         .into_iter()
         .next()
         .context("no prompt")?;
+    check_positions(prompt.ids.len(), 0, &config, "the prompt")?;
     let mut reference = open_reference(&config, &store, RunOptions::default(), true)?;
     reference.reset()?;
-    let run = reference.forward(&prompt.ids, true)?;
-    let mut taps = run.taps;
-    taps.insert(reference::taps::names::LOGITS.into(), run.logits);
-    let states = reference.snapshot()?.tensors;
-    let report = range_report(&config, &store, &taps, &states, storage, args.output_scale)?;
+    // Block by block, each block's taps reduced and dropped: the memory stays that of one block (and the caches),
+    // whatever the prompt's length.
+    let mut scan = RangeScan::new(&config, storage, args.output_scale);
+    for (i, piece) in prompt.ids.chunks(BLOCK).enumerate() {
+        let run = reference.forward(piece, true)?;
+        let mut taps = run.taps;
+        taps.insert(reference::taps::names::LOGITS.into(), run.logits);
+        scan.add_taps(&taps, i * BLOCK)?;
+    }
+    scan.add_states(&reference.snapshot()?.tensors)?;
+    let report = scan.finish(&config, &store)?;
     print!("{}", report.terminal());
     if let Some(p) = &args.json {
         let mut v = serde_json::to_value(&report)?;

@@ -2,7 +2,7 @@
 
 use super::Outcome;
 use super::args::{FormArgs, ModelArgs};
-use crate::device::open_reference;
+use crate::device::{check_positions, open_reference};
 use crate::non_finite::explain_reference;
 use crate::prompts::ChatPrompt;
 use anyhow::Result;
@@ -42,6 +42,7 @@ pub fn exec(args: RunArgs) -> Result<Outcome> {
         think: args.think,
     };
     let ids = tok.encode_chat(&chat.messages(), chat.think)?;
+    check_positions(ids.len(), args.max_tokens, &config, "--max-tokens")?;
     let mut backend = open_reference(&config, &store, opts, false)?;
     let mut stop = tok.stop_ids();
     stop.extend(config.eos_token_ids.iter().copied());

@@ -89,6 +89,11 @@ pub struct ValidateArgs {
 pub fn exec(args: ValidateArgs) -> Result<Outcome> {
     let start = Instant::now();
     let thresholds = args.thresholds.overrides()?;
+    for p in &args.allow_precision {
+        if let reference::backend::Precision::Other(_) = reference::backend::Precision::parse(p) {
+            bail!("--allow-precision {p}: expected f32, f16 or bf16 (comma separated)");
+        }
+    }
     for (flag, v) in [
         ("--probe-max-nrmse", args.probe_max_nrmse),
         ("--probe-max-state-nrmse", args.probe_max_state_nrmse),

@@ -206,11 +206,31 @@ pub fn open_reference(
 /// generated token is never fed back, so it needs no slot); `source` (a flag, or a manifest) is named: a long
 /// prompt is refused, never cut.
 pub fn check_context(prompt: usize, generate: usize, context: usize, source: &str) -> Result<()> {
-    let needed = prompt + generate.saturating_sub(1);
+    let needed = prompt.saturating_add(generate.saturating_sub(1));
     if needed > context {
         bail!(
             "{prompt} prompt tokens and {generate} generated need {needed} cache slots, but the static context holds \
              {context} ({source})"
+        );
+    }
+    Ok(())
+}
+
+/// Fails unless `prompt` tokens and `generate` greedy tokens fit the model's positions (`max_position_embeddings` of
+/// its config.json), naming `flag`, the option that asked for the tokens: a count past what any run can hold is
+/// refused before work, never left to an allocation to fail.
+pub fn check_positions(prompt: usize, generate: usize, config: &Config, flag: &str) -> Result<()> {
+    let needed = prompt.saturating_add(generate.saturating_sub(1));
+    let limit = config.max_position_embeddings;
+    if needed > limit {
+        let asked = if generate == 0 {
+            format!("{prompt} prompt tokens need")
+        } else {
+            format!("{prompt} prompt tokens and {generate} generated need")
+        };
+        bail!(
+            "{flag}: {asked} {needed} positions, but the model holds {limit} (max_position_embeddings in its \
+             config.json)"
         );
     }
     Ok(())

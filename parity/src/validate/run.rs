@@ -14,7 +14,7 @@ use crate::progress::Progress;
 use crate::prompts::LabelledPrompt;
 use crate::report::validate::{ValidateInputs, ValidateReport};
 use crate::report::{CompareReport, Inputs, Machine};
-use anyhow::{Result, bail};
+use anyhow::{Context as _, Result, bail};
 use reference::backend::{Backend, LookupOptions};
 use reference::config::Config;
 use reference::model::RunOptions;
@@ -162,8 +162,13 @@ fn compare_finding(report: &DeviceReport) -> Finding {
     }
 }
 
-/// Fails unless every run of every check fits the static context of `caps`, naming the check and the flag.
+/// Fails unless every run of every check fits the model's positions and the static context of `caps` (when it has
+/// one), naming the check and the flag.
 pub fn check_fits(plan: &ValidatePlan, caps: &Capabilities) -> Result<()> {
+    for p in plan.set.iter().chain(std::iter::once(plan.repeated)) {
+        crate::device::check_positions(p.ids.len(), plan.tokens, plan.config, "--tokens")
+            .with_context(|| format!("prompt `{}`", p.label))?;
+    }
     let Some(context) = caps.context else {
         return Ok(());
     };
@@ -220,7 +225,7 @@ pub fn run(
 ) -> Result<ValidateReport> {
     let caps = dut.capabilities().clone();
     if let Some((fault, name)) = &plan.fault
-        && !matches!(fault, Fault::LogitsFrom(_))
+        && !matches!(fault, Fault::LogitsFrom(_) | Fault::NanFrom(_))
         && !caps.states
     {
         bail!(

@@ -116,8 +116,8 @@ pub fn prompt_lookup(
     let prompt_seconds = start.elapsed().as_secs_f64();
     let start = Instant::now();
     let mut out = Lookup {
-        tokens: Vec::with_capacity(max_new),
-        logits: Vec::with_capacity(max_new),
+        tokens: Vec::with_capacity(max_new.min(4096)),
+        logits: Vec::with_capacity(max_new.min(4096)),
         proposed: 0,
         accepted: 0,
         forward_calls: 1,

@@ -144,8 +144,10 @@ pub fn continue_greedy(
     let after_prompt = state_after(backend)?;
     let rows = first.logits.dim(0)?;
     let mut logits = first.logits.get(rows - 1)?;
-    let mut tokens = Vec::with_capacity(max_new);
-    let mut chosen_from = Vec::with_capacity(max_new);
+    // Reserved for what a run of this size holds, not for any count asked (a huge count must not allocate).
+    let reserve = max_new.min(4096);
+    let mut tokens = Vec::with_capacity(reserve);
+    let mut chosen_from = Vec::with_capacity(reserve);
     let start = Instant::now();
     let mut nan_at = None;
     for n in 0..max_new {

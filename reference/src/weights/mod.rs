@@ -39,9 +39,8 @@ impl ShardFile {
         // while a run holds it.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
         let (header_len, metadata) =
-            safetensors::SafeTensors::read_metadata(&mmap[..]).map_err(|e| Error::Weights {
+            safetensors::SafeTensors::read_metadata(&mmap[..]).map_err(|e| Error::File {
                 file: path.display().to_string(),
-                key: "(header)".into(),
                 message: format!("not a valid safetensors file: {e}"),
             })?;
         Ok(ShardFile {
@@ -106,27 +105,39 @@ impl WeightStore {
         if index_path.exists() {
             let text =
                 std::fs::read_to_string(&index_path).map_err(|e| Error::io(&index_path, e))?;
-            let json: serde_json::Value =
-                serde_json::from_str(&text).map_err(|e| Error::Weights {
-                    file: index_path.display().to_string(),
-                    key: "(file)".into(),
-                    message: format!("not valid JSON: {e}"),
-                })?;
+            let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::File {
+                file: index_path.display().to_string(),
+                message: format!("not valid JSON: {e}"),
+            })?;
             let map = json
                 .get("weight_map")
                 .and_then(|m| m.as_object())
-                .ok_or_else(|| Error::Weights {
+                .ok_or_else(|| Error::File {
                     file: index_path.display().to_string(),
-                    key: "weight_map".into(),
-                    message: "missing or not an object".into(),
+                    message: "`weight_map` is missing or not an object".into(),
                 })?;
             let mut shard_names: BTreeMap<String, usize> = BTreeMap::new();
             for (tensor, shard) in map {
                 let shard = shard.as_str().ok_or_else(|| Error::Weights {
                     file: index_path.display().to_string(),
-                    key: format!("weight_map.{tensor}"),
-                    message: "expected a file name".into(),
+                    key: tensor.clone(),
+                    message: format!("its `weight_map` entry {shard} is not a file name"),
                 })?;
+                // A shard is a file of the checkpoint's own directory: no directories, no `..`, no absolute path
+                // (an index must not make the run read files elsewhere).
+                let plain = Path::new(shard)
+                    .components()
+                    .all(|c| matches!(c, std::path::Component::Normal(_)));
+                if shard.is_empty() || !plain || shard.contains('/') || shard.contains('\\') {
+                    return Err(Error::Weights {
+                        file: index_path.display().to_string(),
+                        key: tensor.clone(),
+                        message: format!(
+                            "its shard `{shard}` is not a file name in the checkpoint's directory (no paths \
+                             allowed in `weight_map`)"
+                        ),
+                    });
+                }
                 let next = shard_names.len();
                 let file_idx = *shard_names.entry(shard.to_string()).or_insert(next);
                 index.insert(tensor.clone(), file_idx);
@@ -166,9 +177,8 @@ impl WeightStore {
             }
             files.push(file);
         } else {
-            return Err(Error::Weights {
+            return Err(Error::File {
                 file: dir.display().to_string(),
-                key: "(weights)".into(),
                 message: "neither model.safetensors nor model.safetensors.index.json is here"
                     .into(),
             });

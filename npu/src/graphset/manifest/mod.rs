@@ -39,7 +39,7 @@ use crate::error::{Error, Result};
 use crate::graphset::GraphSet;
 use reader::Reader;
 use serde_json::{Map, Value, json};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// The manifest's file name inside a set's directory.
 pub const MANIFEST: &str = "manifest.json";
@@ -126,25 +126,46 @@ pub fn parse(text: &str, dir: &Path, source: &str) -> Result<GraphSet> {
             "per-layer graphs take their states as ports",
         ));
     }
+    let (model, reference_weights) = checkpoint(&r, m)?;
     Ok(GraphSet {
         source: source.to_string(),
         dir: dir.to_path_buf(),
-        model: m
-            .get("model")
-            .map(|v| r.string(v, "model").map(|s| dir.join(s)))
-            .transpose()?,
-        reference_weights: m
-            .get("reference_weights")
-            .map(|v| r.string(v, "reference_weights").map(str::to_string))
-            .transpose()?,
+        model,
+        reference_weights,
         context,
         decoder,
         layers,
     })
 }
 
+/// The manifest's `model` (resolved against its folder) and `reference_weights` (checked to be a weight format).
+fn checkpoint(r: &Reader, m: &Map<String, Value>) -> Result<(Option<PathBuf>, Option<String>)> {
+    let model = m
+        .get("model")
+        .map(|v| r.string(v, "model").map(|s| r.dir.join(s)))
+        .transpose()?;
+    let weights = m
+        .get("reference_weights")
+        .map(|v| r.string(v, "reference_weights"))
+        .transpose()?;
+    if let Some(w) = weights {
+        reference::quant::WeightFormat::parse(w).map_err(|e| r.err("reference_weights", e))?;
+    }
+    Ok((model, weights.map(str::to_string)))
+}
+
 /// The first manifest: one stateful IR (`xml`, `bin`), its `inputs` and `outputs` at the top.
 fn parse_v1(r: &Reader, m: &Map<String, Value>) -> Result<GraphSet> {
+    match m.get("version") {
+        None => {}
+        Some(v) if v.as_u64() == Some(1) => {}
+        Some(v) => {
+            return Err(r.err(
+                "version",
+                format!("{v}: a manifest of format \"{FORMAT_V1}\" is version 1 (version {VERSION} is \"{FORMAT}\")"),
+            ));
+        }
+    }
     if m.get("stateful").and_then(Value::as_bool) == Some(false) {
         return Err(r.err(
             "stateful",
@@ -179,17 +200,12 @@ fn parse_v1(r: &Reader, m: &Map<String, Value>) -> Result<GraphSet> {
     }
     let mut part = r.part(&Value::Object(decoder), "decoder", false)?;
     part.key = String::new();
+    let (model, reference_weights) = checkpoint(r, m)?;
     Ok(GraphSet {
         source: r.source.to_string(),
         dir: r.dir.to_path_buf(),
-        model: m
-            .get("model")
-            .map(|v| r.string(v, "model").map(|s| r.dir.join(s)))
-            .transpose()?,
-        reference_weights: m
-            .get("reference_weights")
-            .map(|v| r.string(v, "reference_weights").map(str::to_string))
-            .transpose()?,
+        model,
+        reference_weights,
         context: match m.get("context") {
             None | Some(Value::Null) => None,
             Some(c) => Some(r.count(c, "context")?),
