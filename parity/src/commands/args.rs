@@ -405,9 +405,15 @@ impl GraphArgs {
 
     /// The compile options on `device`: `--precision` (f32 by default), `--device-config` and the model cache.
     pub fn compile(&self, device: &str) -> Result<CompileOptions> {
+        let config = device_config(self.device_config.as_deref());
+        // The file's error names the file; the flag is named here (the environment variable names itself).
+        let config = match self.device_config {
+            Some(_) => config.context("--device-config")?,
+            None => config?,
+        };
         Ok(CompileOptions {
             precision: self.precision.unwrap_or(InferencePrecision::F32),
-            device_config: device_config(self.device_config.as_deref())?,
+            device_config: config,
             cache_dir: self.cache_dir(device)?,
         })
     }
