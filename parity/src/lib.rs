@@ -9,6 +9,7 @@ pub mod compare;
 pub mod device;
 pub mod dump;
 pub mod metrics;
+pub mod outputs;
 pub mod perf;
 pub mod plot;
 pub mod probe;
