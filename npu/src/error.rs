@@ -47,13 +47,14 @@ pub enum Error {
     /// mismatch between the builder and its user, reported instead of a panic.
     #[error("graph interface: {0}")]
     Interface(String),
-    /// A file could not be read or written.
-    #[error("{path}: {source}")]
+    /// A file could not be read or written. (The I/O error is part of the message, not a `source`: a chain printed
+    /// with `{:#}` would repeat it.)
+    #[error("{path}: {error}")]
     Io {
         /// The path.
         path: PathBuf,
         /// The underlying error.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// From the reference decoder (config, weights, tokenizer).
     #[error(transparent)]
@@ -67,10 +68,10 @@ pub enum Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
-    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+    pub(crate) fn io(path: impl Into<PathBuf>, error: std::io::Error) -> Self {
         Error::Io {
             path: path.into(),
-            source,
+            error,
         }
     }
 

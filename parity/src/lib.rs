@@ -10,6 +10,7 @@ pub mod device;
 pub mod dump;
 pub mod metrics;
 pub mod non_finite;
+pub mod outputs;
 pub mod perf;
 pub mod plot;
 pub mod probe;

@@ -41,10 +41,17 @@ pub struct Panel {
     pub marker: Option<(f64, String)>,
 }
 
-/// Draws panels side by side into an SVG file.
+/// Draws panels side by side into an SVG file (written whole or not at all).
 pub fn draw(path: &Path, panels: &[Panel]) -> Result<()> {
+    let mut svg = String::new();
+    draw_into(&mut svg, path, panels)?;
+    crate::report::write(path, &svg)
+}
+
+/// Draws panels side by side into `svg` (`path` names the chart in errors).
+fn draw_into(svg: &mut String, path: &Path, panels: &[Panel]) -> Result<()> {
     let width = 560 * panels.len().max(1) as u32;
-    let root = SVGBackend::new(path, (width, 420)).into_drawing_area();
+    let root = SVGBackend::with_string(svg, (width, 420)).into_drawing_area();
     let err = |e: &dyn std::fmt::Display| anyhow!("drawing {}: {e}", path.display());
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let areas = root.split_evenly((1, panels.len().max(1)));

@@ -45,13 +45,14 @@ pub enum Error {
         /// What went wrong.
         message: String,
     },
-    /// A file could not be read or written.
-    #[error("{path}: {source}")]
+    /// A file could not be read or written. (The I/O error is part of the message, not a `source`: a chain printed
+    /// with `{:#}` would repeat it.)
+    #[error("{path}: {error}")]
     Io {
         /// The path involved.
         path: PathBuf,
         /// The underlying error.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// A backend other than the reference failed (an OpenVINO device, …): its own error, as text.
     #[error("{0}")]
@@ -65,10 +66,10 @@ pub enum Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
-    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+    pub(crate) fn io(path: impl Into<PathBuf>, error: std::io::Error) -> Self {
         Error::Io {
             path: path.into(),
-            source,
+            error,
         }
     }
 }

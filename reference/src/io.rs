@@ -1,15 +1,119 @@
 //! Safetensors files this project writes (dumps, synthetic checkpoints): tensors in their own dtypes plus string
-//! metadata. Reading checkpoints is [`crate::weights`]' job.
+//! metadata; and [`AtomicFile`], how a file is written whole or not at all. Reading checkpoints is
+//! [`crate::weights`]' job.
 
 use crate::error::{Error, Result};
 use candle_core::DType;
 use candle_core::Tensor;
 use safetensors::tensor::{Dtype as StDtype, TensorView};
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
+use std::fs::{File, OpenOptions, Permissions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// A file that appears at its path only once complete: written into a hidden sibling (`.NAME.XXXXXX.partial`, in
+/// the same directory, so that the rename is atomic) created with mode `0666` less the umask, as
+/// [`File::create`] would make it, and renamed onto the path by [`AtomicFile::commit`]. Dropped uncommitted (an
+/// error on the way), the sibling is removed and the path left as it was. A symlink is followed: the file it names
+/// is replaced and the link kept. A path that exists and is neither a regular file nor a directory (`/dev/null`, a
+/// terminal, a pipe) is written in place: there is nothing to rename onto it.
+pub struct AtomicFile(Target);
+
+enum Target {
+    Staged {
+        temp: tempfile::NamedTempFile,
+        dest: PathBuf,
+        mode: Permissions,
+    },
+    InPlace(File),
+}
+
+impl AtomicFile {
+    /// Starts writing `path` (nothing appears there before [`AtomicFile::commit`]).
+    pub fn create(path: &Path) -> std::io::Result<Self> {
+        if let Ok(m) = std::fs::metadata(path) {
+            if m.is_dir() {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::IsADirectory,
+                    "is a directory",
+                ));
+            }
+            if !m.is_file() {
+                let file = OpenOptions::new().write(true).truncate(true).open(path)?;
+                return Ok(AtomicFile(Target::InPlace(file)));
+            }
+        }
+        let dest = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+        let dir = match dest.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        let name = dest
+            .file_name()
+            .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+        let prefix = format!(".{name}.");
+        let mut builder = tempfile::Builder::new();
+        builder.prefix(&prefix).suffix(".partial");
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            // As open(2) creates it: the umask applies (tempfile's own default is 0600).
+            builder.permissions(Permissions::from_mode(0o666));
+        }
+        let temp = builder.tempfile_in(dir)?;
+        let mode = temp.as_file().metadata()?.permissions();
+        Ok(AtomicFile(Target::Staged { temp, dest, mode }))
+    }
+
+    /// The sibling being written, for a writer that takes a path rather than a [`Write`] (it may replace the
+    /// sibling by a file of its own: [`AtomicFile::commit`] sets the mode again and renames whatever is there);
+    /// `None` when the path is written in place.
+    pub fn staged_path(&self) -> Option<&Path> {
+        match &self.0 {
+            Target::Staged { temp, .. } => Some(temp.path()),
+            Target::InPlace(_) => None,
+        }
+    }
+
+    /// Renames the finished file onto its path (with the mode it was created with).
+    pub fn commit(self) -> std::io::Result<()> {
+        match self.0 {
+            Target::Staged { temp, dest, mode } => {
+                std::fs::set_permissions(temp.path(), mode)?;
+                temp.persist(&dest).map_err(|e| e.error)?;
+                Ok(())
+            }
+            Target::InPlace(mut file) => file.flush(),
+        }
+    }
+
+    fn file(&mut self) -> &mut File {
+        match &mut self.0 {
+            Target::Staged { temp, .. } => temp.as_file_mut(),
+            Target::InPlace(file) => file,
+        }
+    }
+}
+
+impl Write for AtomicFile {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.file().write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.file().flush()
+    }
+}
+
+/// Writes `bytes` to `path` whole or not at all (see [`AtomicFile`]).
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let mut file = AtomicFile::create(path)?;
+    file.write_all(bytes)?;
+    file.commit()
+}
 
 /// Writes tensors (each in its own dtype: f32, f64, f16, bf16, i64 or u32) and string metadata to a safetensors
-/// file.
+/// file, whole or not at all (see [`AtomicFile`]).
 pub fn save_safetensors(
     path: &Path,
     tensors: &BTreeMap<String, Tensor>,
@@ -70,7 +174,13 @@ pub fn save_safetensors(
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
     let meta = if meta.is_empty() { None } else { Some(meta) };
-    safetensors::serialize_to_file(views, meta, path).map_err(|e| err(e.to_string()))
+    let mut out = AtomicFile::create(path).map_err(|e| Error::io(path, e))?;
+    match out.staged_path() {
+        Some(staged) => safetensors::serialize_to_file(views, meta, staged),
+        None => safetensors::serialize(views, meta).and_then(|b| Ok(out.write_all(&b)?)),
+    }
+    .map_err(|e| err(e.to_string()))?;
+    out.commit().map_err(|e| Error::io(path, e))
 }
 
 fn le_bytes<T, const N: usize>(values: Vec<T>, f: impl Fn(T) -> [u8; N]) -> Vec<u8> {

@@ -6,6 +6,7 @@ use super::Outcome;
 use super::args::{Backend, DeviceArgs, Dtype, FormArgs, ModelArgs};
 use crate::device::own::engine;
 use crate::device::{DeviceSettings, check_context, check_positions, open_reference};
+use crate::outputs::Paths;
 use crate::perf::flops::{self, Flops, RunShape};
 use crate::perf::machine::{self, Machine};
 use crate::perf::memory::{self, Sampler};
@@ -152,6 +153,11 @@ fn decode_weight_bytes(c: &Config, store: &WeightStore) -> Result<u64> {
 
 /// Runs `qwen35 bench`.
 pub fn exec(args: BenchArgs) -> Result<Outcome> {
+    Paths::new()
+        .with(&args.model)
+        .with(&args.device)
+        .file("--json", args.json.as_ref())
+        .check()?;
     if args.prompt_tokens == 0 {
         bail!("--prompt-tokens must be at least 1");
     }
@@ -305,7 +311,7 @@ pub fn exec(args: BenchArgs) -> Result<Outcome> {
     print!("{}", terminal(&report));
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&report)?;
-        std::fs::write(path, text + "\n")
+        reference::io::write_atomic(path, (text + "\n").as_bytes())
             .map_err(|e| anyhow::anyhow!("--json {}: {e}", path.display()))?;
     }
     Ok(Outcome::Pass)

@@ -9,6 +9,7 @@ use crate::device::{
     available_devices, check_context, check_device, check_positions, open_reference, split_devices,
     warn_precision,
 };
+use crate::outputs::Paths;
 use crate::progress::Progress;
 use crate::prompts::eos_ids;
 use crate::report::{CompareReport, Inputs, Machine};
@@ -72,6 +73,13 @@ fn devices(asked: Option<&str>) -> Result<Vec<String>> {
 
 /// Runs `qwen35 compare-devices`.
 pub fn exec(args: CompareArgs) -> Result<Outcome> {
+    Paths::new()
+        .with(&args.model)
+        .input("--ir", args.ir.as_ref())
+        .input("--prompts", args.prompts.as_ref())
+        .with(&args.graph)
+        .with(&args.report)
+        .check()?;
     let thresholds = args.thresholds.overrides()?;
     if args.tokens == 0 {
         bail!("--tokens must be at least 1");

@@ -7,6 +7,7 @@ use super::args::{ReportArgs, ThresholdArgs};
 use crate::compare::{DeviceReport, Row, Side, compare_runs};
 use crate::dump::Dump;
 use crate::metrics::TensorError;
+use crate::outputs::Paths;
 use crate::report::{CompareReport, Inputs, Machine};
 use anyhow::{Context, Result, bail};
 use npu::graphset::StateKind;
@@ -158,6 +159,12 @@ fn record_of(d: &Dump, p: &Path) -> Result<RunRecord> {
 
 /// Runs `qwen35 diff`.
 pub fn exec(args: DiffArgs) -> Result<Outcome> {
+    Paths::new()
+        .input("ACTUAL", Some(&args.actual))
+        .input("REFERENCE", Some(&args.reference))
+        .input("--model", args.model.as_ref())
+        .with(&args.report)
+        .check()?;
     let thresholds = args.thresholds.overrides()?;
     let outputs = args.report.outputs()?;
     let config = match &args.model {

@@ -6,6 +6,7 @@ use super::args::{Backend, DeviceArgs, Dtype, FormArgs, ModelArgs, PromptArgs};
 use crate::device::own::engine;
 use crate::device::{DeviceSettings, check_context, check_positions, open_reference};
 use crate::dump::{FORMAT, run_dump};
+use crate::outputs::Paths;
 use anyhow::{Result, bail};
 use std::path::PathBuf;
 
@@ -37,6 +38,11 @@ enum Plan {
 
 /// Runs `qwen35 dump`.
 pub fn exec(args: DumpArgs) -> Result<Outcome> {
+    Paths::new()
+        .with(&args.model)
+        .with(&args.device)
+        .file("--out", Some(&args.out))
+        .check()?;
     if !args.prompt.given() {
         bail!("give the prompt as --prompt TEXT or --token-ids LIST");
     }

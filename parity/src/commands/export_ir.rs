@@ -4,7 +4,8 @@
 
 use super::Outcome;
 use super::args::{Dtype, FormArgs, ModelArgs};
-use anyhow::{Context, Result, bail};
+use crate::outputs::{Kind, Paths, StagedDir};
+use anyhow::{Result, bail};
 use npu::graphs::{Builder, DEFAULT_CONTEXT, GraphOptions};
 use npu::graphset::{GraphFile, GraphSet, Part, manifest, own};
 use npu::ir::SharedBin;
@@ -25,7 +26,8 @@ pub enum PartArg {
 pub struct ExportArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// Output directory.
+    /// Output directory: new or empty; it appears whole or not at all (written into a hidden sibling, renamed onto
+    /// it at the end).
     #[arg(long, value_name = "DIR")]
     out: PathBuf,
     /// Prompt block sizes to export (the 1-token graphs are always written).
@@ -70,8 +72,24 @@ fn relative(target: &Path, base: &Path) -> PathBuf {
     out
 }
 
+/// Fails when a value of a list option is given twice (the set would list its graphs twice).
+fn refuse_repeats<T: PartialEq + std::fmt::Debug>(flag: &str, values: &[T]) -> Result<()> {
+    for (i, v) in values.iter().enumerate() {
+        if values[..i].contains(v) {
+            bail!("{flag}: {v:?} is given twice");
+        }
+    }
+    Ok(())
+}
+
 /// Runs `qwen35 export-ir`.
 pub fn exec(args: ExportArgs) -> Result<Outcome> {
+    Paths::new()
+        .with(&args.model)
+        .output("--out", Some(&args.out), Kind::NewDir)
+        .check()?;
+    refuse_repeats("--blocks", &args.blocks)?;
+    refuse_repeats("--parts", &args.parts)?;
     if args.model.dtype != Dtype::F32 {
         bail!(
             "--dtype applies to reference runs; graphs are written in f32 with --weights storage"
@@ -92,8 +110,9 @@ pub fn exec(args: ExportArgs) -> Result<Outcome> {
         taps: !args.no_taps,
     };
     let builder = Builder::new(&config, &store, opts)?;
-    std::fs::create_dir_all(&args.out)
-        .with_context(|| format!("creating {}", args.out.display()))?;
+    // Written into a sibling and moved into place whole: an error or an interruption leaves no partial set behind.
+    let staged = StagedDir::create("--out", &args.out)?;
+    let out = staged.path().to_path_buf();
     let mut sizes = vec![1];
     sizes.extend(args.blocks.iter().copied().filter(|&b| b != 1));
     sizes.sort_unstable();
@@ -101,12 +120,12 @@ pub fn exec(args: ExportArgs) -> Result<Outcome> {
     let decoder = args.parts.contains(&PartArg::Decoder);
     let layers = args.layers || args.parts.contains(&PartArg::Layers);
     let bin_name = "weights.bin";
-    let bin_path = args.out.join(bin_name);
+    let bin_path = out.join(bin_name);
     let bin = SharedBin::create(&bin_path)?;
     let file = |name: &str| GraphFile {
         tokens: None,
         layer: None,
-        xml: args.out.join(format!("{name}.xml")),
+        xml: out.join(format!("{name}.xml")),
         bin: bin_path.clone(),
     };
     let mut decoder_files = Vec::new();
@@ -138,8 +157,9 @@ pub fn exec(args: ExportArgs) -> Result<Outcome> {
     let count = decoder_files.len() + layer_files.len();
     let set = GraphSet {
         source: args.out.join(manifest::MANIFEST).display().to_string(),
-        dir: args.out.clone(),
-        model: Some(relative(&dir, &args.out)),
+        dir: out.clone(),
+        // The sibling has the same parent: the path from it is the path from --out.
+        model: Some(relative(&dir, &out)),
         reference_weights: Some(store.format().name()),
         context: Some(args.context),
         decoder: decoder.then(|| Part {
@@ -164,9 +184,9 @@ pub fn exec(args: ExportArgs) -> Result<Outcome> {
             "blocks": sizes,
         }),
     );
-    let path = args.out.join(manifest::MANIFEST);
     let text = serde_json::to_string_pretty(&manifest::to_json(&set, extra))? + "\n";
-    std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+    crate::report::write(&out.join(manifest::MANIFEST), &text)?;
+    staged.commit()?;
     eprintln!(
         "wrote {count} graphs, {bin_name} and {} to {}",
         manifest::MANIFEST,

@@ -1,6 +1,7 @@
 //! One module per `qwen35` subcommand: its arguments, turned into a plan, run, and handed to `report/`; `args`
-//! holds the options several share and their conversion into plain settings. No command imports another, and no
-//! clap type leaves this module. `main.rs` only parses and dispatches.
+//! holds the options several share and their conversion into plain settings, `paths` the files they name (every
+//! command checks its inputs and outputs first: [`crate::outputs`]). No command imports another, and no clap type
+//! leaves this module. `main.rs` only parses and dispatches.
 
 pub mod args;
 pub mod bench;
@@ -9,6 +10,7 @@ pub mod devices;
 pub mod diff;
 pub mod dump;
 pub mod export_ir;
+pub mod paths;
 pub mod probe;
 pub mod ranges;
 pub mod run;

@@ -7,6 +7,7 @@ use super::args::{FormArgs, GraphArgs, ModeArg, ModelArgs, PromptArgs, ReportArg
 use super::target::Target;
 use crate::device::own::OwnGraphs;
 use crate::device::{DeviceUnderTest, check_device};
+use crate::outputs::Paths;
 use crate::probe::run::{ProbePlan, run};
 use anyhow::{Context, Result, bail};
 use std::path::PathBuf;
@@ -61,6 +62,12 @@ pub struct ProbeArgs {
 
 /// Runs `qwen35 probe`.
 pub fn exec(args: ProbeArgs) -> Result<Outcome> {
+    Paths::new()
+        .with(&args.model)
+        .input("--ir", args.ir.as_ref())
+        .with(&args.graph)
+        .with(&args.report)
+        .check()?;
     for (flag, v) in [
         ("--max-nrmse", args.max_nrmse),
         ("--max-state-nrmse", args.max_state_nrmse),

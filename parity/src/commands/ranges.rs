@@ -4,6 +4,7 @@ use super::Outcome;
 use super::args::{ModelArgs, PromptArgs};
 use crate::device::check_positions;
 use crate::device::open_reference;
+use crate::outputs::Paths;
 use crate::ranges::RangeScan;
 use anyhow::{Context, Result, bail};
 use npu::sim::numeric::Storage;
@@ -36,6 +37,10 @@ pub struct RangesArgs {
 
 /// Runs `qwen35 ranges`.
 pub fn exec(args: RangesArgs) -> Result<Outcome> {
+    Paths::new()
+        .with(&args.model)
+        .file("--json", args.json.as_ref())
+        .check()?;
     let storage = match args.store.as_str() {
         "f16" | "fp16" => Storage::F16,
         "bf16" => Storage::Bf16,

@@ -2,18 +2,20 @@
 //! `reference::synth`), written tensor by tensor.
 
 use super::Outcome;
+use crate::outputs::{Kind, Paths, StagedDir, catch_interrupts, free_bytes, interrupted};
 use crate::perf::memory;
 use crate::report::{count, size};
 use anyhow::{Result, bail};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use reference::synth::{DEFAULT_SHARD_BYTES, Shape, SynthOptions, write_checkpoint};
+use reference::synth::{DEFAULT_SHARD_BYTES, Shape, SynthOptions, planned_bytes, write_checkpoint};
 use std::path::PathBuf;
 use std::time::Instant;
 
 /// Arguments of `qwen35 synth`.
 #[derive(clap::Args)]
 pub struct SynthArgs {
-    /// The directory to write (created; it must not exist yet or be empty).
+    /// The directory to write (created; it must not exist yet or be empty). It appears whole or not at all: the
+    /// files go into a hidden sibling renamed onto it at the end (Ctrl-C removes them and exits with 130).
     #[arg(long, value_name = "DIR")]
     out: PathBuf,
     /// Decoder layers, in the real pattern (three linear-attention layers, then a full-attention one, repeated; the
@@ -33,6 +35,9 @@ pub struct SynthArgs {
 
 /// Runs `qwen35 synth`.
 pub fn exec(args: SynthArgs) -> Result<Outcome> {
+    Paths::new()
+        .output("--out", Some(&args.out), Kind::NewDir)
+        .check()?;
     if args.layers == 0 {
         bail!("--layers must be at least 1");
     }
@@ -41,26 +46,29 @@ pub fn exec(args: SynthArgs) -> Result<Outcome> {
     if shard_bytes == 0 {
         bail!("--shard-bytes must be positive");
     }
-    if args.out.exists() {
-        if !args.out.is_dir() {
-            bail!(
-                "--out {}: exists and is not a directory",
-                args.out.display()
-            );
-        }
-        if std::fs::read_dir(&args.out)?.next().is_some() {
-            bail!(
-                "--out {}: the directory is not empty (synth writes into a new or empty directory)",
-                args.out.display()
-            );
-        }
-    }
     let opts = SynthOptions {
         shape,
         layers: args.layers,
         seed: args.seed,
         shard_bytes,
     };
+    // Written into a sibling and moved into place whole: an error leaves nothing behind, nor does Ctrl-C (caught
+    // below); a run that was killed leaves a sibling that the next one removes.
+    let staged = StagedDir::create("--out", &args.out)?;
+    let need = planned_bytes(&opts)?;
+    let free = free_bytes(staged.path()).map_err(|e| {
+        anyhow::anyhow!("--out {}: reading the free space: {e}", args.out.display())
+    })?;
+    if need > free {
+        bail!(
+            "--out {}: the checkpoint takes {} ({} layers) but its file system has {} free",
+            args.out.display(),
+            size(need),
+            args.layers,
+            size(free)
+        );
+    }
+    catch_interrupts();
     let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
     if let Ok(style) = ProgressStyle::with_template(
         "{elapsed:>4} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec}",
@@ -68,11 +76,21 @@ pub fn exec(args: SynthArgs) -> Result<Outcome> {
         bar.set_style(style.progress_chars("=> "));
     }
     let start = Instant::now();
-    let summary = write_checkpoint(&args.out, &opts, &mut |done, total| {
+    let summary = write_checkpoint(staged.path(), &opts, &mut |done, total| {
+        if interrupted() {
+            bar.finish_and_clear();
+            let _ = std::fs::remove_dir_all(staged.path());
+            eprintln!(
+                "interrupted: removed what was written ({})",
+                staged.path().display()
+            );
+            std::process::exit(130);
+        }
         bar.set_length(total);
         bar.set_position(done);
     })?;
     bar.finish_and_clear();
+    staged.commit()?;
     let seconds = start.elapsed().as_secs_f64();
     println!(
         "wrote {}: {} ({} layers), seed {}, {} tensors, {} parameters ({} in the decoder), bf16",

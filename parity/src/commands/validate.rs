@@ -7,6 +7,7 @@ use super::args::{FormArgs, GraphArgs, ModeArg, ModelArgs, PromptArgs, ReportArg
 use super::target::Target;
 use crate::device::check_device;
 use crate::device::fault::Fault;
+use crate::outputs::Paths;
 use crate::prompts::{eos_ids, repeated_prompt};
 use crate::validate::CheckId;
 use crate::validate::run::{SetInputs, ValidatePlan, run, skip_reason};
@@ -87,6 +88,13 @@ pub struct ValidateArgs {
 
 /// Runs `qwen35 validate`.
 pub fn exec(args: ValidateArgs) -> Result<Outcome> {
+    Paths::new()
+        .with(&args.model)
+        .input("--ir", args.ir.as_ref())
+        .input("--prompts", args.prompts.as_ref())
+        .with(&args.graph)
+        .with(&args.report)
+        .check()?;
     let start = Instant::now();
     let thresholds = args.thresholds.overrides()?;
     for p in &args.allow_precision {

@@ -30,7 +30,8 @@ pub fn stamped<T: Serialize>(report: &T, passed: bool) -> Result<serde_json::Val
     Ok(v)
 }
 
-/// Where the reports go (`--json`, `--report`, `--plot`).
+/// Where the reports go (`--json`, `--report`, `--plot`), checked before any run with the command's other paths
+/// ([`crate::outputs::Paths`]).
 #[derive(Debug, Clone, Default)]
 pub struct Outputs {
     /// The report as JSON (stable keys, `schema_version`).
@@ -39,31 +40,6 @@ pub struct Outputs {
     pub report: Option<PathBuf>,
     /// The SVG chart.
     pub plot: Option<PathBuf>,
-}
-
-impl Outputs {
-    /// Fails early (before any run) when an output's directory does not exist.
-    pub fn check(&self) -> Result<()> {
-        for (flag, path) in [
-            ("--json", &self.json),
-            ("--report", &self.report),
-            ("--plot", &self.plot),
-        ] {
-            if let Some(p) = path {
-                let parent = p.parent().filter(|d| !d.as_os_str().is_empty());
-                if let Some(d) = parent
-                    && !d.is_dir()
-                {
-                    anyhow::bail!(
-                        "{flag} {}: the directory {} does not exist",
-                        p.display(),
-                        d.display()
-                    );
-                }
-            }
-        }
-        Ok(())
-    }
 }
 
 /// The machine a report was made on.
@@ -123,9 +99,9 @@ pub fn paint(text: &str, code: &str, on: bool) -> String {
     }
 }
 
-/// Writes a report file, naming it on failure.
+/// Writes a report file whole or not at all (see [`crate::outputs::write`]), naming it on failure.
 pub fn write(path: &Path, text: &str) -> Result<()> {
-    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+    crate::outputs::write(path, text.as_bytes())
 }
 
 /// A byte count in decimal units (`5.80 GB`, `12.3 MB`, `1.2 kB`).

@@ -29,7 +29,7 @@ pub mod plan;
 pub mod write;
 
 pub use plan::{Init, Shape, TensorPlan, config_json, plan};
-pub use write::{Shard, Summary, shards, write_checkpoint};
+pub use write::{Shard, Summary, planned_bytes, shards, write_checkpoint};
 
 /// Elements per independently seeded block of a tensor (64 Ki).
 pub const BLOCK: usize = 1 << 16;

@@ -78,55 +78,44 @@ pub fn write_checkpoint(
     if opts.shard_bytes == 0 {
         return Err(Error::Input("the shard size must be positive".into()));
     }
-    let config = config_json(opts.shape, opts.layers, opts.seed)?;
-    let plan = plan(opts.shape, opts.layers)?;
-    let shards = shards(&plan, opts.shard_bytes);
+    let layout = Layout::new(opts)?;
+    let (plan, shards) = (&layout.plan, &layout.shards);
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
 
     let mut files = Vec::new();
-    let mut write_text = |name: &str, value: &serde_json::Value| -> Result<()> {
+    let mut write_text = |name: &str, text: &str| -> Result<()> {
         let path = dir.join(name);
-        let mut text =
-            serde_json::to_string_pretty(value).map_err(|e| Error::Input(e.to_string()))?;
-        text.push('\n');
-        std::fs::write(&path, &text).map_err(|e| Error::io(&path, e))?;
+        std::fs::write(&path, text).map_err(|e| Error::io(&path, e))?;
         files.push((name.to_string(), text.len() as u64));
         Ok(())
     };
-    write_text("config.json", &config)?;
+    write_text("config.json", &layout.config)?;
 
     let total: u64 = plan.iter().map(TensorPlan::bytes).sum();
     let mut done = 0u64;
     progress(done, total);
-    let mut weight_map = BTreeMap::new();
     let mut shard_files = Vec::new();
-    for shard in &shards {
+    for shard in shards {
         let path = dir.join(&shard.file);
         let file = std::fs::File::create(&path).map_err(|e| Error::io(&path, e))?;
         let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
-        let header = header(&plan, &shard.tensors);
+        let header = header(plan, &shard.tensors);
         out.write_all(&(header.len() as u64).to_le_bytes())
             .and_then(|_| out.write_all(header.as_bytes()))
             .map_err(|e| Error::io(&path, e))?;
         for &i in &shard.tensors {
-            let t = &plan[i];
-            write_values(t, opts.seed, &mut out, &mut |bytes| {
+            write_values(&plan[i], opts.seed, &mut out, &mut |bytes| {
                 done += bytes;
                 progress(done, total);
             })
             .map_err(|e| Error::io(&path, e))?;
-            weight_map.insert(t.name.clone(), shard.file.clone());
         }
         out.flush().map_err(|e| Error::io(&path, e))?;
         shard_files.push((shard.file.clone(), 8 + header.len() as u64 + shard.bytes));
     }
-    let parameters: u64 = plan.iter().map(|t| t.numel() as u64).sum();
-    let index = serde_json::json!({
-        "metadata": {"total_parameters": parameters, "total_size": total},
-        "weight_map": weight_map,
-    });
-    write_text("model.safetensors.index.json", &index)?;
+    write_text("model.safetensors.index.json", &layout.index)?;
     files.extend(shard_files);
+    let parameters: u64 = plan.iter().map(|t| t.numel() as u64).sum();
     let decoder_parameters = plan
         .iter()
         .filter(|t| t.name.starts_with("model.language_model.") || t.name == "lm_head.weight")
@@ -138,6 +127,60 @@ pub fn write_checkpoint(
         decoder_parameters,
         files,
     })
+}
+
+/// What a checkpoint is made of before a byte is written: the plan, its shards, and the text of `config.json`
+/// and of `model.safetensors.index.json`.
+struct Layout {
+    plan: Vec<TensorPlan>,
+    shards: Vec<Shard>,
+    config: String,
+    index: String,
+}
+
+impl Layout {
+    fn new(opts: &SynthOptions) -> Result<Self> {
+        let plan = plan(opts.shape, opts.layers)?;
+        let shards = shards(&plan, opts.shard_bytes);
+        let mut weight_map = BTreeMap::new();
+        for shard in &shards {
+            for &i in &shard.tensors {
+                weight_map.insert(plan[i].name.as_str(), shard.file.as_str());
+            }
+        }
+        let parameters: u64 = plan.iter().map(|t| t.numel() as u64).sum();
+        let total: u64 = plan.iter().map(TensorPlan::bytes).sum();
+        let index = serde_json::json!({
+            "metadata": {"total_parameters": parameters, "total_size": total},
+            "weight_map": weight_map,
+        });
+        let text = |value: &serde_json::Value| -> Result<String> {
+            let text =
+                serde_json::to_string_pretty(value).map_err(|e| Error::Input(e.to_string()))?;
+            Ok(text + "\n")
+        };
+        Ok(Layout {
+            config: text(&config_json(opts.shape, opts.layers, opts.seed)?)?,
+            index: text(&index)?,
+            plan,
+            shards,
+        })
+    }
+}
+
+/// The bytes [`write_checkpoint`] will write for `opts`, every file together (the config, the index, and each shard
+/// with its header): what it needs free on the disk, known before anything is written.
+pub fn planned_bytes(opts: &SynthOptions) -> Result<u64> {
+    if opts.shard_bytes == 0 {
+        return Err(Error::Input("the shard size must be positive".into()));
+    }
+    let layout = Layout::new(opts)?;
+    let shards: u64 = layout
+        .shards
+        .iter()
+        .map(|s| 8 + header(&layout.plan, &s.tensors).len() as u64 + s.bytes)
+        .sum();
+    Ok(layout.config.len() as u64 + layout.index.len() as u64 + shards)
 }
 
 /// The JSON header of a shard holding `members` (in that order, contiguous from offset 0), padded with spaces to a

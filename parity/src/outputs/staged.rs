@@ -1,0 +1,235 @@
+//! Directories written whole or not at all ([`StagedDir`]), the free space a writer checks first ([`free_bytes`]),
+//! and interruptions a long writer cleans up after ([`catch_interrupts`]).
+
+use super::{existing_ancestor, resolve};
+use anyhow::{Context, Result, bail};
+use std::path::{Path, PathBuf};
+
+/// A directory written whole or not at all: the command writes into a hidden sibling (`.NAME.partial-PID-XXXXXX`,
+/// mode `0777` less the umask), renamed onto the directory by [`StagedDir::commit`]. Dropped uncommitted (an error),
+/// the sibling is removed. A sibling left by a run that was killed never blocks a new one (its name is the new run's
+/// own); the next run writing the same directory removes it, once the process that made it is gone.
+#[derive(Debug)]
+pub struct StagedDir {
+    temp: tempfile::TempDir,
+    dest: PathBuf,
+    flag: String,
+}
+
+impl StagedDir {
+    /// Creates the sibling of `dest` (and `dest`'s missing parents), given by `flag`.
+    pub fn create(flag: &str, dest: &Path) -> Result<Self> {
+        let resolved = resolve(dest);
+        let (Some(parent), Some(name)) = (resolved.parent(), resolved.file_name()) else {
+            bail!("{flag} {}: not a directory one can create", dest.display());
+        };
+        std::fs::create_dir_all(parent).map_err(|e| {
+            anyhow::anyhow!(
+                "{flag} {}: creating {}: {e}",
+                dest.display(),
+                parent.display()
+            )
+        })?;
+        let stem = format!(".{}.partial-", name.to_string_lossy());
+        remove_stale(parent, &stem);
+        let prefix = format!("{stem}{}-", std::process::id());
+        let mut builder = tempfile::Builder::new();
+        builder.prefix(&prefix);
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            builder.permissions(std::fs::Permissions::from_mode(0o777));
+        }
+        let temp = builder.tempdir_in(parent).map_err(|e| {
+            anyhow::anyhow!(
+                "{flag} {}: creating a directory in {}: {e}",
+                dest.display(),
+                parent.display()
+            )
+        })?;
+        Ok(StagedDir {
+            temp,
+            dest: dest.to_path_buf(),
+            flag: flag.to_string(),
+        })
+    }
+
+    /// The directory to write into.
+    pub fn path(&self) -> &Path {
+        self.temp.path()
+    }
+
+    /// Renames the finished directory onto its destination (which must not exist, or be empty).
+    pub fn commit(self) -> Result<()> {
+        let dest = resolve(&self.dest);
+        std::fs::rename(self.temp.path(), &dest).with_context(|| {
+            format!(
+                "{} {}: moving the finished {} into place",
+                self.flag,
+                self.dest.display(),
+                self.temp.path().display()
+            )
+        })?;
+        // Renamed: nothing is left for the TempDir to remove.
+        let _ = self.temp.keep();
+        Ok(())
+    }
+}
+
+/// Removes the siblings `{stem}{pid}-…` in `dir` whose process is gone, saying so.
+fn remove_stale(dir: &Path, stem: &str) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(stem))
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !process_alive(pid) && std::fs::remove_dir_all(entry.path()).is_ok() {
+            eprintln!(
+                "removed {}, left by an interrupted run",
+                entry.path().display()
+            );
+        }
+    }
+}
+
+/// Whether process `pid` exists (unknown means yes: nothing is removed on a guess).
+fn process_alive(pid: u32) -> bool {
+    #[cfg(unix)]
+    {
+        let Ok(pid) = libc::pid_t::try_from(pid) else {
+            return true;
+        };
+        // SAFETY: signal 0 only asks whether the process exists; nothing is sent.
+        let r = unsafe { libc::kill(pid, 0) };
+        r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = pid;
+        true
+    }
+}
+
+/// Bytes free to an unprivileged writer on the file system holding `path` (its nearest existing ancestor).
+pub fn free_bytes(path: &Path) -> std::io::Result<u64> {
+    let dir = existing_ancestor(&resolve(path));
+    #[cfg(unix)]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        // SAFETY: `c` is a NUL-terminated path and `stat` a zeroed struct statvfs for the call to fill.
+        let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
+        if unsafe { libc::statvfs(c.as_ptr(), &mut stat) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok((stat.f_bavail as u64).saturating_mul(stat.f_frsize as u64))
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = dir;
+        Ok(u64::MAX)
+    }
+}
+
+/// Set by SIGINT or SIGTERM once [`catch_interrupts`] has run.
+static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+#[cfg(unix)]
+extern "C" fn on_signal(_: libc::c_int) {
+    INTERRUPTED.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// From now on, SIGINT (Ctrl-C) and SIGTERM only set a flag ([`interrupted`]): for a long writer that checks it
+/// between steps, cleans up and exits.
+pub fn catch_interrupts() {
+    #[cfg(unix)]
+    for signal in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+        unsafe {
+            libc::signal(
+                signal,
+                on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t,
+            );
+        }
+    }
+}
+
+/// Whether SIGINT or SIGTERM arrived since [`catch_interrupts`].
+pub fn interrupted() -> bool {
+    INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_staged_directory_appears_whole_or_not_at_all() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dest = tmp.path().join("sub/out");
+        let staged = StagedDir::create("--out", &dest).unwrap();
+        std::fs::write(staged.path().join("f"), "x").unwrap();
+        assert!(!dest.exists());
+        staged.commit().unwrap();
+        assert_eq!(std::fs::read_to_string(dest.join("f")).unwrap(), "x");
+        assert_eq!(
+            std::fs::read_dir(tmp.path().join("sub")).unwrap().count(),
+            1
+        );
+        // Dropped uncommitted (an error on the way): nothing left.
+        let other = tmp.path().join("sub/other");
+        let staged = StagedDir::create("--out", &other).unwrap();
+        std::fs::write(staged.path().join("f"), "x").unwrap();
+        drop(staged);
+        assert!(!other.exists());
+        assert_eq!(
+            std::fs::read_dir(tmp.path().join("sub")).unwrap().count(),
+            1
+        );
+        // Onto an empty directory.
+        let empty = tmp.path().join("empty");
+        std::fs::create_dir(&empty).unwrap();
+        let staged = StagedDir::create("--out", &empty).unwrap();
+        std::fs::write(staged.path().join("f"), "x").unwrap();
+        staged.commit().unwrap();
+        assert!(empty.join("f").exists());
+    }
+
+    #[test]
+    fn a_killed_runs_sibling_is_removed_by_the_next() {
+        let tmp = tempfile::tempdir().unwrap();
+        // A process that has exited: its pid names no process now.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let stale = tmp.path().join(format!(".out.partial-{dead}-abc123"));
+        let live = tmp
+            .path()
+            .join(format!(".out.partial-{}-def456", std::process::id()));
+        let unrelated = tmp.path().join(format!(".other.partial-{dead}-abc123"));
+        for d in [&stale, &live, &unrelated] {
+            std::fs::create_dir(d).unwrap();
+            std::fs::write(d.join("model-00001.safetensors"), "partial").unwrap();
+        }
+        let staged = StagedDir::create("--out", &tmp.path().join("out")).unwrap();
+        assert!(!stale.exists(), "the dead run's sibling is removed");
+        assert!(live.exists() && unrelated.exists());
+        staged.commit().unwrap();
+    }
+
+    #[test]
+    fn free_space_is_read_from_the_nearest_existing_ancestor() {
+        let tmp = tempfile::tempdir().unwrap();
+        let free = free_bytes(&tmp.path().join("not/yet")).unwrap();
+        assert!(free > 0 && free < u64::MAX);
+    }
+}

@@ -1,0 +1,334 @@
+//! What the commands write, through the binary: no output overwrites an input or another output, each is checked
+//! to be writable before any work, files are replaced whole with the umask's mode, directories are written whole
+//! (export-ir, synth) and synth checks the free space first; OS errors name the flag and the path once.
+
+mod common;
+
+use common::{expect_error, qwen35, stderr, testdata};
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// A copy of the tiny model in `dir/m`, so that a failure cannot touch `testdata/`.
+fn tiny_copy(dir: &Path) -> std::path::PathBuf {
+    let m = dir.join("m");
+    std::fs::create_dir(&m).unwrap();
+    for e in std::fs::read_dir(testdata().join("models/tiny")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), m.join(e.file_name())).unwrap();
+    }
+    m
+}
+
+/// The names in `dir`, sorted.
+fn entries(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn dump_never_overwrites_the_checkpoint_it_reads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tiny_copy(tmp.path());
+    let checkpoint = m.join("model.safetensors");
+    let before = std::fs::read(&checkpoint).unwrap();
+    let ms = m.to_str().unwrap();
+    for out in [
+        checkpoint.clone(),
+        m.join("./model.safetensors"),
+        m.join("../m/config.json"),
+    ] {
+        expect_error(
+            &[
+                "dump",
+                "--model",
+                ms,
+                "--token-ids",
+                "1,2,3",
+                "--out",
+                out.to_str().unwrap(),
+            ],
+            &[
+                "--out",
+                out.file_name().unwrap().to_str().unwrap(),
+                "--model",
+            ],
+        );
+    }
+    // Through a link to the model's directory too.
+    let link = tmp.path().join("link");
+    std::os::unix::fs::symlink(&m, &link).unwrap();
+    let via = link.join("model.safetensors");
+    expect_error(
+        &[
+            "dump",
+            "--model",
+            ms,
+            "--token-ids",
+            "1,2,3",
+            "--out",
+            via.to_str().unwrap(),
+        ],
+        &["--out", "model.safetensors"],
+    );
+    assert_eq!(std::fs::read(&checkpoint).unwrap(), before);
+    assert_eq!(
+        entries(&m),
+        entries(&testdata().join("models/tiny")),
+        "nothing left in the model's directory"
+    );
+}
+
+#[test]
+fn diff_never_overwrites_its_inputs_nor_one_report_another() {
+    let tmp = tempfile::tempdir().unwrap();
+    // The check comes before the dumps are read: any bytes do.
+    let (a, b) = (
+        tmp.path().join("a.safetensors"),
+        tmp.path().join("b.safetensors"),
+    );
+    std::fs::write(&a, "not read").unwrap();
+    std::fs::write(&b, "not read either").unwrap();
+    let (a_s, b_s) = (a.to_str().unwrap(), b.to_str().unwrap());
+    expect_error(&["diff", a_s, b_s, "--json", a_s], &["--json", "ACTUAL"]);
+    let b_again = tmp.path().join(".").join("b.safetensors");
+    expect_error(
+        &["diff", a_s, b_s, "--report", b_again.to_str().unwrap()],
+        &["--report", "REFERENCE"],
+    );
+    let r = tmp.path().join("r.out");
+    let r = r.to_str().unwrap();
+    expect_error(
+        &["diff", a_s, b_s, "--json", r, "--report", r],
+        &["--json", "--report", "same file"],
+    );
+    expect_error(
+        &["diff", a_s, b_s, "--json", r, "--plot", r],
+        &["--json", "--plot"],
+    );
+    assert_eq!(std::fs::read_to_string(&a).unwrap(), "not read");
+    assert_eq!(entries(tmp.path()), ["a.safetensors", "b.safetensors"]);
+}
+
+#[test]
+fn an_unwritable_output_fails_before_any_work() {
+    // validate runs every check on the tiny model (seconds); a /proc path fails before the first.
+    let start = Instant::now();
+    let o = qwen35(&[
+        "validate",
+        "--device",
+        "FP16SIM",
+        "--json",
+        "/proc/qwen35-x.json",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("--json /proc/qwen35-x.json"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(o.stdout.is_empty(), "nothing ran");
+    assert!(start.elapsed() < Duration::from_secs(5));
+    expect_error(
+        &[
+            "ranges",
+            "--token-ids",
+            "1,2",
+            "--json",
+            "/no-such-dir-qwen35/r.json",
+        ],
+        &["--json", "does not exist"],
+    );
+}
+
+/// Runs `qwen35 args` under `umask`.
+fn with_umask(umask: &str, args: &[&str]) -> std::process::Output {
+    Command::new("sh")
+        .arg("-c")
+        .arg(format!("umask {umask}; exec \"$0\" \"$@\""))
+        .arg(env!("CARGO_BIN_EXE_qwen35"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn dumps_and_reports_take_the_umask_mode() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    for (umask, want) in [("022", 0o644), ("027", 0o640)] {
+        let out = tmp.path().join(format!("d{umask}.safetensors"));
+        let o = with_umask(
+            umask,
+            &[
+                "dump",
+                "--token-ids",
+                "1,2,3",
+                "--out",
+                out.to_str().unwrap(),
+            ],
+        );
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert_eq!(mode(&out), want, "dump under umask {umask}");
+        // Replacing a file gives the new file the same mode, and a report is made alike.
+        let json = tmp.path().join(format!("r{umask}.json"));
+        let o = with_umask(
+            umask,
+            &[
+                "diff",
+                out.to_str().unwrap(),
+                out.to_str().unwrap(),
+                "--json",
+                json.to_str().unwrap(),
+            ],
+        );
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        assert_eq!(mode(&json), want, "report under umask {umask}");
+    }
+    // No temporary sibling left.
+    assert_eq!(entries(tmp.path()).len(), 4, "{:?}", entries(tmp.path()));
+}
+
+#[test]
+fn export_ir_refuses_repeated_blocks_and_a_used_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fresh = tmp.path().join("fresh");
+    let f = fresh.to_str().unwrap();
+    expect_error(
+        &["export-ir", "--out", f, "--blocks", "16,16"],
+        &["--blocks", "16", "twice"],
+    );
+    expect_error(
+        &["export-ir", "--out", f, "--parts", "decoder,decoder"],
+        &["--parts", "twice"],
+    );
+    assert!(!fresh.exists());
+    let used = tmp.path().join("used");
+    std::fs::create_dir(&used).unwrap();
+    std::fs::write(used.join("old.xml"), "<net/>").unwrap();
+    expect_error(
+        &["export-ir", "--out", used.to_str().unwrap()],
+        &["--out", "not empty"],
+    );
+    assert_eq!(entries(&used), ["old.xml"]);
+    // The model's own directory is an input.
+    let m = tiny_copy(tmp.path());
+    expect_error(
+        &[
+            "export-ir",
+            "--model",
+            m.to_str().unwrap(),
+            "--out",
+            m.to_str().unwrap(),
+        ],
+        &["--out", "--model"],
+    );
+}
+
+#[test]
+fn synth_checks_the_free_space_before_writing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("big");
+    // 10000 layers of Qwen3.5-9B: about 4.3 TB.
+    let o = qwen35(&["synth", "--out", out.to_str().unwrap(), "--layers", "10000"]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    for needle in ["--out", "GB", "free", "10000 layers"] {
+        assert!(err.contains(needle), "{needle}: {err}");
+    }
+    assert!(entries(tmp.path()).is_empty(), "{:?}", entries(tmp.path()));
+}
+
+#[test]
+fn synth_writes_its_directory_whole_and_a_stale_sibling_blocks_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("ckpt");
+    // What a killed run leaves: a sibling named after a process that is gone.
+    let mut child = Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let stale = tmp.path().join(format!(".ckpt.partial-{dead}-x1y2z3"));
+    std::fs::create_dir(&stale).unwrap();
+    std::fs::write(stale.join("config.json"), "{}").unwrap();
+    let o = qwen35(&[
+        "synth",
+        "--out",
+        out.to_str().unwrap(),
+        "--layers",
+        "2",
+        "--shape",
+        "tiny",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(
+        entries(tmp.path()),
+        ["ckpt"],
+        "the stale sibling is removed"
+    );
+    assert!(out.join("config.json").exists() && out.join("model.safetensors.index.json").exists());
+}
+
+#[test]
+fn os_errors_name_the_flag_and_the_path_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("d.safetensors");
+    let out = out.to_str().unwrap();
+    let cases: [(&[&str], &str, &str); 3] = [
+        (
+            &[
+                "dump",
+                "--backend",
+                "openvino",
+                "--device-config",
+                "/no-such-qwen35.json",
+                "--token-ids",
+                "1,2",
+                "--out",
+                out,
+            ],
+            "--device-config",
+            "/no-such-qwen35.json",
+        ),
+        (
+            &[
+                "dump",
+                "--backend",
+                "openvino",
+                "--cache-dir",
+                "/proc/qwen35-cache",
+                "--token-ids",
+                "1,2",
+                "--out",
+                out,
+            ],
+            "--cache-dir",
+            "/proc/qwen35-cache",
+        ),
+        (
+            &[
+                "synth",
+                "--out",
+                "/proc/qwen35-synth",
+                "--layers",
+                "1",
+                "--shape",
+                "tiny",
+            ],
+            "--out",
+            "/proc/qwen35-synth",
+        ),
+    ];
+    for (args, flag, path) in cases {
+        let o = qwen35(args);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(flag), "{args:?}: {err}");
+        assert_eq!(err.matches(path).count(), 1, "{args:?}: {err}");
+        assert_eq!(err.matches("(os error").count(), 1, "{args:?}: {err}");
+    }
+}
