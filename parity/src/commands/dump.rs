@@ -5,8 +5,9 @@ use super::Outcome;
 use super::args::{Backend, DeviceArgs, Dtype, FormArgs, ModelArgs, PromptArgs};
 use crate::device::own::engine;
 use crate::device::{DeviceSettings, check_context, open_reference};
-use crate::dump::{FORMAT, run_dump};
+use crate::dump::{FORMAT, write_dump};
 use anyhow::{Result, bail};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 /// Arguments of `qwen35 dump`.
@@ -17,7 +18,7 @@ pub struct DumpArgs {
     model: ModelArgs,
     #[command(flatten)]
     prompt: PromptArgs,
-    /// Greedy tokens to generate after the prompt (exactly this many).
+    /// Greedy tokens to generate after the prompt (this many, unless NaN logits stop the generation: `nan_at`).
     #[arg(long, default_value_t = 0, value_name = "N")]
     generate: usize,
     /// Output file.
@@ -58,10 +59,14 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
     };
     let (dir, config, store) = args.model.open()?;
     let (ids, prompt) = args.prompt.ids(&dir, &config)?;
-    let mut d = match &plan {
+    let mut metadata = BTreeMap::from([("model".to_string(), dir.display().to_string())]);
+    if let Some(p) = prompt {
+        metadata.insert("prompt".into(), p);
+    }
+    let d = match &plan {
         Plan::Reference(opts) => {
             let mut backend = open_reference(&config, &store, *opts, true)?;
-            run_dump(&mut backend, &ids, args.generate)?
+            write_dump(&mut backend, &ids, args.generate, metadata, &args.out)?
         }
         Plan::OpenVino(settings) => {
             check_context(
@@ -71,19 +76,14 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
                 "--context",
             )?;
             let mut backend = engine(&config, &store, settings, true)?;
-            run_dump(&mut backend, &ids, args.generate)?
+            write_dump(&mut backend, &ids, args.generate, metadata, &args.out)?
         }
     };
-    d.metadata.insert("model".into(), dir.display().to_string());
-    if let Some(p) = prompt {
-        d.metadata.insert("prompt".into(), p);
-    }
-    d.write(&args.out)?;
     eprintln!(
         "wrote {} tensors ({} prompt tokens, {} generated, {} on {}) to {}",
-        d.tensors.len(),
+        d.tensors,
         ids.len(),
-        args.generate,
+        d.generated,
         d.metadata["backend"],
         d.metadata
             .get("device")
