@@ -90,10 +90,69 @@ fn cases() -> Vec<Case> {
             &["first non-finite value", "layers.1."],
         ),
         c(
+            "dump: a NaN norm weight (the file kept, exit 1)",
+            "dump --model {nan_model} --prompt hi --generate 3 --out {tmp}/nan.safetensors",
+            1,
+            &[
+                "NaN at generated token 0",
+                "0 of the 3 tokens",
+                "`layers.1.",
+            ],
+        ),
+        c(
             "validate: a device whose logits turn NaN",
             "validate --device CPU --token-ids 1,2,3,4,5,6 --tokens 3 --inject-fault nan-from=4",
             1,
             &["NaN"],
+        ),
+        // Outputs that would overwrite an input or each other, or cannot be written: refused before work.
+        c(
+            "dump: --out onto the checkpoint it reads",
+            "dump --model {model_copy} --token-ids 1 --out {model_copy}/model.safetensors",
+            2,
+            &["--out", "model.safetensors"],
+        ),
+        c(
+            "diff: --json onto an input",
+            "diff {clean} {clean} --json {clean}",
+            2,
+            &["--json", "clean.safetensors"],
+        ),
+        c(
+            "diff: --json equal to --report",
+            "diff {clean} {clean} --json {tmp}/r.txt --report {tmp}/r.txt",
+            2,
+            &["--json", "--report"],
+        ),
+        c(
+            "validate: --json /proc/x",
+            "validate --device CPU --json /proc/x/report.json",
+            2,
+            &["--json", "/proc/x"],
+        ),
+        c(
+            "export-ir: --blocks 16,16",
+            "export-ir --blocks 16,16 --out {tmp}/ir16",
+            2,
+            &["--blocks", "twice"],
+        ),
+        c(
+            "export-ir: a block past --context",
+            "export-ir --blocks 2000 --context 1024 --out {tmp}/ir2000",
+            2,
+            &["--blocks 2000", "--context"],
+        ),
+        c(
+            "export-ir: --out not empty",
+            "export-ir --out {tmp}",
+            2,
+            &["--out", "empty"],
+        ),
+        c(
+            "synth: more than the disk holds",
+            "synth --layers 100000 --out {tmp}/huge",
+            2,
+            &["--out", "free"],
         ),
         // Counts beyond what any run can hold: refused before work, naming the flag.
         c(
@@ -557,6 +616,8 @@ fn fixtures() -> Fixtures {
         put(key, dst);
     }
     put("config_file", testdata().join("models/tiny/config.json"));
+    copy_dir(&testdata().join("models/tiny"), &p("model_copy"));
+    put("model_copy", p("model_copy"));
 
     // Graph sets with a wrong manifest.
     edited_set(&p("version99"), |m| m["version"] = 99.into());

@@ -6,7 +6,7 @@ use parity::dump::Dump;
 mod common;
 use common::{
     F32, check_dump, config, dump, expect_error_env as expect_error, golden_ids,
-    qwen35_env as qwen35, stderr, testdata,
+    qwen35_env as qwen35, same_dump, stderr, testdata,
 };
 
 #[test]
@@ -353,6 +353,29 @@ fn openvino_errors_are_clear() {
             &["--output-scale", "power of two"],
         );
     }
+}
+
+/// The graphs stream their taps into the dump call by call (blocks of 4 tokens, then single tokens): the file equals
+/// the dump collected in memory on the same graphs, tensor for tensor.
+#[test]
+fn a_streamed_openvino_dump_equals_the_one_collected_in_memory() {
+    use parity::device::{DeviceSettings, own::engine};
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = testdata().join("models/tiny");
+    let store = reference::weights::WeightStore::open(&dir, candle_core::DType::F32).unwrap();
+    let settings = DeviceSettings {
+        device: "CPU".into(),
+        block: 4,
+        graph: npu::graphs::GraphOptions::default(),
+        compile: npu::devices::CompileOptions::default(),
+    };
+    let mut backend = engine(&config("tiny"), &store, &settings, true).unwrap();
+    let ids: Vec<u32> = (7..18).collect();
+    let out = tmp.path().join("ov.safetensors");
+    let w = parity::dump::write_dump(&mut backend, &ids, 5, Default::default(), &out).unwrap();
+    assert!(w.streamed);
+    let memory = parity::dump::run_dump(&mut backend, &ids, 5).unwrap();
+    same_dump("OpenVINO CPU", &Dump::read(&out).unwrap(), &memory);
 }
 
 /// The Loop form (one OpenVINO `Loop` op per DeltaNet layer, as the optimum-intel export) computes what the reference

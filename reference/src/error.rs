@@ -57,6 +57,9 @@ pub enum Error {
     /// A backend other than the reference failed (an OpenVINO device, …): its own error, as text.
     #[error("{0}")]
     Backend(String),
+    /// Where taps were streamed failed (a dump being written, …): its own error, as text.
+    #[error("{0}")]
+    Sink(String),
     /// An error from a tensor operation.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -127,38 +127,12 @@ pub fn save_safetensors(
     let mut encoded: Vec<(String, StDtype, Vec<usize>, Vec<u8>)> =
         Vec::with_capacity(tensors.len());
     for (name, t) in tensors {
-        let flat = t.flatten_all()?;
-        let (dtype, bytes): (StDtype, Vec<u8>) = match t.dtype() {
-            DType::F32 => (
-                StDtype::F32,
-                le_bytes(flat.to_vec1::<f32>()?, f32::to_le_bytes),
-            ),
-            DType::F64 => (
-                StDtype::F64,
-                le_bytes(flat.to_vec1::<f64>()?, f64::to_le_bytes),
-            ),
-            DType::F16 => (
-                StDtype::F16,
-                le_bytes(flat.to_vec1::<half::f16>()?, half::f16::to_le_bytes),
-            ),
-            DType::BF16 => (
-                StDtype::BF16,
-                le_bytes(flat.to_vec1::<half::bf16>()?, half::bf16::to_le_bytes),
-            ),
-            DType::I64 => (
-                StDtype::I64,
-                le_bytes(flat.to_vec1::<i64>()?, i64::to_le_bytes),
-            ),
-            DType::U32 => (
-                StDtype::U32,
-                le_bytes(flat.to_vec1::<u32>()?, u32::to_le_bytes),
-            ),
-            other => {
-                return Err(err(format!(
-                    "tensor `{name}`: cannot write dtype {other:?}"
-                )));
-            }
-        };
+        let (dtype, bytes) = tensor_bytes(t)?.ok_or_else(|| {
+            err(format!(
+                "tensor `{name}`: cannot write dtype {:?}",
+                t.dtype()
+            ))
+        })?;
         encoded.push((name.clone(), dtype, t.dims().to_vec(), bytes));
     }
     let views = encoded
@@ -181,6 +155,39 @@ pub fn save_safetensors(
     }
     .map_err(|e| err(e.to_string()))?;
     out.commit().map_err(|e| Error::io(path, e))
+}
+
+/// A tensor's values as safetensors stores them (little-endian, row-major) with its safetensors dtype, for f32, f64,
+/// f16, bf16, i64 and u32 tensors (`None` for another dtype).
+pub fn tensor_bytes(t: &Tensor) -> Result<Option<(StDtype, Vec<u8>)>> {
+    let flat = t.flatten_all()?;
+    Ok(Some(match t.dtype() {
+        DType::F32 => (
+            StDtype::F32,
+            le_bytes(flat.to_vec1::<f32>()?, f32::to_le_bytes),
+        ),
+        DType::F64 => (
+            StDtype::F64,
+            le_bytes(flat.to_vec1::<f64>()?, f64::to_le_bytes),
+        ),
+        DType::F16 => (
+            StDtype::F16,
+            le_bytes(flat.to_vec1::<half::f16>()?, half::f16::to_le_bytes),
+        ),
+        DType::BF16 => (
+            StDtype::BF16,
+            le_bytes(flat.to_vec1::<half::bf16>()?, half::bf16::to_le_bytes),
+        ),
+        DType::I64 => (
+            StDtype::I64,
+            le_bytes(flat.to_vec1::<i64>()?, i64::to_le_bytes),
+        ),
+        DType::U32 => (
+            StDtype::U32,
+            le_bytes(flat.to_vec1::<u32>()?, u32::to_le_bytes),
+        ),
+        _ => return Ok(None),
+    }))
 }
 
 fn le_bytes<T, const N: usize>(values: Vec<T>, f: impl Fn(T) -> [u8; N]) -> Vec<u8> {

@@ -1,11 +1,14 @@
 //! Named intermediate tensors recorded during a run (the parity harness's view inside the model).
 //!
 //! Every tap is token-major (`[T, …]`); when a prompt is fed in several forward calls the pieces are concatenated
-//! along the token axis, so a tap always covers every token seen since the recorder was created.
+//! along the token axis, so a tap always covers every token seen since the recorder was created. A streaming
+//! recorder ([`Taps::stream`]) keeps nothing: it hands each piece to a [`TapSink`] as soon as it is computed, with
+//! the position of its first row, so that what a run holds does not grow with layers × tokens.
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use candle_core::Tensor;
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 
 /// The names of the taps, shared by every backend that writes them (the reference, the OpenVINO graphs) and by
 /// whoever reads them. A layer's tap is `layers.{i}.{name}` ([`names::layer`]); a mixer's own taps are
@@ -143,10 +146,57 @@ pub mod names {
     }
 }
 
+/// Where a streaming recorder sends the taps as they are computed (a dump being written, …).
+pub trait TapSink: Send {
+    /// Takes rows `[position, position + R)` of the tap `name` (`R = tensor.dim(0)`, token-major), `position`
+    /// counting tokens from the start of the sequence. The pieces of one name come in order of position.
+    fn put(&mut self, name: &str, position: usize, tensor: &Tensor) -> Result<()>;
+}
+
+/// A sink shared between whoever owns it and the recorders (and backends) that stream to it.
+pub type SharedTapSink = Arc<Mutex<dyn TapSink>>;
+
+/// Hands `tensor` to `sink` as rows of `name` from `position` (a poisoned lock is an error, never a panic).
+pub fn put(sink: &SharedTapSink, name: &str, position: usize, tensor: &Tensor) -> Result<()> {
+    sink.lock()
+        .map_err(|_| Error::Sink("the tap sink was poisoned by an earlier panic".into()))?
+        .put(name, position, tensor)
+}
+
+/// What a recorder does with a tap.
+#[derive(Default)]
+enum Mode {
+    /// Nothing.
+    #[default]
+    Off,
+    /// Keeps it, appended to the rows recorded before under its name.
+    Keep,
+    /// Sends it to `sink`: rows of each name from `start` on, `rows` counting those sent so far per name.
+    Stream {
+        sink: SharedTapSink,
+        start: usize,
+        rows: BTreeMap<String, usize>,
+    },
+}
+
+impl std::fmt::Debug for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Mode::Off => f.write_str("Off"),
+            Mode::Keep => f.write_str("Keep"),
+            Mode::Stream { start, rows, .. } => f
+                .debug_struct("Stream")
+                .field("start", start)
+                .field("rows", rows)
+                .finish_non_exhaustive(),
+        }
+    }
+}
+
 /// A recorder of named intermediates; a disabled recorder costs nothing.
 #[derive(Debug, Default)]
 pub struct Taps {
-    enabled: bool,
+    mode: Mode,
     tensors: BTreeMap<String, Tensor>,
 }
 
@@ -159,22 +209,43 @@ impl Taps {
     /// A recorder that keeps every tap.
     pub fn on() -> Self {
         Taps {
-            enabled: true,
+            mode: Mode::Keep,
             tensors: BTreeMap::new(),
         }
     }
 
-    /// Whether taps are being recorded.
-    pub fn enabled(&self) -> bool {
-        self.enabled
+    /// A recorder that keeps nothing and sends every tap to `sink` as it is recorded, the first row of each name
+    /// being the sequence's token `position` (the state's position when the run starts).
+    pub fn stream(sink: SharedTapSink, position: usize) -> Self {
+        Taps {
+            mode: Mode::Stream {
+                sink,
+                start: position,
+                rows: BTreeMap::new(),
+            },
+            tensors: BTreeMap::new(),
+        }
     }
 
-    /// Records `tensor` under `name`, appending along the token axis if the name was recorded before.
+    /// Whether taps are being recorded (kept or streamed).
+    pub fn enabled(&self) -> bool {
+        !matches!(self.mode, Mode::Off)
+    }
+
+    /// Records `tensor` under `name`: appends it along the token axis if the name was recorded before, or sends it
+    /// to the sink of a streaming recorder.
     pub fn record(&mut self, name: impl FnOnce() -> String, tensor: &Tensor) -> Result<()> {
-        if !self.enabled {
-            return Ok(());
-        }
-        let name = name();
+        let name = match &mut self.mode {
+            Mode::Off => return Ok(()),
+            Mode::Keep => name(),
+            Mode::Stream { sink, start, rows } => {
+                let name = name();
+                let sent = rows.entry(name.clone()).or_insert(0);
+                let position = *start + *sent;
+                *sent += tensor.dim(0)?;
+                return put(sink, &name, position, tensor);
+            }
+        };
         let merged = match self.tensors.remove(&name) {
             Some(prev) => Tensor::cat(&[&prev, tensor], 0)?,
             None => tensor.clone(),
@@ -183,7 +254,7 @@ impl Taps {
         Ok(())
     }
 
-    /// The tap recorded under `name`.
+    /// The tap recorded under `name` (a streaming recorder keeps none).
     pub fn get(&self, name: &str) -> Option<&Tensor> {
         self.tensors.get(name)
     }
@@ -196,5 +267,43 @@ impl Taps {
     /// Takes the recorded taps, leaving the recorder empty.
     pub fn take(&mut self) -> BTreeMap<String, Tensor> {
         std::mem::take(&mut self.tensors)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    /// Remembers what it was sent: (name, position, rows).
+    #[derive(Default)]
+    struct Log(Vec<(String, usize, usize)>);
+
+    impl TapSink for Log {
+        fn put(&mut self, name: &str, position: usize, tensor: &Tensor) -> Result<()> {
+            self.0.push((name.to_string(), position, tensor.dim(0)?));
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_streaming_recorder_sends_each_piece_at_its_position_and_keeps_nothing() {
+        let log = Arc::new(Mutex::new(Log::default()));
+        let mut taps = Taps::stream(log.clone(), 7);
+        let rows = |n| Tensor::zeros((n, 2), DType::F32, &Device::Cpu).unwrap();
+        assert!(taps.enabled());
+        taps.record(|| "a".into(), &rows(3)).unwrap();
+        taps.record(|| "b".into(), &rows(3)).unwrap();
+        taps.record(|| "a".into(), &rows(2)).unwrap();
+        assert!(taps.tensors().is_empty() && taps.get("a").is_none());
+        assert_eq!(
+            log.lock().unwrap().0,
+            [("a".into(), 7, 3), ("b".into(), 7, 3), ("a".into(), 10, 2)]
+        );
+        // The in-memory recorder concatenates, as before.
+        let mut kept = Taps::on();
+        kept.record(|| "a".into(), &rows(3)).unwrap();
+        kept.record(|| "a".into(), &rows(2)).unwrap();
+        assert_eq!(kept.get("a").unwrap().dims(), &[5, 2]);
     }
 }

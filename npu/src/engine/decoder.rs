@@ -16,7 +16,7 @@ use crate::ir::SharedBin;
 use candle_core::{DType, Device, Tensor};
 use reference::backend::{Backend, Forward, RunRecord, Snapshot};
 use reference::config::Config;
-use reference::taps::names;
+use reference::taps::{SharedTapSink, names};
 use std::collections::BTreeMap;
 
 /// The backend's name in run records of a set read from files.
@@ -45,6 +45,7 @@ pub struct DecoderEngine {
     states: Vec<HostLayerState>,
     position: usize,
     embeddings: Option<Tensor>,
+    sink: Option<SharedTapSink>,
     record: RunRecord,
 }
 
@@ -240,6 +241,7 @@ impl DecoderEngine {
             states,
             position: 0,
             embeddings,
+            sink: None,
             record,
         })
     }
@@ -481,15 +483,21 @@ impl DecoderEngine {
         let mut taps: BTreeMap<String, Vec<Tensor>> = BTreeMap::new();
         let mut done = 0;
         for (g, n) in plan {
+            let position = self.position;
             let (l, t) = self.call(g, &ids[done..done + n])?;
-            logits.push(l);
-            for (k, v) in t {
-                taps.entry(k).or_default().push(v);
+            if let Some(sink) = &self.sink {
+                super::stream(sink, position, n, &l, t)?;
+                logits = vec![l];
+            } else {
+                logits.push(l);
+                for (k, v) in t {
+                    taps.entry(k).or_default().push(v);
+                }
             }
             done += n;
         }
         let logits = Tensor::cat(&logits, 0)?;
-        let logits = if all_logits {
+        let logits = if all_logits && self.sink.is_none() {
             logits
         } else {
             logits.narrow(0, logits.dim(0)? - 1, 1)?
@@ -570,6 +578,13 @@ impl Backend for DecoderEngine {
         self.states = states;
         self.position = snapshot.position;
         Ok(())
+    }
+
+    /// Streams when the graphs have taps: those of each graph call (every layer's, a block of tokens) go to the
+    /// sink as the call returns.
+    fn stream_taps(&mut self, sink: Option<SharedTapSink>) -> bool {
+        self.sink = sink.filter(|_| self.has_taps());
+        self.sink.is_some()
     }
 }
 

@@ -20,6 +20,7 @@ use crate::graphset::check::LayerState;
 use crate::graphset::layout::{self, Call};
 use candle_core::Tensor;
 use reference::config::Config;
+use reference::taps::{SharedTapSink, names, put};
 use std::collections::BTreeMap;
 
 /// Tokens per prompt block of the decoder graphs unless asked otherwise (the NPU port's smaller block).
@@ -46,6 +47,26 @@ impl Collector {
             .map(|(k, v)| Ok((k, Tensor::cat(&v, 0)?)))
             .collect()
     }
+}
+
+/// Sends one graph call's outputs to `sink`, its first row being token `position`: every tap (but a `logits` tap),
+/// then the logits when they cover each of the call's `rows` (a set giving the last slot's only gives none).
+pub(crate) fn stream(
+    sink: &SharedTapSink,
+    position: usize,
+    rows: usize,
+    logits: &Tensor,
+    taps: BTreeMap<String, Tensor>,
+) -> Result<()> {
+    for (name, t) in taps {
+        if name != names::LOGITS {
+            put(sink, &name, position, &t)?;
+        }
+    }
+    if logits.dim(0)? == rows {
+        put(sink, names::LOGITS, position, logits)?;
+    }
+    Ok(())
 }
 
 /// The state inputs of a call: every state port of `ports` fed from its layer's host state (`state_of(layer)`), in

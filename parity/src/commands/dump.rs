@@ -5,9 +5,10 @@ use super::Outcome;
 use super::args::{Backend, DeviceArgs, Dtype, FormArgs, ModelArgs, PromptArgs};
 use crate::device::own::engine;
 use crate::device::{DeviceSettings, check_context, check_positions, open_reference};
-use crate::dump::{FORMAT, run_dump};
+use crate::dump::{FORMAT, write_dump};
 use crate::outputs::Paths;
 use anyhow::{Result, bail};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 /// Arguments of `qwen35 dump`.
@@ -18,7 +19,7 @@ pub struct DumpArgs {
     model: ModelArgs,
     #[command(flatten)]
     prompt: PromptArgs,
-    /// Greedy tokens to generate after the prompt (exactly this many).
+    /// Greedy tokens to generate after the prompt (this many, unless NaN logits stop the generation: `nan_at`).
     #[arg(long, default_value_t = 0, value_name = "N")]
     generate: usize,
     /// Output file.
@@ -65,10 +66,14 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
     let (dir, config, store) = args.model.open()?;
     let (ids, prompt) = args.prompt.ids(&dir, &config)?;
     check_positions(ids.len(), args.generate, &config, "--generate")?;
-    let mut d = match &plan {
+    let mut metadata = BTreeMap::from([("model".to_string(), dir.display().to_string())]);
+    if let Some(p) = prompt {
+        metadata.insert("prompt".into(), p);
+    }
+    let d = match &plan {
         Plan::Reference(opts) => {
             let mut backend = open_reference(&config, &store, *opts, true)?;
-            run_dump(&mut backend, &ids, args.generate)?
+            write_dump(&mut backend, &ids, args.generate, metadata, &args.out)?
         }
         Plan::OpenVino(settings) => {
             check_context(
@@ -78,19 +83,14 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
                 "--context",
             )?;
             let mut backend = engine(&config, &store, settings, true)?;
-            run_dump(&mut backend, &ids, args.generate)?
+            write_dump(&mut backend, &ids, args.generate, metadata, &args.out)?
         }
     };
-    d.metadata.insert("model".into(), dir.display().to_string());
-    if let Some(p) = prompt {
-        d.metadata.insert("prompt".into(), p);
-    }
-    d.write(&args.out)?;
     eprintln!(
         "wrote {} tensors ({} prompt tokens, {} generated, {} on {}) to {}",
-        d.tensors.len(),
+        d.tensors,
         ids.len(),
-        args.generate,
+        d.generated,
         d.metadata["backend"],
         d.metadata
             .get("device")
@@ -98,5 +98,18 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
             .unwrap_or("the CPU reference"),
         args.out.display()
     );
+    // A run that produced NaN or infinity is a finding: the file is kept (it is what to look at), the exit is 1.
+    let stopped = d.metadata.get("nan_at").map(|i| {
+        format!(
+            "the logits hold NaN at generated token {i}, so {} of the {} tokens asked were generated (`nan_at`)",
+            d.generated, args.generate
+        )
+    });
+    let first = crate::non_finite::summary(&d.non_finite);
+    if stopped.is_some() || first.is_some() {
+        let what: Vec<String> = [stopped, first].into_iter().flatten().collect();
+        eprintln!("error: {}", what.join("; "));
+        return Ok(Outcome::Fail);
+    }
     Ok(Outcome::Pass)
 }

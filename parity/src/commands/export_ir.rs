@@ -102,6 +102,12 @@ pub fn exec(args: ExportArgs) -> Result<Outcome> {
     if args.context == 0 {
         bail!("--context must be at least 1");
     }
+    if let Some(b) = args.blocks.iter().find(|&&b| b > args.context) {
+        bail!(
+            "--blocks {b}: a block longer than the static context of {} (--context) never fits",
+            args.context
+        );
+    }
     let (dir, config, store) = args.model.open()?;
     let opts = GraphOptions {
         form,

@@ -194,3 +194,39 @@ pub fn two_prompts(dir: &Path) -> PathBuf {
     .unwrap();
     prompts
 }
+
+/// Checks that every tensor of `a` equals `b`'s bit for bit, and so does the metadata but for the run's times and
+/// the model directory.
+pub fn same_dump(label: &str, a: &parity::dump::Dump, b: &parity::dump::Dump) {
+    assert_eq!(
+        a.tensors.keys().collect::<Vec<_>>(),
+        b.tensors.keys().collect::<Vec<_>>(),
+        "{label}: names"
+    );
+    for (name, x) in &a.tensors {
+        let y = &b.tensors[name];
+        assert_eq!(
+            (x.dtype(), x.dims()),
+            (y.dtype(), y.dims()),
+            "{label} {name}"
+        );
+        let (x, y) = (
+            x.to_dtype(candle_core::DType::F64).unwrap(),
+            y.to_dtype(candle_core::DType::F64).unwrap(),
+        );
+        let (x, y) = (
+            x.flatten_all().unwrap().to_vec1::<f64>().unwrap(),
+            y.flatten_all().unwrap().to_vec1::<f64>().unwrap(),
+        );
+        assert!(
+            x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()),
+            "{label} {name}: values differ"
+        );
+    }
+    let timeless = |d: &parity::dump::Dump| {
+        let mut m = d.metadata.clone();
+        m.retain(|k, _| !k.ends_with("_seconds") && k != "model");
+        m
+    };
+    assert_eq!(timeless(a), timeless(b), "{label}: metadata");
+}

@@ -9,7 +9,7 @@
 
 use crate::error::{Error, Result};
 use crate::model::{LayerState, Model, RunOptions, State, argmax, state_names};
-use crate::taps::{Taps, names};
+use crate::taps::{SharedTapSink, Taps, names};
 use crate::{Config, LayerKind};
 use candle_core::{DType, Tensor};
 use std::collections::BTreeMap;
@@ -83,6 +83,15 @@ pub trait Backend {
 
     /// Replaces the state (e.g. a snapshot taken earlier, or another backend's).
     fn restore(&mut self, snapshot: &Snapshot) -> Result<()>;
+
+    /// Sends the taps of the following forward calls, and the logits of every row they compute (as `logits`), to
+    /// `sink` as they are computed, instead of returning them in [`Forward`] (whose logits are then the last row's
+    /// only); `None` returns them again. Whether taps now go to the sink: a backend that records none, or cannot
+    /// stream them (the default), goes on returning them.
+    fn stream_taps(&mut self, sink: Option<SharedTapSink>) -> bool {
+        let _ = sink;
+        false
+    }
 }
 
 /// Greedy generation from a fresh state: the prompt, then tokens chosen by argmax.
@@ -250,6 +259,7 @@ pub struct ReferenceBackend {
     opts: RunOptions,
     state: State,
     taps: bool,
+    sink: Option<SharedTapSink>,
     record: RunRecord,
 }
 
@@ -277,6 +287,7 @@ impl ReferenceBackend {
             opts,
             state,
             taps,
+            sink: None,
             record,
         })
     }
@@ -302,10 +313,10 @@ impl Backend for ReferenceBackend {
     }
 
     fn forward(&mut self, ids: &[u32], all_logits: bool) -> Result<Forward> {
-        let mut taps = if self.taps || all_logits {
-            Taps::on()
-        } else {
-            Taps::off()
+        let mut taps = match &self.sink {
+            Some(sink) => Taps::stream(sink.clone(), self.state.position),
+            None if self.taps || all_logits => Taps::on(),
+            None => Taps::off(),
         };
         let last = self
             .model
@@ -331,6 +342,12 @@ impl Backend for ReferenceBackend {
     fn restore(&mut self, snapshot: &Snapshot) -> Result<()> {
         self.state = state_from_snapshot(&self.model, snapshot)?;
         Ok(())
+    }
+
+    /// Streams when the backend records taps: every layer's go to the sink as soon as they are computed.
+    fn stream_taps(&mut self, sink: Option<SharedTapSink>) -> bool {
+        self.sink = sink.filter(|_| self.taps);
+        self.sink.is_some()
     }
 }
 

@@ -3,10 +3,14 @@
 
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
-use reference::backend::{Backend, greedy};
-use reference::taps::names;
 use std::collections::BTreeMap;
 use std::path::Path;
+
+pub mod layout;
+mod run;
+pub mod stream;
+
+pub use run::{Written, run_dump, write_dump};
 
 /// The tensors of a dump and what they hold (`T` prompt tokens, `H` hidden size, `V` vocabulary, `N` generated
 /// tokens, `C = 2·Hk·Dk + Hv·Dv` conv channels, `K` conv width). Floats are in the run's dtype (f32, or f64 for a
@@ -20,7 +24,7 @@ DUMP FORMAT (safetensors; T prompt tokens, H hidden, V vocabulary, N generated)
   layers.{i}.mlp_output           [T, H]         MLP output, before the residual add
   final_norm                      [T, H]         after the final RMSNorm
   logits                          [T, V]         every prompt position
-  generated                       i64 [N]        greedy continuation (exactly N tokens, no early stop)
+  generated                       i64 [N]        greedy continuation (N tokens; fewer when a NaN stops it: nan_at)
  linear-attention layers (Gated DeltaNet; Hk/Hv key/value heads, Dk/Dv head dims, C = 2 Hk Dk + Hv Dv, K conv width):
   layers.{i}.linear_attn.qkv      [T, C]         in_proj_qkv output, before the conv
   layers.{i}.linear_attn.z        [T, Hv, Dv]    in_proj_z output (the gated norm's gate)
@@ -47,12 +51,13 @@ DUMP FORMAT (safetensors; T prompt tokens, H hidden, V vocabulary, N generated)
   layers.{i}.key_cache            [Hkv, T, D]    keys after q/k norm and RoPE
   layers.{i}.value_cache          [Hkv, T, D]
 Metadata (strings): backend, dtype, weights, deltanet_prefill, deltanet_decode, output_scale, model, prompt,
-prompt_seconds, decode_seconds; the reference adds prefill_block; OpenVINO adds openvino (version), device,
-precision_requested, precision (read back), execution_devices, property.* (every property set, read back), block,
-context, compile_seconds. A dump written by another program needs only the tensors it has; comparisons use the
+prompt_seconds, decode_seconds, nan_at (the generated token whose logits held a NaN, when one stopped the
+generation); the reference adds prefill_block; OpenVINO adds openvino (version), device, precision_requested,
+precision (read back), execution_devices, property.* (every property set, read back), block, context,
+compile_seconds. A dump written by another program needs only the tensors it has; comparisons use the
 names both sides hold.";
 
-/// A dump in memory.
+/// A dump in memory (as [`Dump::read`] gives it; `qwen35 dump` writes its file as the run goes, [`write_dump`]).
 #[derive(Debug, Default)]
 pub struct Dump {
     /// Tensors by name (see [`FORMAT`]).
@@ -92,34 +97,6 @@ impl Dump {
             .get(name)
             .with_context(|| format!("the dump has no tensor `{name}`"))
     }
-}
-
-/// Runs `ids` on a backend (with taps), then exactly `generate` greedy tokens, and collects the dump.
-pub fn run_dump(backend: &mut dyn Backend, ids: &[u32], generate: usize) -> Result<Dump> {
-    let generation = greedy(backend, ids, generate, &[], true, |_| Ok(()))?;
-    if let Some(i) = generation.nan_at {
-        eprintln!(
-            "warning: the logits hold a NaN at generated token {i}: the dump has {i} generated tokens and records `nan_at`"
-        );
-    }
-    let mut tensors = generation.prompt.taps.clone();
-    tensors.insert(names::LOGITS.into(), generation.prompt.logits.clone());
-    tensors.extend(generation.after_prompt.tensors.clone());
-    tensors.insert("token_ids".into(), id_tensor(ids)?);
-    tensors.insert("generated".into(), id_tensor(&generation.tokens)?);
-    let mut metadata = backend.record().to_metadata();
-    metadata.insert(
-        "prompt_seconds".into(),
-        format!("{:.3}", generation.prompt_seconds),
-    );
-    metadata.insert(
-        "decode_seconds".into(),
-        format!("{:.3}", generation.decode_seconds),
-    );
-    if let Some(i) = generation.nan_at {
-        metadata.insert("nan_at".into(), i.to_string());
-    }
-    Ok(Dump { tensors, metadata })
 }
 
 /// Token ids as an i64 tensor (the dump's type for ids).
