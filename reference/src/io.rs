@@ -87,11 +87,24 @@ impl AtomicFile {
         }
     }
 
-    fn file(&mut self) -> &mut File {
+    /// The file being written (to seek, size or map it, for a writer that does more than append).
+    pub fn as_file(&self) -> &File {
+        match &self.0 {
+            Target::Staged { temp, .. } => temp.as_file(),
+            Target::InPlace(file) => file,
+        }
+    }
+
+    /// [`AtomicFile::as_file`], mutably.
+    pub fn as_file_mut(&mut self) -> &mut File {
         match &mut self.0 {
             Target::Staged { temp, .. } => temp.as_file_mut(),
             Target::InPlace(file) => file,
         }
+    }
+
+    fn file(&mut self) -> &mut File {
+        self.as_file_mut()
     }
 }
 
@@ -119,10 +132,9 @@ pub fn save_safetensors(
     tensors: &BTreeMap<String, Tensor>,
     metadata: &BTreeMap<String, String>,
 ) -> Result<()> {
-    let err = |message: String| Error::Weights {
+    let err = |message: String| Error::File {
         file: path.display().to_string(),
-        key: "(write)".into(),
-        message,
+        message: format!("writing: {message}"),
     };
     let mut encoded: Vec<(String, StDtype, Vec<usize>, Vec<u8>)> =
         Vec::with_capacity(tensors.len());

@@ -14,12 +14,12 @@ use super::layout::Planned;
 use crate::non_finite::NonFinite;
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use candle_core::{DType, Tensor};
+use reference::io::AtomicFile;
 use reference::taps::TapSink;
 use safetensors::tensor::{Dtype as StDtype, Metadata, TensorInfo};
 use std::collections::{BTreeMap, HashMap};
 use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
-use tempfile::NamedTempFile;
 
 /// The one tensor whose length is known at the end: the greedy continuation (i64).
 pub const GENERATED: &str = "generated";
@@ -60,7 +60,7 @@ impl Slot {
 /// are let go.
 pub struct StreamWriter {
     out: PathBuf,
-    file: NamedTempFile,
+    file: AtomicFile,
     slots: BTreeMap<String, Slot>,
     /// Where the planned tensors start in the file.
     data: u64,
@@ -80,7 +80,12 @@ impl StreamWriter {
         generate: usize,
         metadata: &BTreeMap<String, String>,
     ) -> Result<Self> {
-        let file = temporary_beside(out)?;
+        let file = AtomicFile::create(out).with_context(|| {
+            format!(
+                "--out {}: creating the dump's temporary file beside it",
+                out.display()
+            )
+        })?;
         let mut planned = planned;
         planned.sort_by(|a, b| {
             (b.dtype.size_in_bytes(), &a.name).cmp(&(a.dtype.size_in_bytes(), &b.name))
@@ -250,12 +255,9 @@ impl StreamWriter {
             .and_then(|_| f.flush())
             .with_context(|| self.at("writing the header of"))?;
         let tensors = self.check()?;
-        self.file.persist(&self.out).map_err(|e| {
-            anyhow!(
-                "writing the dump {out}: renaming it into place: {}",
-                e.error
-            )
-        })?;
+        self.file
+            .commit()
+            .with_context(|| format!("writing the dump {out}: renaming it into place"))?;
         Ok(tensors)
     }
 
@@ -340,33 +342,6 @@ fn st_dtype(d: DType) -> Result<StDtype> {
         DType::I64 => StDtype::I64,
         DType::U32 => StDtype::U32,
         other => bail!("a dump cannot hold dtype {other:?}"),
-    })
-}
-
-/// A new temporary file in `out`'s directory, named after it, created with the permissions any new file gets
-/// (`0666` less the umask, as `out` would have; the temporary-file default is `0600`).
-fn temporary_beside(out: &Path) -> Result<NamedTempFile> {
-    let name = out
-        .file_name()
-        .with_context(|| format!("--out {}: not a file name", out.display()))?;
-    let dir = match out.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    let prefix = format!(".{}.", name.to_string_lossy());
-    let mut b = tempfile::Builder::new();
-    b.prefix(&prefix).suffix(".partial");
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::PermissionsExt;
-        b.permissions(std::fs::Permissions::from_mode(0o666));
-    }
-    b.tempfile_in(dir).with_context(|| {
-        format!(
-            "--out {}: creating the dump's temporary file in {}",
-            out.display(),
-            dir.display()
-        )
     })
 }
 
