@@ -4,6 +4,7 @@
 
 pub mod compare;
 pub mod probe;
+mod trace;
 pub mod validate;
 
 pub use compare::{CompareReport, Inputs, QuantizationError};
