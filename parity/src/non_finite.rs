@@ -2,8 +2,9 @@
 //! says where they first appear, in the order the decoder computes, so that the search starts at the right layer.
 
 use crate::device::open_reference;
+use crate::metrics::values;
 use anyhow::Result;
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use reference::backend::Backend;
 use reference::config::Config;
 use reference::model::RunOptions;
@@ -34,18 +35,10 @@ pub struct NonFinite {
 impl NonFinite {
     /// The non-finite values of `t`, or `None` when every element is finite (integer tensors are always finite).
     pub fn scan(name: &str, t: &Tensor) -> Result<Option<Self>> {
-        let flat = match t.dtype() {
-            DType::F64 => t.flatten_all()?.to_vec1::<f64>()?,
-            DType::F32 | DType::F16 | DType::BF16 => t
-                .flatten_all()?
-                .to_dtype(DType::F32)?
-                .to_vec1::<f32>()?
-                .into_iter()
-                .map(f64::from)
-                .collect(),
-            _ => return Ok(None),
-        };
-        Ok(Self::of_values(name, t.dims(), &flat))
+        if !t.dtype().is_float() {
+            return Ok(None);
+        }
+        Ok(Self::of_values(name, t.dims(), &values(t)?))
     }
 
     /// [`NonFinite::scan`] on flat row-major values of a tensor of `shape`.

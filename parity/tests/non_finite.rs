@@ -136,11 +136,7 @@ fn planted_nan_and_infinity_fail_the_diff_and_are_named() {
 
 /// A copy of the tiny model whose layer-1 input norm weight holds one NaN.
 fn nan_checkpoint(dir: &Path) -> String {
-    let src = common::testdata().join("models/tiny");
-    for entry in std::fs::read_dir(&src).unwrap() {
-        let entry = entry.unwrap();
-        std::fs::copy(entry.path(), dir.join(entry.file_name())).unwrap();
-    }
+    common::copy_dir(&common::testdata().join("models/tiny"), dir);
     let file = dir.join("model.safetensors");
     let mut tensors = candle_core::safetensors::load(&file, &candle_core::Device::Cpu).unwrap();
     let name = "model.layers.1.input_layernorm.weight";

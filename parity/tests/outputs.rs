@@ -12,11 +12,7 @@ use std::time::{Duration, Instant};
 /// A copy of the tiny model in `dir/m`, so that a failure cannot touch `testdata/`.
 fn tiny_copy(dir: &Path) -> std::path::PathBuf {
     let m = dir.join("m");
-    std::fs::create_dir(&m).unwrap();
-    for e in std::fs::read_dir(testdata().join("models/tiny")).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), m.join(e.file_name())).unwrap();
-    }
+    common::copy_dir(&testdata().join("models/tiny"), &m);
     m
 }
 

@@ -186,17 +186,6 @@ pub fn exec(args: BenchArgs) -> Result<Outcome> {
             Plan::OpenVino(settings)
         }
     };
-    if let Some(path) = &args.json
-        && let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty())
-        && !parent.is_dir()
-    {
-        bail!(
-            "--json {}: the directory {} does not exist",
-            path.display(),
-            parent.display()
-        );
-    }
-
     let sampler = Sampler::start(Duration::from_millis(10));
     let start = Instant::now();
     let (dir, config, store) = args.model.open()?;

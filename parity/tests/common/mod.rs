@@ -230,3 +230,12 @@ pub fn same_dump(label: &str, a: &parity::dump::Dump, b: &parity::dump::Dump) {
     };
     assert_eq!(timeless(a), timeless(b), "{label}: metadata");
 }
+
+/// A copy of the folder `src` in `dst`.
+pub fn copy_dir(src: &Path, dst: &Path) {
+    std::fs::create_dir_all(dst).unwrap();
+    for entry in std::fs::read_dir(src).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dst.join(entry.file_name())).unwrap();
+    }
+}
