@@ -126,11 +126,6 @@ impl StreamWriter {
         Ok(w)
     }
 
-    /// The final path.
-    pub fn out(&self) -> &Path {
-        &self.out
-    }
-
     /// Every tensor written so far holding NaN or infinity, in computation order.
     pub fn non_finite(&self) -> Vec<NonFinite> {
         let mut found: Vec<NonFinite> = self.non_finite.values().cloned().collect();
