@@ -151,7 +151,8 @@ pub fn sequential_loop(graph: &mut Graph, x: Inputs, state: Value) -> Result<(Va
 /// O   = diag(exp G) Q S0 + [exp(G_t − G_j) q_t·k_j]_{j<=t} D
 /// S_T = exp(G_T) S0 + Kᵀ diag(exp(G_T − G)) D
 /// ```
-/// The exponent is masked in log space (zeroed above the diagonal before `exp`), so strong decays cannot overflow.
+/// `G_t − G_j` is the segment sum `g_{j+1} + … + g_t` ([`segment_sums`]), masked in log space (zero above the
+/// diagonal before `exp`), so strong decays neither lose accuracy nor overflow.
 pub fn chunk(
     graph: &mut Graph,
     x: Inputs,
@@ -161,12 +162,11 @@ pub fn chunk(
     let (h, t) = (graph.shape(x.q)[0], graph.shape(x.q)[1]);
     let big_g = cumsum(graph, x.g)?; // [H, T]
     let g_t = graph.reshape(big_g, &[h, t, 1])?;
-    let g_j = graph.reshape(big_g, &[h, 1, t])?;
-    let diff = graph.sub(g_t, g_j)?; // [H, T(t), T(j)] = G_t − G_j
     let strict = exact_const(graph, &masks::causal(t, false), &[t, t])?;
     let inclusive = exact_const(graph, &masks::causal(t, true), &[t, t])?;
-    let decay_strict = masked_exp(graph, diff, strict)?;
-    let decay_incl = masked_exp(graph, diff, inclusive)?;
+    let seg = segment_sums(graph, x.g, strict, inclusive)?; // [H, T(t), T(j)] = G_t − G_j, summed directly
+    let decay_strict = masked_exp(graph, seg, strict)?;
+    let decay_incl = masked_exp(graph, seg, inclusive)?;
 
     let beta = graph.reshape(x.beta, &[h, t, 1])?;
     let kk = graph.matmul(x.k, x.k, false, true)?;
@@ -189,8 +189,7 @@ pub fn chunk(
     let o = graph.add(q_s0, intra)?;
 
     let g_last = graph.slice(big_g, 1, t - 1, 1)?; // [H, 1]
-    let to_end = graph.sub(g_last, big_g)?;
-    let to_end = graph.unary(Unary::Exp, to_end)?; // exp(G_T − G_t)
+    let to_end = graph.slice(decay_incl, 1, t - 1, 1)?; // exp(G_T − G_t): the decays' last row, [H, 1, T]
     let to_end = graph.reshape(to_end, &[h, t, 1])?;
     let k_weighted = graph.mul(x.k, to_end)?;
     let update = graph.matmul(k_weighted, deltas, true, false)?; // [H, Dk, Dv]
@@ -199,6 +198,16 @@ pub fn chunk(
     let kept = graph.mul(state, decay_all)?;
     let s = graph.add(kept, update)?;
     Ok((o, s))
+}
+
+/// The exponents of the decays between two tokens of a block, `[H, T(t), T(j)]`: `g_{j+1} + … + g_t` for `j < t`
+/// and exactly 0 elsewhere, as the product `inclusive · (g ⊙ strict)`, as the reference computes them
+/// (`reference::deltanet`, `segment_sums`: why not `G_t − G_j`).
+fn segment_sums(graph: &mut Graph, g: Value, strict: Value, inclusive: Value) -> Result<Value> {
+    let (h, t) = (graph.shape(g)[0], graph.shape(g)[1]);
+    let g_i = graph.reshape(g, &[h, t, 1])?;
+    let terms = graph.mul(g_i, strict)?; // [H, T(i), T(j)] = g_i [j < i]
+    graph.matmul(inclusive, terms, false, false)
 }
 
 /// Cumulative sum along the token axis of `[H, T]`, as one product with the inclusive upper triangle of ones.

@@ -14,9 +14,10 @@
 //!   is never formed, so strong decays cannot overflow), once per chunk for `N`, the output's intra-chunk term and
 //!   the decays to the chunk's end. Their exponent is the sum `g_{j+1} + … + g_t` accumulated directly, not the
 //!   difference of the cumulative sums `G_t − G_j`: that difference keeps the rounding error of the large `G`
-//!   (about `|G|·2^-24`) however close `t` and `j` are, which with decays near −20 per token costs the tensor form
-//!   ~3e-5 of its outputs in f32 (see the tests); summed directly, the kernel stays at the sequential form's
-//!   accuracy. `exp(G_t)` itself (the decay from the chunk's start) uses the cumulative sum, accumulated in order.
+//!   (about `|G|·2^-24`) however close `t` and `j` are, which with decays near −20 per token cost ~3e-5 of the
+//!   outputs in f32 (see the tests); summed directly, the kernel stays at the sequential form's accuracy, as the
+//!   tensor form does (its segment sums). `exp(G_t)` itself (the decay from the chunk's start) uses the cumulative
+//!   sum, accumulated in order.
 //! - A last block shorter than `block` is processed as a chunk of its own length. That is exactly what the padded,
 //!   masked block of [`super::chunked`] computes: a padded token has `g = 0, beta = 0`, so its row of `N` and of the
 //!   right-hand side are zero, its `D` row is zero, it adds nothing to the state, `G` does not move, and its outputs
