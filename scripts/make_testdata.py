@@ -238,6 +238,19 @@ PROMPTS = {
         ],
         "chat_template_kwargs": {"enable_thinking": False},
     },
+    "tiny-decay": {
+        "messages": [
+            {"role": "system", "content": "You are a patient gardener."},
+            {
+                "role": "user",
+                "content": (
+                    "The tomatoes by the south wall grew tall in June, but their leaves turned yellow after the "
+                    "heavy rain. The beans next to them look fine. What should I change?"
+                ),
+            },
+        ],
+        "chat_template_kwargs": {"enable_thinking": False},
+    },
 }
 PROMPT_LEN_RANGE = (100, 160)
 NUM_GENERATED = 16
@@ -422,6 +435,45 @@ MODEL_SPECS = {
             tie_word_embeddings=False,
         ),
     },
+    # Strong and almost no decay side by side (SPEC "Chunked forms"): per (layer, value head) the centre of
+    # -g = exp(A_log) softplus(a + dt_bias) is log-spaced over 1e-4..25 and the per-token spread (a_gain) is
+    # the other models', so g spans about -60..0 per token: some heads forget everything but the current token
+    # (exp(g) below 1e-20, a block's exp(G) underflows to zero in f32), others keep almost all of their state.
+    # Where exp(g) is that small, G_t - G_j written as the difference of two cumulative sums of about 10^3 is off by
+    # about |G| 2^-24 absolute (transformers' f32 chunked kernel does this; the reference sums the segment).
+    "tiny-decay": {
+        "format": "text",
+        "seed": 8000,
+        "weights_dtype": "bfloat16",
+        "decay_centre_range": (1.0e-4, 25.0),
+        "strong_decay": dict(
+            g_min_accept=(-70.0, -50.0),  # the strongest decay of any token, per token
+            g_max_at_least=-1.0e-3,  # and a head that hardly decays at all
+        ),
+        "text": dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+            linear_conv_kernel_dim=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            rope_parameters=dict(
+                rope_type="default",
+                rope_theta=10000000.0,
+                partial_rotary_factor=0.25,
+                mrope_section=[2, 1, 1],
+                mrope_interleaved=True,
+            ),
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
+    },
 }
 COMMON_TEXT = dict(hidden_act="silu", max_position_embeddings=2048, attention_bias=False, use_cache=True)
 
@@ -450,7 +502,9 @@ RATIO_RANGE = (0.1, 2.0)  # ||mixer_out|| / ||residual in|| and ||mlp_out|| / ||
 MIN_DISTINCT_GENERATED = 8  # a greedy continuation that repeats one token tests little of the decode path
 MAX_ATTEMPTS = 64
 FLA_SEED = 4000
-MAX_TESTDATA_BYTES = 16_000_000  # what this script writes (the later scripts' goldens come on top)
+# What this script writes (models/, goldens/, the tokenizer files; the later scripts' goldens and sets come on top).
+# 16 MB until tiny-decay (about 2.5 MB) joined.
+MAX_TESTDATA_BYTES = 20_000_000
 
 # Models with a `core_output_rms` spec: at most this many forward passes to bring every value head's core_output RMS
 # within CALIBRATION_TOL (relative) of its target.
@@ -711,7 +765,8 @@ def new_model(spec: dict, config):
 
 
 @torch.no_grad()
-def reinit(model, config, seed: int, overrides: dict | None = None) -> dict:
+def reinit(model, config, seed: int, overrides: dict | None = None,
+           decay_centre_range: tuple[float, float] = DECAY_CENTRE_RANGE) -> dict:
     """Give the decoder non-degenerate weights (see INIT). The vision tower keeps transformers' default init."""
     init = dict(INIT, **(overrides or {}))
     tc = text_config_of(config)
@@ -755,8 +810,9 @@ def reinit(model, config, seed: int, overrides: dict | None = None) -> dict:
     else:
         assert model.lm_head.weight.data_ptr() == dec.embed_tokens.weight.data_ptr(), "lm_head is not tied"
 
-    # Decay: centre of -g per (layer, head), log-spaced over DECAY_CENTRE_RANGE and shuffled across heads/layers.
-    lo, hi = (math.log(x) for x in DECAY_CENTRE_RANGE)
+    # Decay: centre of -g per (layer, head), log-spaced over the range (DECAY_CENTRE_RANGE unless the model says) and
+    # shuffled across heads/layers.
+    lo, hi = (math.log(x) for x in decay_centre_range)
     n = len(lin_heads)
     centres = torch.exp(torch.linspace(lo, hi, n, dtype=torch.float64))
     perm = torch.randperm(n, generator=gen)
@@ -1201,9 +1257,12 @@ def diagnostics(config, res: dict) -> dict:
     greedy_margin = margins(res["step_logits"]).min().item()
     beta = torch.cat([t[f"layers.{i}.linear_attn.beta"].reshape(-1) for i, k in enumerate(tc.layer_types)
                       if k == "linear_attention"])
+    g_all = torch.cat([g.reshape(-1) for g in gs])
     return {
         "decay_min": decay.min().item(),
         "decay_max": decay.max().item(),
+        "g_min": g_all.min().item(),
+        "g_max": g_all.max().item(),
         "beta_min": beta.min().item(),
         "beta_max": beta.max().item(),
         "per_layer": per_layer,
@@ -1262,6 +1321,13 @@ def acceptable(diag: dict, spec: dict) -> list[str]:
             if not lo <= row["series_largest_intermediate"] <= hi:
                 bad.append(f"layer {row['layer']} head {row['head']} series growth "
                            f"{row['series_largest_intermediate']:.3g} outside {lo:g}..{hi:g}")
+    sspec = spec.get("strong_decay")
+    if sspec is not None:
+        lo, hi = sspec["g_min_accept"]
+        if not lo <= diag["g_min"] <= hi:
+            bad.append(f"strongest decay g {diag['g_min']:.3g} outside {lo:g}..{hi:g}")
+        if diag["g_max"] < sspec["g_max_at_least"]:
+            bad.append(f"weakest decay g {diag['g_max']:.3g} below {sspec['g_max_at_least']:g}")
     rms_spec = spec.get("core_output_rms")
     if rms_spec is not None:
         rms = [x for row in diag["core_output_rms"] for x in row["rms"]]
@@ -1284,6 +1350,7 @@ def acceptable(diag: dict, spec: dict) -> list[str]:
 
 
 def print_diag(name: str, diag: dict) -> None:
+    log(f"[{name}] g over the prompt: {diag['g_min']:.4g}..{diag['g_max']:.4g}")
     log(f"[{name}] exp(g) over the prompt: min {diag['decay_min']:.6g}  max {diag['decay_max']:.8g}"
         f"   beta: {diag['beta_min']:.3f}..{diag['beta_max']:.3f}")
     for row in diag["per_layer"]:
@@ -1451,7 +1518,8 @@ def make_model(name: str, spec: dict, tok_info: dict, hf_tok) -> dict:
         config._attn_implementation = "eager"
         text_config_of(config)._attn_implementation = "eager"
         model = new_model(spec, config)
-        init_info = reinit(model, config, seed, spec.get("init"))
+        init_info = reinit(model, config, seed, spec.get("init"),
+                           spec.get("decay_centre_range", DECAY_CENTRE_RANGE))
         if "core_output_rms" in spec:
             init_info.update(calibrate_core_output(model, config, ids, seed, spec["core_output_rms"]))
         if "correlated_keys" in spec:
@@ -1586,6 +1654,7 @@ def make_model(name: str, spec: dict, tok_info: dict, hf_tok) -> dict:
         "chat_template_kwargs": kwargs,
         "decay_exp_g_min": diag["decay_min"],
         "decay_exp_g_max": diag["decay_max"],
+        "decay_g_range": [diag["g_min"], diag["g_max"]],
         "beta_range": [diag["beta_min"], diag["beta_max"]],
         "min_margin_prompt": diag["min_margin_prompt"],
         "min_margin_greedy": diag["min_margin_greedy"],
@@ -1608,6 +1677,13 @@ def make_model(name: str, spec: dict, tok_info: dict, hf_tok) -> dict:
             passes=init_info["passes"],
             targets=init_info["targets"],
             value_row_gains=init_info["value_row_gains"],
+        )
+    if "strong_decay" in spec:
+        entry["strong_decay"] = dict(
+            spec["strong_decay"],
+            decay_centre_range=list(spec["decay_centre_range"]),
+            acceptance="the other models' seed checks apply unchanged (margins, residual ratios, distinct greedy "
+                       "tokens); the range of g comes on top",
         )
     if "correlated_keys" in spec:
         # per (layer, value head), over the first SERIES_BLOCK prompt tokens: N of the chunked form and how far the
@@ -1766,8 +1842,10 @@ def main() -> None:
         "total_bytes": sum(f["bytes"] for f in files),
     }
     write_json(TESTDATA / "manifest.json", manifest)
-    total = sum(p.stat().st_size for p in TESTDATA.rglob("*") if p.is_file())
-    assert total < MAX_TESTDATA_BYTES, f"testdata/ is {total} bytes"
+    ours = [p for p in TESTDATA.rglob("*") if p.is_file() and p.relative_to(TESTDATA).parts[0] in
+            ("models", "goldens", "tokenizer.json", "tokenizer_config.json")]
+    total = sum(p.stat().st_size for p in ours)
+    assert total < MAX_TESTDATA_BYTES, f"this script wrote {total} bytes to testdata/"
     log(f"kernel calls: {KERNEL_CALLS}")
     log(f"wrote {len(files) + 1} files, {manifest['total_bytes'] / 1e6:.2f} MB (+ manifest)")
 

@@ -47,7 +47,14 @@ fn reference_dump(
 
 #[test]
 fn decoder_graphs_match_the_reference() {
-    for name in ["tiny", "tiny-tied", "tiny-full", "tiny-h128", "tiny-corr"] {
+    for name in [
+        "tiny",
+        "tiny-tied",
+        "tiny-full",
+        "tiny-h128",
+        "tiny-corr",
+        "tiny-decay",
+    ] {
         let dir = testdata().join("models").join(name);
         let g = golden(name);
         let ids: Vec<u32> = g["token_ids"]

@@ -50,7 +50,14 @@ fn reference_run(
 
 #[test]
 fn layer_graphs_match_the_reference() {
-    for name in ["tiny", "tiny-tied", "tiny-full", "tiny-h128", "tiny-corr"] {
+    for name in [
+        "tiny",
+        "tiny-tied",
+        "tiny-full",
+        "tiny-h128",
+        "tiny-corr",
+        "tiny-decay",
+    ] {
         let dir = model_dir(name);
         let ids = prompt(name);
         let (taps, states) = reference_run(&dir, &ids);

@@ -15,4 +15,5 @@ mod quant;
 mod record;
 mod rope;
 mod store;
+mod strong_decay;
 mod synth;
