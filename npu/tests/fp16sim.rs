@@ -111,7 +111,9 @@ fn exact_fp16sim_agrees_with_openvino_on_every_layer_graph() {
             println!(
                 "{name} T={tokens} {form:?} ×{scale}: FP16SIM f32 vs OpenVINO CPU f32, worst {worst:.2e} of max"
             );
-            assert!(worst < 1e-5, "{name} T={tokens} {form:?}: {worst:.2e}");
+            // Measured worst 1.53e-6 (tiny-full, T=8, the series inverse; every other model and form 5.5e-7 to
+            // 1.5e-6): f32 summation-order noise. 10 times that.
+            assert!(worst < 1.5e-5, "{name} T={tokens} {form:?}: {worst:.2e}");
             overall = overall.max(worst);
         }
     }
