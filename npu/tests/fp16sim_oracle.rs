@@ -177,10 +177,10 @@ fn mismatches(ours: &Tensor, oracle: &Tensor) -> (usize, f64, String) {
         if x != y {
             count += 1;
             let ulps = (x as f64 - y as f64).abs() / f16_ulp(y);
-            if !(ulps <= worst.0) {
+            if ulps.is_nan() || ulps > worst.0 {
                 worst = (
                     ulps,
-                    format!("first worst at {i}: FP16SIM {x:e}, numpy {y:e}"),
+                    format!("the worst at {i}: FP16SIM {x:e}, numpy {y:e}"),
                 );
             }
         }
