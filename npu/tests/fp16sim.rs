@@ -118,6 +118,9 @@ fn exact_fp16sim_agrees_with_openvino_on_every_layer_graph() {
             println!(
                 "{name} T={tokens} {form:?} ×{scale}: FP16SIM f32 vs OpenVINO CPU f32, worst {worst:.2e} of max"
             );
+            // f32 summation-order noise. Measured worst 5.0e-6 on tiny-decay (the gated norm's output, whose
+            // strongly decaying heads' outputs are small), 1.5e-6 on the other models (tiny-full, T=8, the series
+            // inverse): twice the worst.
             assert!(worst < 1e-5, "{name} T={tokens} {form:?}: {worst:.2e}");
             overall = overall.max(worst);
         }
