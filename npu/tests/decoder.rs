@@ -256,3 +256,52 @@ fn quantized_graphs_equal_the_reference_on_the_same_weights() {
         );
     }
 }
+
+/// The long prompt (`goldens/tiny.long.safetensors`: 1000 tokens of plain text, from transformers) through the
+/// decoder graphs at the default static context of 1024 with prompt blocks of 64: 15 full blocks, a padded one of 40
+/// (`token_valid`), then 16 single-token steps to position 1015 of 1024. The greedy tokens are transformers', the
+/// logits at every prompt position and every state after the prompt are the reference's within f32 noise.
+#[test]
+fn a_thousand_token_prompt_at_the_default_context() {
+    let dir = testdata().join("models/tiny");
+    let g = golden("tiny.long");
+    let ids: Vec<u32> = g["token_ids"]
+        .to_vec1::<i64>()
+        .unwrap()
+        .into_iter()
+        .map(|x| x as u32)
+        .collect();
+    assert_eq!(ids.len(), 1000);
+    let expected: Vec<u32> = g["generated"]
+        .to_vec1::<i64>()
+        .unwrap()
+        .into_iter()
+        .map(|x| x as u32)
+        .collect();
+    let (reference, ref_tokens) = reference_dump(&dir, &ids, 16);
+    assert_eq!(ref_tokens, expected, "the reference's greedy tokens");
+    let config = Config::from_file(&dir.join("config.json")).unwrap();
+    let weights = WeightStore::open(&dir, DType::F32).unwrap();
+    let opts = GraphOptions {
+        form: DeltaNetGraphForm::Chunked(Inverse::Doubling),
+        ..GraphOptions::default()
+    };
+    assert_eq!(opts.context, 1024, "the default static context");
+    let builder = Builder::new(&config, &weights, opts).unwrap();
+    let mut engine = DecoderEngine::new(&builder, 64, "CPU", &CompileOptions::default()).unwrap();
+    let run = run(&mut engine, &ids, 16).unwrap();
+    assert_eq!(run.generated, expected, "greedy tokens on the graphs");
+    let mut worst = Worst::default();
+    for (tensor, t) in run.taps.iter().chain(&run.states) {
+        worst.check("tiny, 1000 tokens", tensor, t, &reference[tensor], &config);
+    }
+    let logits = diff(&run.taps["logits"], &g["logits"]).unwrap();
+    println!(
+        "tiny, 1000 tokens, blocks of 64, context 1024: 16 greedy tokens identical; logits max abs {:.2e} from \
+         transformers; worst tensor {:.2e} of its max from the reference\n{}",
+        logits.max_abs,
+        worst.overall(),
+        worst.report()
+    );
+    assert!(logits.max_abs < 1e-3, "logits vs transformers: {logits}");
+}

@@ -6,6 +6,7 @@ mod deltanet;
 mod deltanet_kernel;
 mod fp16_output;
 mod goldens;
+mod long_prompt;
 mod manifest;
 mod model;
 mod nncf;
