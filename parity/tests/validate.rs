@@ -8,6 +8,10 @@ use std::path::Path;
 mod common;
 use common::{expect_error, qwen35, stderr};
 
+/// Each fault of the device failing the one check that looks for it.
+#[path = "validate/faults.rs"]
+mod faults;
+
 /// Every check, in the report's order.
 const CHECKS: [&str; 11] = [
     "execution-devices",
@@ -283,23 +287,6 @@ fn injected_faults_fail_the_checks_that_look_for_them() {
     for id in ["compare", "blocks", "padding", "back-to-back", "length"] {
         assert_eq!(check(&v, id)["passed"], true, "{}", check(&v, id));
     }
-
-    // A device whose logits go wrong from position 40 on: the length check's bisection finds exactly 40 (the prompt
-    // of 40 tokens is the first whose decode step, at position 40, is wrong).
-    let (code, v) = validate(tmp.path(), "late", &with("logits-from=40"));
-    assert_eq!(code, Some(1));
-    let length = check(&v, "length");
-    assert_eq!(length["passed"], false);
-    assert_eq!(length["details"]["first_failing"], 40, "{length}");
-    assert_eq!(
-        length["details"]["bisection_between"],
-        serde_json::json!([31, 63])
-    );
-    let points = length["details"]["points"].as_array().unwrap();
-    let at = |l: u64| points.iter().find(|p| p["length"] == l).unwrap()["passed"].clone();
-    assert_eq!(at(39), true);
-    assert_eq!(at(40), false);
-    assert_eq!(v["inputs"]["fault"], "logits-from=40");
 
     // A device whose logits turn NaN from position 40 on: a finding of the checks that reach it (never a panic
     // or a pass), named as non-finite, its undefined measures `null` in the JSON.
