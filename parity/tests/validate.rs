@@ -218,8 +218,12 @@ fn validate_runs_on_fp16sim() {
             "40",
         ],
     );
-    assert!(matches!(code, Some(0 | 1)), "{v}");
-    assert_eq!(v["passed"], code == Some(0));
+    // FP16SIM's default arithmetic (fp16 storage, subnormals flushed) moves this random model's logits far past the
+    // f16 thresholds (logits NMSE ~0.2 against the reference, 1e-2 allowed; validate.md's table), so the two checks
+    // against the reference's logits fail while the device agrees with itself and each layer alone holds: exit 1.
+    assert_eq!(code, Some(1), "{v}");
+    assert_eq!(v["passed"], false);
+    assert_eq!(failed(&v), ["compare", "length"]);
     assert_eq!(v["checks"].as_array().unwrap().len(), CHECKS.len());
     let d = &v["device"];
     assert_eq!(d["precision"], "f16");
@@ -236,15 +240,14 @@ fn validate_runs_on_fp16sim() {
     ] {
         assert_eq!(check(&v, id)["passed"], true, "{}", check(&v, id));
     }
-    // The length check ran its probe points and, if one failed, bisected to a first failing length.
+    // The length check ran its probe points and, a point failing, bisected to a first failing length.
     let length = &check(&v, "length")["details"];
-    if let Some(first) = length["first_failing"].as_u64() {
-        let (lo, hi) = (
-            length["bisection_between"][0].as_u64().unwrap(),
-            length["bisection_between"][1].as_u64().unwrap(),
-        );
-        assert!(lo < first && first <= hi, "{length}");
-    }
+    let first = length["first_failing"].as_u64().unwrap();
+    let (lo, hi) = (
+        length["bisection_between"][0].as_u64().unwrap(),
+        length["bisection_between"][1].as_u64().unwrap(),
+    );
+    assert!(lo < first && first <= hi, "{length}");
 }
 
 #[test]
