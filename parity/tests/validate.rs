@@ -8,6 +8,10 @@ use std::path::Path;
 mod common;
 use common::{expect_error, qwen35, stderr};
 
+/// Each fault of the device failing the one check that looks for it.
+#[path = "validate/faults.rs"]
+mod faults;
+
 /// Every check, in the report's order.
 const CHECKS: [&str; 11] = [
     "execution-devices",
@@ -214,8 +218,12 @@ fn validate_runs_on_fp16sim() {
             "40",
         ],
     );
-    assert!(matches!(code, Some(0 | 1)), "{v}");
-    assert_eq!(v["passed"], code == Some(0));
+    // FP16SIM's default arithmetic (fp16 storage, subnormals flushed) moves this random model's logits far past the
+    // f16 thresholds (logits NMSE ~0.2 against the reference, 1e-2 allowed; validate.md's table), so the two checks
+    // against the reference's logits fail while the device agrees with itself and each layer alone holds: exit 1.
+    assert_eq!(code, Some(1), "{v}");
+    assert_eq!(v["passed"], false);
+    assert_eq!(failed(&v), ["compare", "length"]);
     assert_eq!(v["checks"].as_array().unwrap().len(), CHECKS.len());
     let d = &v["device"];
     assert_eq!(d["precision"], "f16");
@@ -232,15 +240,14 @@ fn validate_runs_on_fp16sim() {
     ] {
         assert_eq!(check(&v, id)["passed"], true, "{}", check(&v, id));
     }
-    // The length check ran its probe points and, if one failed, bisected to a first failing length.
+    // The length check ran its probe points and, a point failing, bisected to a first failing length.
     let length = &check(&v, "length")["details"];
-    if let Some(first) = length["first_failing"].as_u64() {
-        let (lo, hi) = (
-            length["bisection_between"][0].as_u64().unwrap(),
-            length["bisection_between"][1].as_u64().unwrap(),
-        );
-        assert!(lo < first && first <= hi, "{length}");
-    }
+    let first = length["first_failing"].as_u64().unwrap();
+    let (lo, hi) = (
+        length["bisection_between"][0].as_u64().unwrap(),
+        length["bisection_between"][1].as_u64().unwrap(),
+    );
+    assert!(lo < first && first <= hi, "{length}");
 }
 
 #[test]
@@ -283,23 +290,6 @@ fn injected_faults_fail_the_checks_that_look_for_them() {
     for id in ["compare", "blocks", "padding", "back-to-back", "length"] {
         assert_eq!(check(&v, id)["passed"], true, "{}", check(&v, id));
     }
-
-    // A device whose logits go wrong from position 40 on: the length check's bisection finds exactly 40 (the prompt
-    // of 40 tokens is the first whose decode step, at position 40, is wrong).
-    let (code, v) = validate(tmp.path(), "late", &with("logits-from=40"));
-    assert_eq!(code, Some(1));
-    let length = check(&v, "length");
-    assert_eq!(length["passed"], false);
-    assert_eq!(length["details"]["first_failing"], 40, "{length}");
-    assert_eq!(
-        length["details"]["bisection_between"],
-        serde_json::json!([31, 63])
-    );
-    let points = length["details"]["points"].as_array().unwrap();
-    let at = |l: u64| points.iter().find(|p| p["length"] == l).unwrap()["passed"].clone();
-    assert_eq!(at(39), true);
-    assert_eq!(at(40), false);
-    assert_eq!(v["inputs"]["fault"], "logits-from=40");
 
     // A device whose logits turn NaN from position 40 on: a finding of the checks that reach it (never a panic
     // or a pass), named as non-finite, its undefined measures `null` in the JSON.

@@ -1,11 +1,22 @@
 //! Faults injected into the device under test (`qwen35 validate --inject-fault`, a hidden flag for tests): a device
-//! wrong in one known way must make the check that looks for that kind of fault fail. The wrapper changes what the
-//! backend does, never what the checks compute.
+//! wrong in one known way must make the check that looks for that kind of fault fail, and only that one. The wrapper
+//! changes what the backend does, never what the checks compute.
+//!
+//! Each fault is a device bug only one check's runs reach: the graphs of one block size (blocks), the prompt fed
+//! unpadded (padding), a verify block in the middle of a sequence (prompt lookup), the graphs with hidden outputs
+//! (compare), one layer's own graph (the probe), positions past a length (length), a call past the static context
+//! (over-long). A padded-slot bug of the deployed graphs cannot be one of them: compare and length run the very same
+//! padded calls against the exact reference at the same thresholds, so the padding check's own fault is on the other
+//! side of its equivalence, the prompt fed without `token_valid`.
 
+use super::layers::LayerDevice;
 use anyhow::{Result, bail};
 use candle_core::Tensor;
+use npu::engine::HostLayerState;
 use reference::backend::{Backend, Forward, RunRecord, Snapshot};
 use reference::config::Config;
+use reference::taps::names;
+use std::collections::BTreeMap;
 
 /// A fault of the device under test.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,25 +30,83 @@ pub enum Fault {
     LogitsFrom(usize),
     /// The logits of every position from this one on are NaN (a device whose fp16 values overflow past a length).
     NanFrom(usize),
+    /// The graphs compiled for prompt blocks of this many tokens give every logit ×(1 + 1e-3) (a compiler bug at
+    /// one static shape; the deployed block's graphs are right).
+    BlockGraph(usize),
+    /// A prompt fed without padding (its full blocks, then its tail token by token) leaves every DeltaNet
+    /// recurrent state ×1.01 (the hand-off from the block graph to the single-token graph rounds it wrongly).
+    UnpaddedTail,
+    /// A call of several tokens that continues a sequence (a verify block) returns its last row's logits in every
+    /// row (the rows before the last are read from the wrong offset unless a call starts the sequence).
+    StaleRows,
+    /// The graphs with hidden outputs give every hidden output ×1.01 while their logits and states are right (the
+    /// extra outputs read back through a wrong scale).
+    TapsScaled,
+    /// This layer's own graph (the probe's unit) gives an MLP output 5% too large, and the layer's output with it.
+    LayerGraph(usize),
+    /// A call past the static context is cut to the slots left instead of refused: the tokens that do not fit are
+    /// dropped, silently.
+    Overflow,
 }
 
 impl Fault {
-    /// Parses `leak-state`, `ignore-restore`, `logits-from=P` or `nan-from=P`.
+    /// Parses `leak-state`, `ignore-restore`, `logits-from=P`, `nan-from=P`, `block-graph=N`, `unpadded-tail`,
+    /// `stale-rows`, `taps-scaled`, `layer-graph=L` or `overflow`.
     pub fn parse(s: &str) -> Result<Self> {
-        let from = |prefix: &str| s.strip_prefix(prefix)?.parse::<usize>().ok();
+        let n = |prefix: &str| s.strip_prefix(prefix)?.parse::<usize>().ok();
         Ok(match s {
             "leak-state" => Fault::LeakState,
             "ignore-restore" => Fault::IgnoreRestore,
-            _ => match (from("logits-from="), from("nan-from=")) {
-                (Some(p), _) => Fault::LogitsFrom(p),
-                (_, Some(p)) => Fault::NanFrom(p),
+            "unpadded-tail" => Fault::UnpaddedTail,
+            "stale-rows" => Fault::StaleRows,
+            "taps-scaled" => Fault::TapsScaled,
+            "overflow" => Fault::Overflow,
+            _ => match (
+                n("logits-from="),
+                n("nan-from="),
+                n("block-graph="),
+                n("layer-graph="),
+            ) {
+                (Some(p), ..) => Fault::LogitsFrom(p),
+                (_, Some(p), ..) => Fault::NanFrom(p),
+                (_, _, Some(b), _) => Fault::BlockGraph(b),
+                (.., Some(l)) => Fault::LayerGraph(l),
                 _ => bail!(
-                    "--inject-fault {s}: expected leak-state, ignore-restore, logits-from=POSITION or \
-                     nan-from=POSITION"
+                    "--inject-fault {s}: expected leak-state, ignore-restore, logits-from=POSITION, \
+                     nan-from=POSITION, block-graph=TOKENS, unpadded-tail, stale-rows, taps-scaled, layer-graph=LAYER \
+                     or overflow"
                 ),
             },
         })
     }
+
+    /// Whether it acts on the device's state (which a stateful IR keeps inside OpenVINO).
+    pub fn acts_on_state(self) -> bool {
+        matches!(
+            self,
+            Fault::LeakState | Fault::IgnoreRestore | Fault::UnpaddedTail
+        )
+    }
+
+    /// Whether only this project's graphs can carry it (graphs compiled per block size, per-layer graphs built
+    /// from the checkpoint, a context known to the wrapper).
+    pub fn own_graphs_only(self) -> bool {
+        matches!(
+            self,
+            Fault::BlockGraph(_) | Fault::LayerGraph(_) | Fault::Overflow
+        )
+    }
+
+    /// The fault as the graphs compiled for prompt blocks of `block` carry it: a block-size fault only on its
+    /// block's graphs.
+    pub fn for_block(fault: Option<Fault>, block: usize) -> Option<Fault> {
+        fault.filter(|f| !matches!(f, Fault::BlockGraph(b) if *b != block))
+    }
+}
+
+/// `t` × `factor`.
+fn scaled(t: &Tensor, factor: f64) -> candle_core::Result<Tensor> {
+    t.affine(factor, 0.0)
 }
 
 /// A backend with an optional fault: without one it is the backend itself.
@@ -45,6 +114,8 @@ pub struct Faulty<B> {
     inner: B,
     fault: Option<Fault>,
     position: usize,
+    padded: bool,
+    context: Option<usize>,
 }
 
 impl<B: Backend> Faulty<B> {
@@ -54,7 +125,20 @@ impl<B: Backend> Faulty<B> {
             inner,
             fault,
             position: 0,
+            padded: true,
+            context: None,
         }
+    }
+
+    /// The static context of `inner`, which [`Fault::Overflow`] cuts calls to.
+    pub fn with_context(mut self, context: Option<usize>) -> Self {
+        self.context = context;
+        self
+    }
+
+    /// Records whether prompts are padded (`token_valid`) or fed unpadded, as the device was just told.
+    pub fn set_padded(&mut self, padded: bool) {
+        self.padded = padded;
     }
 
     /// The backend underneath.
@@ -65,6 +149,17 @@ impl<B: Backend> Faulty<B> {
     /// The backend underneath, to change how it runs (not what the fault does).
     pub fn inner_mut(&mut self) -> &mut B {
         &mut self.inner
+    }
+
+    /// Every DeltaNet recurrent state ×`factor`.
+    fn scale_recurrent(&mut self, factor: f64) -> reference::Result<()> {
+        let mut s = self.inner.snapshot()?;
+        for (name, t) in s.tensors.iter_mut() {
+            if name.ends_with(names::RECURRENT_STATE) {
+                *t = scaled(t, factor)?;
+            }
+        }
+        self.inner.restore(&s)
     }
 }
 
@@ -86,7 +181,7 @@ impl<B: Backend> Backend for Faulty<B> {
         self.inner.reset()?;
         let mut fresh = self.inner.snapshot()?;
         for (name, t) in old.tensors {
-            if name.ends_with("recurrent_state") {
+            if name.ends_with(names::RECURRENT_STATE) {
                 fresh.tensors.insert(name, t);
             }
         }
@@ -94,14 +189,40 @@ impl<B: Backend> Backend for Faulty<B> {
     }
 
     fn forward(&mut self, ids: &[u32], all_logits: bool) -> reference::Result<Forward> {
+        let start = self.position;
+        let ids = match (self.fault, self.context) {
+            (Some(Fault::Overflow), Some(c)) if start + ids.len() > c && start < c => {
+                &ids[..c - start]
+            }
+            _ => ids,
+        };
         let mut out = self.inner.forward(ids, all_logits)?;
         self.position += ids.len();
+        let rows = out.logits.dim(0)?;
         let (from, nan) = match self.fault {
             Some(Fault::LogitsFrom(from)) => (from, false),
             Some(Fault::NanFrom(from)) => (from, true),
+            Some(Fault::BlockGraph(_)) => {
+                out.logits = scaled(&out.logits, 1.0 + 1e-3)?;
+                return Ok(out);
+            }
+            Some(Fault::UnpaddedTail) if !self.padded && ids.len() > 1 => {
+                self.scale_recurrent(1.01)?;
+                return Ok(out);
+            }
+            Some(Fault::StaleRows) if start > 0 && rows > 1 => {
+                let last = out.logits.narrow(0, rows - 1, 1)?;
+                out.logits = last.repeat((rows, 1))?;
+                return Ok(out);
+            }
+            Some(Fault::TapsScaled) => {
+                for t in out.taps.values_mut() {
+                    *t = scaled(t, 1.01)?;
+                }
+                return Ok(out);
+            }
             _ => return Ok(out),
         };
-        let rows = out.logits.dim(0)?;
         // Row r holds the position `first + r`.
         let first = self.position - rows;
         let changed = (0..rows)
@@ -136,5 +257,48 @@ impl<B: Backend> Backend for Faulty<B> {
         }
         self.position = snapshot.position;
         self.inner.restore(snapshot)
+    }
+}
+
+/// Per-layer graphs with [`Fault::LayerGraph`]: the faulty layer's MLP output 5% too large, its output with it.
+pub struct FaultyLayers {
+    /// The graphs.
+    pub inner: Box<dyn LayerDevice>,
+    /// The faulty layer.
+    pub layer: usize,
+}
+
+impl LayerDevice for FaultyLayers {
+    fn run(
+        &mut self,
+        layer: usize,
+        hidden: &Tensor,
+        start: usize,
+        state: &mut HostLayerState,
+    ) -> Result<BTreeMap<String, Tensor>> {
+        let mut out = self.inner.run(layer, hidden, start, state)?;
+        if layer == self.layer
+            && let Some(mlp) = out.get(names::MLP_OUTPUT).cloned()
+        {
+            let extra = scaled(&mlp, 0.05)?;
+            out.insert(names::MLP_OUTPUT.into(), (&mlp + &extra)?);
+            if let Some(o) = out.get(names::OUTPUT) {
+                let o = (o + &extra)?;
+                out.insert(names::OUTPUT.into(), o);
+            }
+        }
+        Ok(out)
+    }
+
+    fn block(&self) -> usize {
+        self.inner.block()
+    }
+
+    fn context(&self) -> Option<usize> {
+        self.inner.context()
+    }
+
+    fn record(&self) -> RunRecord {
+        self.inner.record()
     }
 }

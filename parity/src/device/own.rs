@@ -1,6 +1,6 @@
 //! This project's graphs, built from the checkpoint, as the device under test.
 
-use super::fault::{Fault, Faulty};
+use super::fault::{Fault, Faulty, FaultyLayers};
 use super::{
     Capabilities, DeviceLayers, DeviceSettings, DeviceUnderTest, GraphInfo, GraphLog, LayerDevice,
 };
@@ -74,12 +74,18 @@ impl<'a> OwnGraphs<'a> {
                 &self.log,
                 "deployed",
             )?;
-            self.deployed = Some(Faulty::new(engine, self.fault));
+            self.deployed = Some(faulty(engine, self.fault, self.settings.block));
         }
         self.deployed
             .as_mut()
             .context("the deployed graphs are compiled")
     }
+}
+
+/// `engine`, compiled for prompt blocks of `block`, with the fault its graphs carry.
+fn faulty(engine: DecoderEngine, fault: Option<Fault>, block: usize) -> Faulty<DecoderEngine> {
+    let context = engine.context();
+    Faulty::new(engine, Fault::for_block(fault, block)).with_context(context)
 }
 
 /// Builds and compiles this project's decoder graphs for `settings` (with every tap as an output, or as deployed),
@@ -165,7 +171,7 @@ impl DeviceUnderTest for OwnGraphs<'_> {
                 &self.log,
                 "taps",
             )?;
-            self.tapped = Some(Faulty::new(engine, self.fault));
+            self.tapped = Some(faulty(engine, self.fault, self.settings.block));
         }
         Ok(self.tapped.as_mut().map(|t| t as &mut dyn Backend))
     }
@@ -187,7 +193,7 @@ impl DeviceUnderTest for OwnGraphs<'_> {
             &self.log,
             &format!("block {block}"),
         )?;
-        Ok(Box::new(Faulty::new(engine, self.fault)))
+        Ok(Box::new(faulty(engine, self.fault, block)))
     }
 
     fn set_padding(&mut self, padded: bool) -> Result<()> {
@@ -196,7 +202,9 @@ impl DeviceUnderTest for OwnGraphs<'_> {
         } else {
             PromptRule::Blocks
         };
-        Ok(self.engine()?.inner_mut().set_prompt_rule(rule)?)
+        let engine = self.engine()?;
+        engine.set_padded(padded);
+        Ok(engine.inner_mut().set_prompt_rule(rule)?)
     }
 
     fn fresh(&self) -> Result<Box<dyn Backend>> {
@@ -209,7 +217,7 @@ impl DeviceUnderTest for OwnGraphs<'_> {
             &self.log,
             "fresh (back-to-back)",
         )?;
-        Ok(Box::new(Faulty::new(engine, self.fault)))
+        Ok(Box::new(faulty(engine, self.fault, self.settings.block)))
     }
 
     fn layers(&self, layers: &[usize], block: usize) -> Result<Option<Box<dyn LayerDevice>>> {
@@ -229,7 +237,13 @@ impl DeviceUnderTest for OwnGraphs<'_> {
             &self.settings.compile,
         )?;
         self.log.add("probe layers", d.infos());
-        Ok(Some(Box::new(d)))
+        Ok(Some(match self.fault {
+            Some(Fault::LayerGraph(layer)) => Box::new(FaultyLayers {
+                inner: Box::new(d),
+                layer,
+            }),
+            _ => Box::new(d),
+        }))
     }
 
     fn graphs(&self) -> Vec<GraphInfo> {

@@ -300,6 +300,7 @@ impl DeviceUnderTest for SetGraphs<'_> {
         } else {
             PromptRule::Blocks
         };
+        self.deployed.set_padded(padded);
         match self.deployed.inner_mut() {
             Graphs::Decoder(d) => d.set_prompt_rule(rule)?,
             Graphs::Chain(c) => c.set_prompt_rule(rule)?,

@@ -7,7 +7,7 @@ use crate::compare::run::{compare_device, reference_runs};
 use crate::compare::{DeviceReport, ThresholdOverrides};
 use crate::device::fault::Fault;
 use crate::device::{Capabilities, DeviceUnderTest, open_reference};
-use crate::metrics::nan_max;
+use crate::metrics::{exceeds, nan_max};
 use crate::probe::Mode;
 use crate::probe::run::{ProbePlan, how};
 use crate::progress::Progress;
@@ -224,15 +224,21 @@ pub fn run(
     start: Instant,
 ) -> Result<ValidateReport> {
     let caps = dut.capabilities().clone();
-    if let Some((fault, name)) = &plan.fault
-        && !matches!(fault, Fault::LogitsFrom(_) | Fault::NanFrom(_))
-        && !caps.states
-    {
-        bail!(
-            "--inject-fault {name}: this fault acts on the device's state, which {} does not expose; \
-             logits-from=POSITION applies",
-            dut.label()
-        );
+    if let Some((fault, name)) = &plan.fault {
+        if fault.acts_on_state() && !caps.states {
+            bail!(
+                "--inject-fault {name}: this fault acts on the device's state, which {} does not expose; \
+                 logits-from=POSITION applies",
+                dut.label()
+            );
+        }
+        if fault.own_graphs_only() && !caps.any_block {
+            bail!(
+                "--inject-fault {name}: this fault needs this project's graphs (built per block size and per \
+                 layer), not {}",
+                dut.label()
+            );
+        }
     }
     check_fits(plan, &caps)?;
     let record = dut.record()?;
@@ -419,7 +425,28 @@ fn probe_finding(report: &crate::report::probe::ProbeReport, plan: &ValidatePlan
                     }
                     (None, None) => "over threshold".into(),
                 };
-                format!("layer {} ({}): {what}", l.layer, l.kind)
+                // Which of the validate flags the layer exceeds (none named when only a NaN put it over).
+                let (output, state) = l.worst();
+                let t = l.thresholds;
+                let over: Vec<String> = [
+                    ("outputs", output, t.max_nrmse, "--probe-max-nrmse"),
+                    (
+                        "states",
+                        state,
+                        t.max_state_nrmse,
+                        "--probe-max-state-nrmse",
+                    ),
+                ]
+                .into_iter()
+                .filter(|&(_, e, max, _)| exceeds(e, max))
+                .map(|(what, e, max, flag)| format!("{what} {e:.2e} > {max:.1e} ({flag})"))
+                .collect();
+                let over = if over.is_empty() {
+                    String::new()
+                } else {
+                    format!("; {}", over.join(", "))
+                };
+                format!("layer {} ({}): {what}{over}", l.layer, l.kind)
             })
             .chain(report.drill_down.iter().filter_map(|d| {
                 d.first_over
