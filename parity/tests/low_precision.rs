@@ -1,6 +1,7 @@
 //! A device computing in reduced precision against the reference: the CPU device asked for f16 on every machine,
 //! and every NPU `qwen35 devices` lists, with the NPU port's settings and tolerances in units of the precision the
-//! device reports; a greedy token that differs is a near tie only within FP16SIM's logit error (scaled to that arithmetic).
+//! device reports; a greedy token that differs is a near tie only within FP16SIM's logit error (scaled to that
+//! arithmetic).
 
 use reference::compare::diff;
 

@@ -266,10 +266,11 @@ proptest! {
     /// forward substitution, the matrix form over a prompt, the single-token step) and in f64: the f32 logits and
     /// states of the whole prompt in one call, of the matrix form over it, and of a split run (a call, a call from the
     /// carried state, then tokens one by one) are within [`F32_OUTPUT_RTOL`] (logits, KV caches) and
-    /// [`F32_STATE_RTOL`] (DeltaNet states) of the f64 run's, relative to each tensor's max. The decays are the random checkpoint's, `−exp(A_log)·softplus(a + dt_bias)`
-    /// with `A_log` up to 1.5 and `dt_bias` up to 2, so they pass −10 per token (4.5 · softplus(2 + a)): the kernels
-    /// hold that (see `deltanet_kernel`), the tensor form of the chunked rule (the doubling and series inverses in
-    /// f32) is not held to this bound there, so it is not run here.
+    /// [`F32_STATE_RTOL`] (DeltaNet states) of the f64 run's, relative to each tensor's max. The decays are the
+    /// random checkpoint's, `−exp(A_log)·softplus(a + dt_bias)` with `A_log` up to 1.5 and `dt_bias` up to 2, so they
+    /// pass −10 per token (4.5 · softplus(2 + a)): the kernels hold that (see `deltanet_kernel`), the tensor form of
+    /// the chunked rule (the doubling and series inverses in f32) is not held to this bound there, so it is not run
+    /// here.
     #[test]
     fn f32_runs_track_f64((m, p) in f32_case(), seed in any::<u64>()) {
         let (dir, model64) = random_model(&m.config_json(), seed, DType::F64);
