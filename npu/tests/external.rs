@@ -197,7 +197,8 @@ fn the_f32_export_agrees_with_the_reference() {
         "tiny-f32 export vs reference f32: logits NMSE {error:.3e}, greedy tokens equal: {same}"
     );
     assert!(same, "greedy tokens differ");
-    assert!(error < 1e-10, "logits NMSE {error:e}");
+    // Measured 7.3e-13 (f32 rounding: NMSE is squared, so 1e-11 allows 3.7 times the measured RMS error).
+    assert!(error < 1e-11, "logits NMSE {error:e}");
     assert!(!device.exposes_state());
     assert!(
         device
@@ -236,9 +237,12 @@ fn the_int4_export_agrees_with_the_nncf_rule_and_not_with_the_plain_int4_rule() 
         same,
         "greedy tokens differ from the reference on int4-nncf:32"
     );
-    assert!(nncf < 1e-6, "logits NMSE {nncf:e} against int4-nncf:32");
+    // The same weights on both sides, so only f32 rounding differs: measured 7.9e-13 (1.4e-12 on another x86-64
+    // CPU); 1e-11 is about ten times that (3.6 times in RMS error: NMSE is squared). The plain rule's conv weights
+    // measured 1.1e-4, 1.4e8 times the NNCF rule's.
+    assert!(nncf < 1e-11, "logits NMSE {nncf:e} against int4-nncf:32");
     assert!(
-        plain > 100.0 * nncf,
+        plain > 1e7 * nncf,
         "the conv weights' INT8 moved nothing: {plain:e} vs {nncf:e}"
     );
 }

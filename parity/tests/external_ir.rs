@@ -44,7 +44,8 @@ fn exports_agree_with_the_reference_on_the_weights_they_hold() {
     assert_eq!(code, Some(0), "{f32}");
     assert_eq!(f32["greedy_matched"], f32["greedy_total"]);
     assert_eq!(f32["all"]["same_top1"].as_f64(), Some(1.0));
-    assert!(nmse(&f32) < 1e-10);
+    // Measured 1.5e-12 (f32 rounding only; NMSE is squared, so 1e-11 allows 2.6 times the measured RMS error).
+    assert!(nmse(&f32) < 1e-11);
     // Layers, final norm and states are reported as not available, not as passing.
     assert!(
         f32["not_available"]
@@ -65,10 +66,13 @@ fn exports_agree_with_the_reference_on_the_weights_they_hold() {
         nmse(&plain)
     );
     assert_eq!(code, Some(0), "{nncf}");
-    assert!(nmse(&nncf) < 1e-10);
-    // The plain rule keeps the DeltaNet conv weights float: that alone fails the f32 thresholds.
+    // The IR holds the NNCF rule's weights exactly (npu's external tests), so only f32 rounding differs: measured
+    // 6.3e-13, and 1e-11 is about ten times that.
+    assert!(nmse(&nncf) < 1e-11);
+    // The plain rule keeps the DeltaNet conv weights float: that alone fails the f32 thresholds (measured 1.1e-4,
+    // 1.8e8 times the NNCF rule's).
     assert_eq!(plain_code, Some(1));
-    assert!(nmse(&plain) > 1e4 * nmse(&nncf));
+    assert!(nmse(&plain) > 1e7 * nmse(&nncf));
 }
 
 #[test]

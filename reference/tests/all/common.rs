@@ -26,12 +26,11 @@ pub fn kernel_case() -> impl Strategy<Value = KernelCase> {
         any::<u64>(),
         1usize..=4,
         1usize..=80,
-        2usize..=9,
-        2usize..=9,
+        distinct_dims(2, 9),
         1usize..=33,
         -10.0f64..=-0.01,
     )
-        .prop_map(|(seed, heads, tokens, dk, dv, block, g_min)| KernelCase {
+        .prop_map(|(seed, heads, tokens, (dk, dv), block, g_min)| KernelCase {
             seed,
             heads,
             tokens,
@@ -40,6 +39,12 @@ pub fn kernel_case() -> impl Strategy<Value = KernelCase> {
             block,
             g_min,
         })
+}
+
+/// Key and value head dims `(Dk, Dv)`, each in `lo..=hi` and never equal (uniform over such pairs): with Dk = Dv
+/// a transposed state or a key dim read as the value dim would go unnoticed.
+pub fn distinct_dims(lo: usize, hi: usize) -> impl Strategy<Value = (usize, usize)> {
+    (lo..=hi, lo..hi).prop_map(|(dk, dv)| (dk, if dv >= dk { dv + 1 } else { dv }))
 }
 
 /// Delta-rule inputs as the layer makes them: l2-normalised keys, l2-normalised queries scaled by `Dk^-0.5`,
@@ -191,7 +196,7 @@ pub fn model_case() -> impl Strategy<Value = ModelCase> {
             prop::sample::select(vec![1usize, 2]),
             prop::sample::select(vec![1usize, 2, 4]),
         ),
-        (4usize..=12, 4usize..=12, 1usize..=6),
+        (distinct_dims(4, 12), 1usize..=6),
         (prop::collection::vec(any::<bool>(), 2..=4), 0usize..4),
         (
             prop::sample::select(vec![8usize, 16, 24]),
@@ -201,7 +206,7 @@ pub fn model_case() -> impl Strategy<Value = ModelCase> {
         .prop_flat_map(
             |(
                 (linear_key_heads, linear_ratio, kv_heads, group),
-                (dk, dv, conv),
+                ((dk, dv), conv),
                 (mut full, flip),
                 (head_dim, partial),
             )| {
