@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_testdata as mt  # noqa: E402  (hides fla before transformers is imported)
+from make_position_goldens import update_manifest  # noqa: E402
 
 import json  # noqa: E402
 import platform  # noqa: E402
@@ -99,22 +100,6 @@ def run(model, config, ids: torch.Tensor, pad_id: int) -> dict:
             "prompt_margin_min": mt.margins(t["logits"]).min().item()}
 
 
-def update_manifest(path: Path, section: dict) -> None:
-    """The file's entry in testdata/manifest.json's `files` and the `long_goldens` section, as
-    make_position_goldens.py writes its own (the `*_goldens` sections in sorted order)."""
-    manifest_path = mt.TESTDATA / "manifest.json"
-    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    rel = mt.rel(path)
-    files = [f for f in manifest["files"] if f["path"] != rel]
-    files.append({"path": rel, "bytes": path.stat().st_size, "sha256": mt.sha256(path)})
-    manifest["files"] = sorted(files, key=lambda f: f["path"].split("/"))
-    manifest["total_bytes"] = sum(f["bytes"] for f in manifest["files"])
-    manifest["long_goldens"] = section
-    later = sorted(k for k in manifest if k.endswith("_goldens"))
-    manifest = {**{k: v for k, v in manifest.items() if k not in later}, **{k: manifest[k] for k in later}}
-    mt.write_json(manifest_path, manifest)
-
-
 def main() -> None:
     mt.set_determinism()
     transformers.utils.logging.disable_progress_bar()
@@ -133,7 +118,7 @@ def main() -> None:
     mt.save_file(tensors, out, metadata={"model": "tiny", "producer": "scripts/make_long_golden.py",
                                          "tokens": str(T)})
     mt.canonicalize_safetensors_header(out)
-    update_manifest(out, {
+    update_manifest(out, key="long_goldens", section={
         "generator": "scripts/make_long_golden.py",
         "requirements": "scripts/requirements.txt",
         "versions": {

@@ -69,8 +69,8 @@ def run(model, config, ids: torch.Tensor, pos: torch.Tensor) -> dict:
     return keep
 
 
-def update_manifest(path: Path, section: dict) -> None:
-    """Add (or replace) the file's entry in testdata/manifest.json's `files` and the `position_goldens` section. The
+def update_manifest(path: Path, section: dict, key: str = "position_goldens") -> None:
+    """Add (or replace) the file's entry in testdata/manifest.json's `files` and the section `key` (`*_goldens`). The
     sections of the scripts that run after make_testdata.py (`*_goldens`) follow its keys, in sorted order, so the
     manifest does not depend on the order those scripts ran in."""
     manifest_path = mt.TESTDATA / "manifest.json"
@@ -80,7 +80,7 @@ def update_manifest(path: Path, section: dict) -> None:
     files.append({"path": rel, "bytes": path.stat().st_size, "sha256": mt.sha256(path)})
     manifest["files"] = sorted(files, key=lambda f: f["path"].split("/"))  # as sorted(Path.rglob)
     manifest["total_bytes"] = sum(f["bytes"] for f in manifest["files"])
-    manifest["position_goldens"] = section
+    manifest[key] = section
     later = sorted(k for k in manifest if k.endswith("_goldens"))
     manifest = {**{k: v for k, v in manifest.items() if k not in later}, **{k: manifest[k] for k in later}}
     mt.write_json(manifest_path, manifest)

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 mod common;
-use common::{Worst, run};
+use common::{Worst, ids_of, run};
 
 fn testdata() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../testdata")
@@ -47,28 +47,12 @@ fn reference_dump(
 
 #[test]
 fn decoder_graphs_match_the_reference() {
-    for name in [
-        "tiny",
-        "tiny-tied",
-        "tiny-full",
-        "tiny-h128",
-        "tiny-corr",
-        "tiny-decay",
-    ] {
+    for name in common::models() {
+        let name = name.as_str();
         let dir = testdata().join("models").join(name);
         let g = golden(name);
-        let ids: Vec<u32> = g["token_ids"]
-            .to_vec1::<i64>()
-            .unwrap()
-            .into_iter()
-            .map(|x| x as u32)
-            .collect();
-        let expected_tokens: Vec<u32> = g["generated"]
-            .to_vec1::<i64>()
-            .unwrap()
-            .into_iter()
-            .map(|x| x as u32)
-            .collect();
+        let ids: Vec<u32> = ids_of(&g["token_ids"]);
+        let expected_tokens: Vec<u32> = ids_of(&g["generated"]);
         let (reference, ref_tokens) = reference_dump(&dir, &ids, 16);
         assert_eq!(ref_tokens, expected_tokens);
         let config = Config::from_file(&dir.join("config.json")).unwrap();
@@ -199,12 +183,7 @@ fn quantized_graphs_equal_the_reference_on_the_same_weights() {
         let config = Config::from_file(&dir.join("config.json")).unwrap();
         let weights = WeightStore::open_with_format(&dir, DType::F32, format).unwrap();
         let model = Model::from_weights(config.clone(), &weights).unwrap();
-        let ids: Vec<u32> = golden(name)["token_ids"]
-            .to_vec1::<i64>()
-            .unwrap()
-            .into_iter()
-            .map(|x| x as u32)
-            .collect();
+        let ids: Vec<u32> = ids_of(&golden(name)["token_ids"]);
         let opts = RunOptions::default();
         let mut backend = ReferenceBackend::new(model, opts, true, &format.name()).unwrap();
         let reference = run(&mut backend, &ids, 8).unwrap();
@@ -265,19 +244,9 @@ fn quantized_graphs_equal_the_reference_on_the_same_weights() {
 fn a_thousand_token_prompt_at_the_default_context() {
     let dir = testdata().join("models/tiny");
     let g = golden("tiny.long");
-    let ids: Vec<u32> = g["token_ids"]
-        .to_vec1::<i64>()
-        .unwrap()
-        .into_iter()
-        .map(|x| x as u32)
-        .collect();
+    let ids: Vec<u32> = ids_of(&g["token_ids"]);
     assert_eq!(ids.len(), 1000);
-    let expected: Vec<u32> = g["generated"]
-        .to_vec1::<i64>()
-        .unwrap()
-        .into_iter()
-        .map(|x| x as u32)
-        .collect();
+    let expected: Vec<u32> = ids_of(&g["generated"]);
     let (reference, ref_tokens) = reference_dump(&dir, &ids, 16);
     assert_eq!(ref_tokens, expected, "the reference's greedy tokens");
     let config = Config::from_file(&dir.join("config.json")).unwrap();

@@ -11,9 +11,9 @@
 use candle_core::{DType, Tensor};
 use npu::devices::CompileOptions;
 use npu::graphs::{DeltaNetGraphForm, deltanet};
-use npu::infer::prepare;
+use npu::infer::{Executor, prepare};
 use npu::ir::{ElemType, Graph};
-use reference::compare::diff;
+use reference::compare::{Diff, diff};
 use reference::deltanet::{Inputs, Inverse, sequential};
 use reference::ops::l2_normalize;
 use reference::synthetic::Rng;
@@ -67,6 +67,34 @@ fn graph(form: DeltaNetGraphForm) -> Graph {
     g
 }
 
+/// Runs the block graph on the case drawn for `g_min` and `seed`; its output and state against the f64 recurrence.
+fn against_f64(exec: &mut dyn Executor, g_min: f64, seed: u64) -> [(&'static str, Diff); 2] {
+    let (x, s0) = case(g_min, seed);
+    let f64 = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
+    let x64 = Inputs {
+        q: f64(&x.q),
+        k: f64(&x.k),
+        v: f64(&x.v),
+        g: f64(&x.g),
+        beta: f64(&x.beta),
+    };
+    let (o_ref, s_ref) = sequential(&x64, &f64(&s0)).unwrap();
+    let out = exec
+        .run(&[
+            ("q", &x.q),
+            ("k", &x.k),
+            ("v", &x.v),
+            ("g", &x.g),
+            ("beta", &x.beta),
+            ("state", &s0),
+        ])
+        .unwrap();
+    [
+        ("o", diff(&f64(&out["o"]), &o_ref).unwrap()),
+        ("state", diff(&f64(&out["state_out"]), &s_ref).unwrap()),
+    ]
+}
+
 #[test]
 fn every_graph_form_keeps_f32_accuracy_at_strong_decays() {
     let forms = [
@@ -80,31 +108,7 @@ fn every_graph_form_keeps_f32_accuracy_at_strong_decays() {
         for device in ["CPU", "FP16SIM:store=f32,ftz=off"] {
             let mut exec = prepare(graph(form), device, &CompileOptions::default()).unwrap();
             for (n, g_min) in [-1.0, -20.0, -60.0].into_iter().enumerate() {
-                let (x, s0) = case(g_min, 40 + n as u64);
-                let f64 = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
-                let x64 = Inputs {
-                    q: f64(&x.q),
-                    k: f64(&x.k),
-                    v: f64(&x.v),
-                    g: f64(&x.g),
-                    beta: f64(&x.beta),
-                };
-                let (o_ref, s_ref) = sequential(&x64, &f64(&s0)).unwrap();
-                let out = exec
-                    .run(&[
-                        ("q", &x.q),
-                        ("k", &x.k),
-                        ("v", &x.v),
-                        ("g", &x.g),
-                        ("beta", &x.beta),
-                        ("state", &s0),
-                    ])
-                    .unwrap();
-                for (what, got, want) in [
-                    ("o", &out["o"], &o_ref),
-                    ("state", &out["state_out"], &s_ref),
-                ] {
-                    let d = diff(&f64(got), want).unwrap();
+                for (what, d) in against_f64(exec.as_mut(), g_min, 40 + n as u64) {
                     println!(
                         "{form:?} on {device}, g in [{g_min}, 0]: {what} {:.2e} of the max",
                         d.relative()
@@ -141,28 +145,8 @@ fn chunked_graphs_under_fp16_are_as_accurate_as_the_matrix_form_at_strong_decays
     ] {
         let mut exec = prepare(graph(form), FP16, &CompileOptions::default()).unwrap();
         for (n, g_min) in [-1.0, -20.0, -60.0].into_iter().enumerate() {
-            let (x, s0) = case(g_min, 80 + n as u64);
-            let f64 = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
-            let x64 = Inputs {
-                q: f64(&x.q),
-                k: f64(&x.k),
-                v: f64(&x.v),
-                g: f64(&x.g),
-                beta: f64(&x.beta),
-            };
-            let (o_ref, s_ref) = sequential(&x64, &f64(&s0)).unwrap();
-            let out = exec
-                .run(&[
-                    ("q", &x.q),
-                    ("k", &x.k),
-                    ("v", &x.v),
-                    ("g", &x.g),
-                    ("beta", &x.beta),
-                    ("state", &s0),
-                ])
-                .unwrap();
-            let o = diff(&f64(&out["o"]), &o_ref).unwrap().relative();
-            let s = diff(&f64(&out["state_out"]), &s_ref).unwrap().relative();
+            let [(_, o), (_, s)] = against_f64(exec.as_mut(), g_min, 80 + n as u64);
+            let (o, s) = (o.relative(), s.relative());
             println!("{form:?} under fp16, g in [{g_min}, 0]: o {o:.2e}, state {s:.2e} of the max");
             results.push((form, g_min, o, s));
         }

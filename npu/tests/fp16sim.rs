@@ -70,14 +70,8 @@ fn exact_fp16sim_agrees_with_openvino_on_every_layer_graph() {
         (16, DeltaNetGraphForm::Loop, 1.0),
     ];
     let mut overall = 0f64;
-    for name in [
-        "tiny",
-        "tiny-tied",
-        "tiny-full",
-        "tiny-h128",
-        "tiny-corr",
-        "tiny-decay",
-    ] {
+    for name in common::models() {
+        let name = name.as_str();
         let dir = model_dir(name);
         let (_, taps) = reference_taps(&dir);
         let config = Config::from_file(&dir.join("config.json")).unwrap();

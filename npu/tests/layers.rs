@@ -26,12 +26,7 @@ fn prompt(name: &str) -> Vec<u32> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join(format!("../testdata/goldens/{name}.safetensors"));
     let t = candle_core::safetensors::load(&path, &candle_core::Device::Cpu).unwrap();
-    t["token_ids"]
-        .to_vec1::<i64>()
-        .unwrap()
-        .into_iter()
-        .map(|x| x as u32)
-        .collect()
+    common::ids_of(&t["token_ids"])
 }
 
 /// The reference's taps and states after the prompt.
@@ -50,14 +45,8 @@ fn reference_run(
 
 #[test]
 fn layer_graphs_match_the_reference() {
-    for name in [
-        "tiny",
-        "tiny-tied",
-        "tiny-full",
-        "tiny-h128",
-        "tiny-corr",
-        "tiny-decay",
-    ] {
+    for name in common::models() {
+        let name = name.as_str();
         let dir = model_dir(name);
         let ids = prompt(name);
         let (taps, states) = reference_run(&dir, &ids);

@@ -10,7 +10,7 @@ use serde_json::Value;
 use std::path::Path;
 
 mod common;
-use common::{qwen35, stderr};
+use common::{dump, qwen35, stderr};
 
 /// Runs `qwen35 args --json DIR/NAME.json`: the exit code and the JSON.
 fn run(dir: &Path, name: &str, args: &[&str]) -> (Option<i32>, Value) {
@@ -248,23 +248,9 @@ fn diff_exits_1_on_dumps_that_differ_beyond_its_threshold() {
         tmp.path().join("ov.safetensors"),
     );
     let ids = "5,17,33,2,99,140,7,7,301,12,45,6";
-    for (out, extra) in [
-        (&a, vec![]),
-        (&b, vec!["--backend", "openvino", "--context", "64"]),
-    ] {
-        let mut args = vec![
-            "dump",
-            "--token-ids",
-            ids,
-            "--generate",
-            "3",
-            "--out",
-            out.to_str().unwrap(),
-        ];
-        args.extend(extra);
-        let o = qwen35(&args);
-        assert!(o.status.success(), "{}", stderr(&o));
-    }
+    dump(tmp.path(), "ref.safetensors", ids, 3, &[]);
+    let openvino = ["--backend", "openvino", "--context", "64"];
+    dump(tmp.path(), "ov.safetensors", ids, 3, &openvino);
     let (b_s, a_s) = (b.to_str().unwrap(), a.to_str().unwrap());
     let (code, v) = run(tmp.path(), "pass", &["diff", b_s, a_s]);
     assert_eq!(code, Some(0), "{:?}", device_failures(&v));

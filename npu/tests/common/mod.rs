@@ -8,6 +8,26 @@ use reference::config::Config;
 use reference::taps::names;
 use std::collections::BTreeMap;
 
+/// The testdata models, as `testdata/manifest.json` lists them (every one `scripts/make_testdata.py` made).
+pub fn models() -> Vec<String> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/manifest.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let manifest: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let models = manifest["models"]
+        .as_object()
+        .expect("manifest.json: no `models`");
+    models.keys().cloned().collect()
+}
+
+/// Token ids from an i64 tensor (a golden's `token_ids` or `generated`).
+pub fn ids_of(t: &Tensor) -> Vec<u32> {
+    t.to_vec1::<i64>()
+        .unwrap()
+        .into_iter()
+        .map(|x| x as u32)
+        .collect()
+}
+
 /// What a run of a prompt produced, under the dump's names.
 pub struct Run {
     /// Token-major taps over the prompt, the logits of every position included.

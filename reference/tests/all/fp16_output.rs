@@ -8,7 +8,8 @@
 //! The figures must agree with those `make_testdata.py` computed from the goldens and recorded in the manifest.
 
 use crate::common::testdata;
-use crate::goldens::{MODELS, load_golden};
+use crate::goldens::load_golden;
+use crate::manifest::models;
 use candle_core::{DType, Tensor};
 use reference::config::LayerKind;
 use reference::deltanet::{self, Inputs};
@@ -249,7 +250,8 @@ fn fmt(values: &[f64], f: impl Fn(f64) -> String) -> String {
 
 #[test]
 fn deltanet_output_against_fp16_range() {
-    for name in MODELS {
+    for name in models() {
+        let name = name.as_str();
         let figures = measure(name);
         let rms_m = manifest_rows(name, "core_output_rms", "rms");
         let normal_m = manifest_rows(name, "fp16_product_shares", "below_min_normal");

@@ -2,6 +2,7 @@
 //! tensor by tensor, plus fla's naive kernels on their own inputs.
 
 use crate::common::*;
+use crate::manifest::models;
 use candle_core::{DType, Device, Tensor};
 use reference::backend::{ReferenceBackend, greedy};
 use reference::compare::{Diff, SliceDiff, diff, diff_sliced};
@@ -12,15 +13,6 @@ use reference::taps::Taps;
 use reference::tokenizer::{ChatTokenizer, Message};
 use std::collections::HashMap;
 use std::path::Path;
-
-pub const MODELS: [&str; 6] = [
-    "tiny",
-    "tiny-tied",
-    "tiny-full",
-    "tiny-h128",
-    "tiny-corr",
-    "tiny-decay",
-];
 
 /// Our f32 run against transformers' f32 run: every other tensor within 1e-4 of its (or its head's) max magnitude,
 /// logits within 1e-3 absolute. Measured over the six models and the forms below and the long prompt: at most 1.2e-5
@@ -193,7 +185,8 @@ pub fn compare_all(
 
 #[test]
 fn f32_run_matches_transformers() {
-    for name in MODELS {
+    for name in models() {
+        let name = name.as_str();
         let dir = testdata().join("models").join(name);
         let golden = load_golden(&testdata().join(format!("goldens/{name}.safetensors")));
         let ids = check_prompt(&dir, &golden);
@@ -266,7 +259,8 @@ const F32_ERROR_FACTOR: f64 = 1.5;
 
 #[test]
 fn f64_run_matches_transformers_float64() {
-    for name in MODELS {
+    for name in models() {
+        let name = name.as_str();
         let dir = testdata().join("models").join(name);
         let golden = load_golden(&testdata().join(format!("goldens/{name}.f64.safetensors")));
         let golden32 = load_golden(&testdata().join(format!("goldens/{name}.safetensors")));

@@ -126,7 +126,14 @@ fn mismatches(repo: &Path, files: &[serde_json::Value]) -> Vec<String> {
     out
 }
 
-fn manifest() -> serde_json::Value {
+/// The testdata models, as the manifest lists them (every one `scripts/make_testdata.py` made, with its goldens).
+pub fn models() -> Vec<String> {
+    let m = manifest();
+    let models = m["models"].as_object().expect("manifest.json: no `models`");
+    models.keys().cloned().collect()
+}
+
+pub fn manifest() -> serde_json::Value {
     let text = std::fs::read_to_string(testdata().join("manifest.json")).unwrap();
     serde_json::from_str(&text).unwrap()
 }
