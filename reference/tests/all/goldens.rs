@@ -18,8 +18,8 @@ use std::path::Path;
 /// logits within 1e-3 absolute. Measured over the six models and the forms below and the long prompt: at most 1.2e-5
 /// (a conv state channel), logits at most 1.7e-4 absolute (both runs' f32 rounding: transformers' own logits are up
 /// to 1.25e-4 from its float64 run); the tolerances are 8 and 6 times those.
-pub const LAYER_RTOL: f64 = 1e-4;
-pub const LOGITS_ATOL: f64 = 1e-3;
+const LAYER_RTOL: f64 = 1e-4;
+const LOGITS_ATOL: f64 = 1e-3;
 
 pub struct Golden {
     pub tensors: HashMap<String, Tensor>,
@@ -66,7 +66,7 @@ fn check_prompt(model_dir: &Path, g: &Golden) -> Vec<u32> {
 }
 
 /// The run's view of every golden tensor name: taps, then states after the prompt.
-pub fn run_prompt(
+fn run_prompt(
     model: &Model,
     ids: &[u32],
     opts: &RunOptions,
@@ -80,7 +80,7 @@ pub fn run_prompt(
 }
 
 /// The worst comparison of one tensor family (`layers.{i}.` dropped from the name).
-pub struct Worst {
+struct Worst {
     family: String,
     /// The tensor holding the worst figure.
     tensor: String,
@@ -97,7 +97,7 @@ impl Worst {
             .map_or(self.whole.relative(), |s| s.relative())
     }
 
-    pub fn print(&self) {
+    fn print(&self) {
         match &self.sliced {
             Some(s) => println!(
                 "  {:<36} per {} {:.2e} of its max ({} {} {}); whole {:.2e} of max",
@@ -122,7 +122,7 @@ impl Worst {
 /// Compares every golden tensor (but ids) with the run: logits within `logits_atol` absolute, every other tensor
 /// within `rtol` of its max and, for tensors with heads, every head (or row) within `rtol` of that head's own max.
 /// Returns the worst figures per tensor family.
-pub fn compare_all(
+fn compare_all(
     label: &str,
     golden: &Golden,
     run: &HashMap<String, Tensor>,
@@ -183,6 +183,27 @@ pub fn compare_all(
     worst
 }
 
+/// Runs `ids` with `opts` and holds every golden tensor to the f32 tolerances and the greedy tokens to the golden's.
+pub fn f32_run_matches(
+    label: &str,
+    model: &Model,
+    ids: &[u32],
+    opts: &RunOptions,
+    golden: &Golden,
+) {
+    let (run, generated) = run_prompt(model, ids, opts);
+    let worst = compare_all(label, golden, &run, model.config(), LOGITS_ATOL, LAYER_RTOL);
+    assert_eq!(
+        generated,
+        ids_of(&golden.tensors["generated"]),
+        "{label}: greedy tokens differ"
+    );
+    println!("{label}: 16 greedy tokens identical");
+    for w in worst {
+        w.print();
+    }
+}
+
 #[test]
 fn f32_run_matches_transformers() {
     for name in models() {
@@ -225,24 +246,7 @@ fn f32_run_matches_transformers() {
                 opts.prefill_block,
                 opts.output_scale
             );
-            let (run, generated) = run_prompt(&model, &ids, &opts);
-            let worst = compare_all(
-                &label,
-                &golden,
-                &run,
-                model.config(),
-                LOGITS_ATOL,
-                LAYER_RTOL,
-            );
-            assert_eq!(
-                generated,
-                ids_of(&golden.tensors["generated"]),
-                "{label}: greedy tokens differ"
-            );
-            println!("{label}: 16 greedy tokens identical");
-            for w in worst {
-                w.print();
-            }
+            f32_run_matches(&label, &model, &ids, &opts, &golden);
         }
     }
 }

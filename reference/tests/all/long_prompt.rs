@@ -5,7 +5,7 @@
 //! and the same 16 greedy tokens.
 
 use crate::common::testdata;
-use crate::goldens::{LAYER_RTOL, LOGITS_ATOL, compare_all, ids_of, load_golden, run_prompt};
+use crate::goldens::{f32_run_matches, ids_of, load_golden};
 use candle_core::DType;
 use reference::deltanet::{Form, Inverse};
 use reference::model::{Model, RunOptions};
@@ -42,23 +42,6 @@ fn a_thousand_token_prompt_matches_transformers() {
             opts.prefill.describe(),
             opts.prefill_block
         );
-        let (run, generated) = run_prompt(&model, &ids, &opts);
-        let worst = compare_all(
-            &label,
-            &golden,
-            &run,
-            model.config(),
-            LOGITS_ATOL,
-            LAYER_RTOL,
-        );
-        assert_eq!(
-            generated,
-            ids_of(&golden.tensors["generated"]),
-            "{label}: greedy tokens differ"
-        );
-        println!("{label}: 16 greedy tokens identical");
-        for w in worst {
-            w.print();
-        }
+        f32_run_matches(&label, &model, &ids, &opts, &golden);
     }
 }
