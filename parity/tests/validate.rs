@@ -275,21 +275,7 @@ fn injected_faults_fail_the_checks_that_look_for_them() {
     );
     assert_eq!(check(&v, "over-long")["passed"], true);
 
-    // A device that cannot go back to a snapshot.
-    let (code, v) = validate(tmp.path(), "restore", &with("ignore-restore"));
-    assert_eq!(code, Some(1));
-    let f = failed(&v);
-    assert!(f.contains(&"prefix-reuse".to_string()), "{f:?}");
-    assert!(
-        check(&v, "prefix-reuse")["failures"][0]
-            .as_str()
-            .unwrap()
-            .contains("position")
-    );
-    // Nothing else restores a state: compare, blocks, padding and back-to-back still pass.
-    for id in ["compare", "blocks", "padding", "back-to-back", "length"] {
-        assert_eq!(check(&v, id)["passed"], true, "{}", check(&v, id));
-    }
+    // A device that cannot go back to a snapshot: `validate/faults.rs`.
 
     // A device whose logits turn NaN from position 40 on: a finding of the checks that reach it (never a panic
     // or a pass), named as non-finite, its undefined measures `null` in the JSON.

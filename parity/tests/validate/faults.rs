@@ -7,14 +7,20 @@ use std::path::Path;
 
 /// Validates the small set with `fault`: exit 1, the check `id` failed, every other one passed. Returns the report.
 fn only_fails(dir: &Path, name: &str, fault: &str, id: &str) -> Value {
+    fails_exactly(dir, name, fault, &[id])
+}
+
+/// Validates the small set with `fault`: exit 1, exactly the checks `ids` failed (in report order), every other one
+/// passed. Returns the report.
+fn fails_exactly(dir: &Path, name: &str, fault: &str, ids: &[&str]) -> Value {
     let mut args = small(dir);
     args.extend(["--inject-fault".to_string(), fault.to_string()]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let (code, v) = validate(dir, name, &args);
     assert_eq!(v["inputs"]["fault"], fault);
-    assert_eq!(failed(&v), [id], "{fault}: {}", check(&v, id));
+    assert_eq!(failed(&v), ids, "{fault}");
     assert_eq!(code, Some(1), "{fault}");
-    for other in CHECKS.iter().filter(|&&c| c != id) {
+    for other in CHECKS.iter().filter(|c| !ids.contains(c)) {
         let c = check(&v, other);
         assert_eq!(c["passed"], true, "{fault}: {c}");
     }
@@ -129,4 +135,19 @@ fn a_device_that_cuts_an_over_long_prompt_fails_the_over_long_check_alone() {
         "{f}"
     );
     assert!(check(&v, "over-long")["details"]["device_error"].is_null());
+}
+
+/// A restore that does nothing fails the two checks that go back to a snapshot, the follow-up turn and the lookup's
+/// verify blocks (which restore after a rejected draft), and no other. (A state kept between sequences,
+/// `leak-state`, is no such fault: every check that runs one sequence after another sees it, `validate.rs`.)
+#[test]
+fn a_restore_that_does_nothing_fails_the_checks_that_restore_and_no_other() {
+    let tmp = tempfile::tempdir().unwrap();
+    let v = fails_exactly(
+        tmp.path(),
+        "restore",
+        "ignore-restore",
+        &["prefix-reuse", "prompt-lookup"],
+    );
+    assert!(failures(&v, "prefix-reuse").contains("position"));
 }
