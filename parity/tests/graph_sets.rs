@@ -87,12 +87,21 @@ fn every_set_agrees_with_the_reference_state_by_state() {
         assert_eq!(code, Some(0), "{name}: {}", v["devices"][0]["failures"]);
         let d = &v["devices"][0];
         assert_eq!(d["greedy_matched"], d["greedy_total"], "{name}");
-        assert!(d["logits"]["nmse"].as_f64().unwrap() < 1e-10, "{name}");
+        let nmse = d["logits"]["nmse"].as_f64().unwrap();
+        println!("{name}: logits NMSE {nmse:.2e}");
+        // Measured 1.1e-12 (this project's sets) and 1.6e-12 (optimum's export and the sets made from it).
+        assert!(nmse < 1e-11, "{name}: logits NMSE {nmse:.2e}");
         // Every layer's states, the KV cache over its valid rows: 3 DeltaNet layers × 2 + 1 attention layer × 2.
         let states = d["states"].as_array().unwrap();
         assert_eq!(states.len(), 8, "{name}: {states:?}");
         for s in states {
-            assert!(s["error"]["nrmse"].as_f64().unwrap() < 1e-5, "{name}: {s}");
+            println!(
+                "{name}: {} NRMSE {:.2e}",
+                s["name"],
+                s["error"]["nrmse"].as_f64().unwrap()
+            );
+            // Measured at most 1.6e-7 (the attention layer's value cache).
+            assert!(s["error"]["nrmse"].as_f64().unwrap() < 1e-6, "{name}: {s}");
         }
         assert_eq!(
             d["layers"].as_array().unwrap().is_empty(),
