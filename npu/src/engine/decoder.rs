@@ -5,14 +5,13 @@
 
 use super::HostLayerState;
 use super::record::{record_of, set_record};
-use crate::devices::{CompileOptions, ExecInfo, IrPorts, compile_ir, read_ports};
+use crate::devices::{CompileOptions, ExecInfo, compile_ir, read_ports};
 use crate::error::{Error, Result};
 use crate::graphs::Builder;
 use crate::graphset::check::{Resolved, Subject, resolve};
 use crate::graphset::layout::{self, Call};
 use crate::graphset::{GraphSet, InputRole, Interface, LogitRows, PromptRule, own};
-use crate::infer::{Executor, Session, prepare};
-use crate::ir::SharedBin;
+use crate::infer::{Executor, Session};
 use candle_core::{DType, Device, Tensor};
 use reference::backend::{Backend, Forward, RunRecord, Snapshot};
 use reference::config::Config;
@@ -27,11 +26,11 @@ pub const STATE_NOT_EXPOSED: &str = "not exposed: a stateful IR keeps its caches
      cannot read them; a stateless form (explicit state ports) exposes them";
 
 /// One graph of the set, ready to run.
-struct SetGraph {
+pub(super) struct SetGraph {
     /// Tokens per call (`None`: any).
-    tokens: Option<usize>,
-    exec: Box<dyn Executor>,
-    ports: Resolved,
+    pub(super) tokens: Option<usize>,
+    pub(super) exec: Box<dyn Executor>,
+    pub(super) ports: Resolved,
 }
 
 /// The decoder graphs of a set compiled on a device.
@@ -67,60 +66,18 @@ impl DecoderEngine {
         let config = builder.config().clone();
         let interface = own::decoder(&config, builder.options().taps);
         let context = builder.options().context;
-        // On an OpenVINO device both graphs stream their constants to one `.bin` and point into it: the weights are
-        // compressed and written once, never held in memory, and while each graph compiles the file's pages (which
-        // the CPU plugin reads once, copying the weights into its own layout) are handed back every 250 ms
-        // (`crate::pages`). FP16SIM evaluates graphs held in memory.
-        let shared = if crate::sim::NumericModel::is_sim(device) {
-            None
-        } else {
-            let scratch = crate::devices::ScratchDir::new()?;
-            let bin = SharedBin::create(&scratch.0.join("weights.bin"))?;
-            Some((scratch, bin))
-        };
         let mut sizes = vec![1];
         if block > 1 {
             sizes.push(block);
         }
-        let mut graphs = Vec::new();
-        for &tokens in &sizes {
-            let bin = shared.as_ref().map(|(_, bin)| bin);
-            let graph = builder.decoder_graph_on(tokens, bin)?;
-            let name = graph.name().to_string();
-            let ports = resolve(
-                &Subject {
-                    source: "this project's decoder graphs",
-                    part: "decoder",
-                    file: &name,
-                    tokens: Some(tokens),
-                    layer: None,
-                    context: Some(context),
-                },
-                &config,
-                &interface,
-                &IrPorts::of_graph(&graph),
-            )?;
-            let releaser = match bin {
-                Some(bin) => Some(crate::pages::Releaser::start(
-                    vec![bin.path()?],
-                    std::time::Duration::from_millis(250),
-                )),
-                None => None,
-            };
-            let exec = prepare(graph, device, opts)?;
-            drop(releaser);
-            graphs.push(SetGraph {
-                tokens: Some(tokens),
-                exec,
-                ports,
-            });
-        }
-        drop(shared);
+        let (mut graphs, ir_reused) =
+            super::own::decoder_graphs(builder, &sizes, device, opts, &config, &interface)?;
         // The prompt-block graph first, as the record describes it.
         graphs.reverse();
         let infos: Vec<&ExecInfo> = graphs.iter().map(|g| g.exec.info()).collect();
         let record = RunRecord {
             compile_seconds: Some(start.elapsed().as_secs_f64()),
+            ir_reused,
             ..record_of(&infos, builder, block, opts)?
         };
         Self::assemble(

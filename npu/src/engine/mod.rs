@@ -5,7 +5,9 @@
 
 mod chain;
 mod decoder;
+mod ir_cache;
 mod layer;
+mod own;
 mod record;
 mod state;
 

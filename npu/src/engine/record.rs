@@ -48,6 +48,7 @@ pub(crate) fn set_record(
             .iter()
             .filter_map(|i| Some((i.graph.clone(), i.loaded_from_cache?)))
             .collect(),
+        ir_reused: None,
     })
 }
 
@@ -108,5 +109,6 @@ pub fn record_of(
             .iter()
             .filter_map(|i| Some((i.graph.clone(), i.loaded_from_cache?)))
             .collect(),
+        ir_reused: None,
     })
 }

@@ -181,6 +181,11 @@ impl<'a> Builder<'a> {
         self.weights.format()
     }
 
+    /// The checkpoint's files the weights are read from.
+    pub fn weight_paths(&self) -> Vec<&std::path::Path> {
+        self.weights.paths()
+    }
+
     /// The tap recorder of this builder's graphs.
     fn taps(&self) -> GraphTaps {
         GraphTaps {

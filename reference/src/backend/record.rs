@@ -104,6 +104,9 @@ pub struct RunRecord {
     /// Per compiled graph (by name), whether it was loaded from the model cache (graphs whose device does not say
     /// are absent).
     pub from_cache: BTreeMap<String, bool>,
+    /// Whether the device's IR (the graphs and their `.bin`) was read back from the on-disk IR cache beside the
+    /// model cache (`Some(true)`), or built and stored there (`Some(false)`); `None`: no cache, built afresh.
+    pub ir_reused: Option<bool>,
 }
 
 impl RunRecord {
@@ -114,12 +117,17 @@ impl RunRecord {
             Some(dir) => {
                 let hits = self.from_cache.values().filter(|&&h| h).count();
                 format!(
-                    "{dir}: {hits} of {} graphs loaded from the cache{}",
+                    "{dir}: {hits} of {} graphs loaded from the cache{}{}",
                     self.from_cache.len(),
                     if hits == 0 && !self.from_cache.is_empty() {
                         " (compiled and stored)"
                     } else {
                         ""
+                    },
+                    match self.ir_reused {
+                        Some(true) => "; IR read back from the cache",
+                        Some(false) => "; IR built and stored",
+                        None => "",
                     }
                 )
             }
@@ -196,6 +204,9 @@ impl RunRecord {
         for (graph, hit) in &self.from_cache {
             put(&format!("from_cache.{graph}"), hit.to_string());
         }
+        if let Some(r) = self.ir_reused {
+            put("ir_reused", r.to_string());
+        }
         for (k, v) in &self.properties {
             put(&format!("property.{k}"), v.clone());
         }
@@ -261,6 +272,7 @@ impl RunRecord {
             compile_seconds: parsed(m, "compile_seconds")?,
             cache_dir: get("cache_dir"),
             from_cache,
+            ir_reused: parsed(m, "ir_reused")?,
         })
     }
 }

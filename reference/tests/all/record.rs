@@ -33,6 +33,7 @@ fn device_record() -> RunRecord {
             ("decoder_t1".to_string(), true),
             ("decoder_t64".to_string(), false),
         ]),
+        ir_reused: Some(true),
     }
 }
 
