@@ -38,17 +38,14 @@ stored in fp16 (no flush) and the f32 initial state, for measuring each setting'
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import platform
-from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import load_file, save_file
+from testdata_files import REPO, TESTDATA, add_golden, canonicalize_safetensors_header, sha256
 
-REPO = Path(__file__).resolve().parent.parent
-TESTDATA = REPO / "testdata"
 OUT = TESTDATA / "goldens" / "fp16sim.safetensors"
 SEED = 1616
 MAX_BYTES = 200_000
@@ -263,43 +260,6 @@ def rel_err(y: np.ndarray, truth: np.ndarray, rows=None) -> float:
     return float(np.max(np.abs(y.astype(np.float64) - truth)) / np.max(np.abs(truth)))
 
 
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def sort_header_metadata(path: Path) -> None:
-    """Rewrite the safetensors header with `__metadata__` first and its keys sorted (safetensors writes them in hash
-    order), so that reruns give byte-identical files; the data is untouched."""
-    raw = path.read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8 : 8 + n])
-    meta = header.pop("__metadata__", {})
-    header = {"__metadata__": dict(sorted(meta.items())), **header}
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    text += b" " * (-len(text) % 8)
-    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :])
-
-
-def update_manifest(section: dict, path: Path) -> None:
-    """Add (or replace) the file's entry in testdata/manifest.json's `files` and the `fp16sim_goldens` section (in
-    sorted place among the `*_goldens` sections; every other key keeps its place)."""
-    manifest_path = TESTDATA / "manifest.json"
-    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    rel = path.relative_to(REPO).as_posix()
-    files = [f for f in manifest["files"] if f["path"] != rel]
-    files.append({"path": rel, "bytes": path.stat().st_size, "sha256": sha256(path)})
-    manifest["files"] = sorted(files, key=lambda f: f["path"].split("/"))
-    manifest["total_bytes"] = sum(f["bytes"] for f in manifest["files"])
-    key = "fp16sim_goldens"
-    if key not in manifest:  # before the first `*_goldens` section that sorts after it, the others left in place
-        after = [k for k in manifest if k.endswith("_goldens") and k > key]
-        items = list(manifest.items())
-        at = next((i for i, (k, _) in enumerate(items) if after and k == after[0]), len(items))
-        manifest = dict(items[:at] + [(key, None)] + items[at:])
-    manifest[key] = section
-    manifest_path.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
 def main() -> None:
     rng = np.random.default_rng(SEED)
     x = inputs(rng)
@@ -362,19 +322,19 @@ def main() -> None:
     }
     OUT.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(OUT), metadata=metadata)
-    sort_header_metadata(OUT)
+    canonicalize_safetensors_header(OUT)
     back = load_file(str(OUT))
     assert back.keys() == tensors.keys() and all(np.array_equal(back[k], tensors[k]) for k in tensors)
     size = OUT.stat().st_size
     assert size < MAX_BYTES, f"{OUT} is {size} bytes"
-    update_manifest({
+    add_golden(OUT, "fp16sim_goldens", {
         "generator": "scripts/make_fp16sim_goldens.py",
         "requirements": "scripts/requirements-fp16sim.txt",
         "versions": versions,
         "seed": SEED,
         "settings": settings,
         "errors_vs_f64": errors,
-    }, OUT)
+    })
     print(f"wrote {OUT.relative_to(REPO)} ({size} bytes, sha256 {sha256(OUT)})")
     for name, e in errors.items():
         print(f"  {name:10s} " + "  ".join(f"{k} {v:.2e}" for k, v in e.items()))

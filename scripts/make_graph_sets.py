@@ -55,6 +55,7 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 from openvino._offline_transformations import stateful_to_stateless_transformation
+from testdata_files import sha256
 
 REPO = Path(__file__).resolve().parent.parent
 TESTDATA = REPO / "testdata"
@@ -77,10 +78,6 @@ CPU = {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"
 def run(cmd: list[str]) -> None:
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=REPO)
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 # --- the stateless graph and its variants ---------------------------------------------------------------------

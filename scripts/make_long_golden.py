@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_testdata as mt  # noqa: E402  (hides fla before transformers is imported)
-from make_position_goldens import update_manifest  # noqa: E402
+from testdata_files import add_golden  # noqa: E402
 
 import json  # noqa: E402
 import platform  # noqa: E402
@@ -118,7 +118,7 @@ def main() -> None:
     mt.save_file(tensors, out, metadata={"model": "tiny", "producer": "scripts/make_long_golden.py",
                                          "tokens": str(T)})
     mt.canonicalize_safetensors_header(out)
-    update_manifest(out, key="long_goldens", section={
+    add_golden(out, "long_goldens", {
         "generator": "scripts/make_long_golden.py",
         "requirements": "scripts/requirements.txt",
         "versions": {

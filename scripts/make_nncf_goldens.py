@@ -30,24 +30,21 @@ different kinds (see ROW_KINDS). Deterministic: fixed seed, safetensors header w
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import os
 import platform
 import sys
-from pathlib import Path
 
 import numpy as np
 import openvino as ov
 import openvino.opset15 as ops
 from safetensors.numpy import load_file, save_file
+from testdata_files import REPO, TESTDATA, add_golden, canonicalize_safetensors_header, sha256
 
 import nncf
 from nncf.quantization.algorithms.weight_compression.constants import MIN_INPUT_SIZE_FOR_OPTIMIZED_COMPRESSION
 
-REPO = Path(__file__).resolve().parent.parent
-TESTDATA = REPO / "testdata"
 OUT = TESTDATA / "goldens" / "nncf.safetensors"
 CHECKPOINT = TESTDATA / "models" / "tiny-full"
 PREFIX = "model.language_model."
@@ -302,40 +299,6 @@ def compress(build, kwargs: dict, names: list[str]) -> dict[str, dict]:
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def sort_header_metadata(path: Path) -> None:
-    """safetensors writes `__metadata__` from a hash map; rewrite the header with its keys sorted so that reruns
-    give byte-identical files (offsets and data untouched)."""
-    raw = path.read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8 : 8 + n])
-    meta = header.pop("__metadata__", {})
-    header = {"__metadata__": dict(sorted(meta.items())), **header}
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    text += b" " * (-len(text) % 8)
-    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :])
-
-
-def update_manifest(section_key: str, section: dict, path: Path) -> None:
-    """Add (or replace) the file's entry in testdata/manifest.json's `files` and this script's section. The sections
-    of the scripts that run after make_testdata.py (`*_goldens`) follow its keys, in sorted order, so the manifest
-    does not depend on the order those scripts ran in."""
-    manifest_path = TESTDATA / "manifest.json"
-    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    rel = path.relative_to(REPO).as_posix()
-    files = [f for f in manifest["files"] if f["path"] != rel]
-    files.append({"path": rel, "bytes": path.stat().st_size, "sha256": sha256(path)})
-    manifest["files"] = sorted(files, key=lambda f: f["path"].split("/"))  # as sorted(Path.rglob)
-    manifest["total_bytes"] = sum(f["bytes"] for f in manifest["files"])
-    manifest[section_key] = section
-    later = sorted(k for k in manifest if k.endswith("_goldens"))
-    manifest = {**{k: v for k, v in manifest.items() if k not in later}, **{k: manifest[k] for k in later}}
-    manifest_path.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
 def main() -> None:
     rng = np.random.default_rng(SEED)
     real_names = {
@@ -436,13 +399,13 @@ def main() -> None:
     }
     OUT.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(OUT), metadata=metadata)
-    sort_header_metadata(OUT)
+    canonicalize_safetensors_header(OUT)
     back = load_file(str(OUT))
     assert back.keys() == tensors.keys() and all(np.array_equal(back[k], tensors[k]) for k in tensors)
     size = OUT.stat().st_size
     assert size < MAX_BYTES, f"{OUT} is {size} bytes"
 
-    update_manifest("nncf_goldens", {
+    add_golden(OUT, "nncf_goldens", {
         "generator": "scripts/make_nncf_goldens.py",
         "requirements": "scripts/requirements-nncf.txt",
         "versions": versions,
@@ -453,7 +416,7 @@ def main() -> None:
         "case_names": metadata["case_names"],
         "cases": {c["case"]: {k: v for k, v in c.items() if k not in ("case", "source")} for c in cases},
         "paths_agree": "NNCF's OpenVINO-graph and numpy implementations gave identical codes and scales",
-    }, OUT)
+    })
     counts = {k: sum(c["kind"] == k for c in cases) for k in ("int4_sym", "int8_sym")}
     print(f"wrote {OUT.relative_to(REPO)} ({size} bytes, sha256 {sha256(OUT)}): {len(cases)} cases {counts}",
           file=sys.stderr)

@@ -29,7 +29,6 @@ files and an `optimum_exports` section.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import platform
@@ -39,6 +38,7 @@ import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
+from testdata_files import sha256
 
 REPO = Path(__file__).resolve().parent.parent
 TESTDATA = REPO / "testdata"
@@ -93,10 +93,6 @@ OV_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "DY
 
 def log(msg: str) -> None:
     print(f"[make_optimum_export] {msg}", flush=True)
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def versions() -> dict:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_testdata as mt  # noqa: E402  (hides fla before transformers is imported)
+from testdata_files import add_golden  # noqa: E402
 
-import json  # noqa: E402
 import platform  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -69,23 +69,6 @@ def run(model, config, ids: torch.Tensor, pos: torch.Tensor) -> dict:
     return keep
 
 
-def update_manifest(path: Path, section: dict, key: str = "position_goldens") -> None:
-    """Add (or replace) the file's entry in testdata/manifest.json's `files` and the section `key` (`*_goldens`). The
-    sections of the scripts that run after make_testdata.py (`*_goldens`) follow its keys, in sorted order, so the
-    manifest does not depend on the order those scripts ran in."""
-    manifest_path = mt.TESTDATA / "manifest.json"
-    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    rel = mt.rel(path)
-    files = [f for f in manifest["files"] if f["path"] != rel]
-    files.append({"path": rel, "bytes": path.stat().st_size, "sha256": mt.sha256(path)})
-    manifest["files"] = sorted(files, key=lambda f: f["path"].split("/"))  # as sorted(Path.rglob)
-    manifest["total_bytes"] = sum(f["bytes"] for f in manifest["files"])
-    manifest[key] = section
-    later = sorted(k for k in manifest if k.endswith("_goldens"))
-    manifest = {**{k: v for k, v in manifest.items() if k not in later}, **{k: manifest[k] for k in later}}
-    mt.write_json(manifest_path, manifest)
-
-
 def main() -> None:
     mt.set_determinism()
     root = Path(__file__).resolve().parent.parent
@@ -102,7 +85,7 @@ def main() -> None:
     mt.save_file(tensors, out, metadata={"model": "tiny", "producer": "scripts/make_position_goldens.py",
                                          "cases": "offset, image", "tokens": str(T)})
     mt.canonicalize_safetensors_header(out)
-    update_manifest(out, {
+    add_golden(out, "position_goldens", {
         "generator": "scripts/make_position_goldens.py",
         "requirements": "scripts/requirements.txt",
         "versions": {

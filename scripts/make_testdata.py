@@ -57,7 +57,6 @@ def _hide_blocked_modules() -> None:
 _hide_blocked_modules()
 
 import contextlib  # noqa: E402
-import hashlib  # noqa: E402
 import importlib.metadata  # noqa: E402
 import importlib.util  # noqa: E402
 import inspect  # noqa: E402
@@ -70,6 +69,8 @@ import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import types  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+from testdata_files import canonicalize_safetensors_header, rel, sha256, write_json  # noqa: E402
 
 import numpy as np  # noqa: E402
 import safetensors  # noqa: E402
@@ -523,37 +524,6 @@ FP16_MIN_SUBNORMAL = 2.0**-24
 
 def log(msg: str = "") -> None:
     print(msg, flush=True)
-
-
-def rel(path: Path) -> str:
-    return path.resolve().relative_to(REPO).as_posix()
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def canonicalize_safetensors_header(path: Path) -> None:
-    """safetensors serialises `__metadata__` from a hash map, so with more than one key the header's byte order
-    changes from run to run. Rewrite the header with the metadata keys sorted (tensor entries, offsets and data are
-    left exactly as written), so that regenerating gives byte-identical files."""
-    raw = path.read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8 : 8 + n])
-    if "__metadata__" in header:
-        header = {"__metadata__": dict(sorted(header["__metadata__"].items())),
-                  **{k: v for k, v in header.items() if k != "__metadata__"}}
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    text += b" " * (-len(text) % 8)
-    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :])
 
 
 def dist_version(name: str) -> str:
