@@ -71,7 +71,7 @@ impl DecoderEngine {
             sizes.push(block);
         }
         let (mut graphs, ir_reused) =
-            super::own::decoder_graphs(builder, &sizes, device, opts, &config, &interface)?;
+            super::own::decoder_graphs(builder, &sizes, device, opts, &interface)?;
         // The prompt-block graph first, as the record describes it.
         graphs.reverse();
         let infos: Vec<&ExecInfo> = graphs.iter().map(|g| g.exec.info()).collect();

@@ -77,23 +77,30 @@ pub(super) fn decoder_ir(
     ));
     let _ = std::fs::remove_dir_all(&staging);
     std::fs::create_dir_all(&staging).map_err(|e| Error::io(&staging, e))?;
-    let stored = build(builder, sizes, &staging).and_then(|_| {
+    let stored = build(builder, sizes, &staging).and_then(|graphs| {
         let id = staging.join("identity");
         std::fs::write(&id, &identity).map_err(|e| Error::io(&id, e))?;
         let _ = std::fs::remove_dir_all(&entry);
-        std::fs::rename(&staging, &entry).map_err(|e| Error::io(&entry, e))
+        std::fs::rename(&staging, &entry).map_err(|e| Error::io(&entry, e))?;
+        Ok(graphs)
     });
-    if let Err(e) = stored {
-        let _ = std::fs::remove_dir_all(&staging);
-        return Err(e);
-    }
+    let graphs = match stored {
+        Ok(graphs) => graphs,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&staging);
+            return Err(e);
+        }
+    };
     prune(&root, &entry);
-    let graphs = read_back(&entry, &identity, sizes)?.ok_or_else(|| {
-        Error::Interface(format!(
-            "{}: the IR just stored does not read back",
-            entry.display()
-        ))
-    })?;
+    // The files now lie in the entry, under the names they were written with.
+    let graphs = graphs
+        .into_iter()
+        .map(|g| IrFile {
+            xml: entry.join(g.xml.file_name().unwrap_or_default()),
+            bin: entry.join(g.bin.file_name().unwrap_or_default()),
+            ..g
+        })
+        .collect();
     Ok(DecoderIr {
         graphs,
         reused: Some(false),

@@ -8,7 +8,6 @@ use crate::graphs::Builder;
 use crate::graphset::Interface;
 use crate::graphset::check::{Subject, resolve};
 use crate::infer::{Session, prepare};
-use reference::config::Config;
 
 /// The decoder graphs for calls of `sizes` tokens on `device`, each checked against `interface` before it is
 /// compiled; and whether their IR was read back from the IR cache (`None`: no cache, or FP16SIM).
@@ -17,10 +16,9 @@ pub(super) fn decoder_graphs(
     sizes: &[usize],
     device: &str,
     opts: &CompileOptions,
-    config: &Config,
     interface: &Interface,
 ) -> Result<(Vec<SetGraph>, Option<bool>)> {
-    let context = builder.options().context;
+    let (config, context) = (builder.config(), builder.options().context);
     let mut graphs = Vec::new();
     let mut ir_reused = None;
     if crate::sim::NumericModel::is_sim(device) {

@@ -32,8 +32,7 @@ fn manifest_lists_every_testdata_file_with_its_size() {
     walk(&root, &repo, &mut on_disk);
     on_disk.remove("testdata/manifest.json");
 
-    let text = std::fs::read_to_string(root.join("manifest.json")).unwrap();
-    let manifest: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let manifest = manifest();
     let mut listed = BTreeMap::new();
     for f in manifest["files"].as_array().unwrap() {
         let path = f["path"].as_str().unwrap().to_string();
