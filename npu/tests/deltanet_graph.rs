@@ -15,8 +15,7 @@ use npu::infer::{Executor, prepare};
 use npu::ir::{ElemType, Graph};
 use reference::compare::{Diff, diff};
 use reference::deltanet::{Inputs, Inverse, sequential};
-use reference::ops::l2_normalize;
-use reference::synthetic::Rng;
+use reference::synthetic::delta_rule_inputs;
 
 const H: usize = 2;
 const T: usize = 64;
@@ -31,23 +30,10 @@ const FP16_FACTOR: f64 = 2.0;
 /// 2^-14, SPEC "fp16 precision of the DeltaNet output") and hide what the decays cost.
 const FP16: &str = "FP16SIM:ftz=off";
 
-/// Inputs as the layer makes them (l2-normalised q and k, q scaled by Dk^-0.5), decays uniform in `[g_min, 0]`,
-/// a non-zero incoming state; f32.
+/// Inputs as the layer makes them, decays uniform in `[g_min, 0]`, a non-zero incoming state; f32
+/// (`reference::synthetic::delta_rule_inputs`).
 fn case(g_min: f64, seed: u64) -> (Inputs, Tensor) {
-    let mut rng = Rng::new(seed);
-    let f32 = |t: Tensor| t.to_dtype(DType::F32).unwrap();
-    let q = rng.normal_tensor(&[H, T, DK], 1.0, DType::F64).unwrap();
-    let k = rng.normal_tensor(&[H, T, DK], 1.0, DType::F64).unwrap();
-    let q = (l2_normalize(&q, 1e-6).unwrap() * (DK as f64).powf(-0.5)).unwrap();
-    let x = Inputs {
-        q: f32(q),
-        k: f32(l2_normalize(&k, 1e-6).unwrap()),
-        v: rng.normal_tensor(&[H, T, DV], 1.0, DType::F32).unwrap(),
-        g: rng.uniform_tensor(&[H, T], g_min, 0.0, DType::F32).unwrap(),
-        beta: rng.uniform_tensor(&[H, T], 0.01, 0.99, DType::F32).unwrap(),
-    };
-    let s0 = rng.normal_tensor(&[H, DK, DV], 0.5, DType::F32).unwrap();
-    (x, s0)
+    delta_rule_inputs(seed, [H, T, DK, DV], g_min, DType::F32).unwrap()
 }
 
 /// One block of the delta rule in `form` as a graph: inputs q, k, v, g, beta, state; outputs o, state_out.

@@ -66,6 +66,32 @@ impl Rng {
     }
 }
 
+/// Delta-rule inputs `[H, T, ·]` as the layer makes them, from `seed`: l2-normalised keys, l2-normalised queries
+/// scaled by `Dk^-0.5` (both drawn and normalised in f64), values `N(0, 1)`, decays uniform in `[g_min, 0]`, beta
+/// uniform in `[0.01, 0.99)`; and a non-zero incoming state `[H, Dk, Dv]` (`N(0, 0.25)`), all in `dtype`.
+pub fn delta_rule_inputs(
+    seed: u64,
+    [h, t, dk, dv]: [usize; 4],
+    g_min: f64,
+    dtype: DType,
+) -> Result<(crate::deltanet::Inputs, Tensor)> {
+    use crate::ops::l2_normalize;
+    let mut rng = Rng::new(seed);
+    let q = rng.normal_tensor(&[h, t, dk], 1.0, DType::F64)?;
+    let k = rng.normal_tensor(&[h, t, dk], 1.0, DType::F64)?;
+    let q = (l2_normalize(&q, 1e-6)? * (dk as f64).powf(-0.5))?;
+    let k = l2_normalize(&k, 1e-6)?;
+    let inputs = crate::deltanet::Inputs {
+        q: q.to_dtype(dtype)?,
+        k: k.to_dtype(dtype)?,
+        v: rng.normal_tensor(&[h, t, dv], 1.0, dtype)?,
+        g: rng.uniform_tensor(&[h, t], g_min, 0.0, dtype)?,
+        beta: rng.uniform_tensor(&[h, t], 0.01, 0.99, dtype)?,
+    };
+    let state = rng.normal_tensor(&[h, dk, dv], 0.5, dtype)?;
+    Ok((inputs, state))
+}
+
 /// A flat (`qwen3_5_text`) config of a small model; edit the JSON to vary it.
 pub fn small_config_json() -> serde_json::Value {
     serde_json::json!({

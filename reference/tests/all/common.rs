@@ -4,8 +4,7 @@ use candle_core::{DType, Tensor};
 use proptest::prelude::*;
 use reference::compare::diff;
 use reference::deltanet::Inputs;
-use reference::ops::l2_normalize;
-use reference::synthetic::Rng;
+use reference::synthetic::delta_rule_inputs;
 
 /// Sizes and settings of one random delta-rule case.
 #[derive(Debug, Clone)]
@@ -47,24 +46,9 @@ pub fn distinct_dims(lo: usize, hi: usize) -> impl Strategy<Value = (usize, usiz
     (lo..=hi, lo..hi).prop_map(|(dk, dv)| (dk, if dv >= dk { dv + 1 } else { dv }))
 }
 
-/// Delta-rule inputs as the layer makes them: l2-normalised keys, l2-normalised queries scaled by `Dk^-0.5`,
-/// decays uniform in `[g_min, 0]`, beta in `(0, 1)`; and a non-zero incoming state.
+/// Delta-rule inputs as the layer makes them for the case ([`reference::synthetic::delta_rule_inputs`]).
 pub fn kernel_inputs(c: &KernelCase, dtype: DType) -> (Inputs, Tensor) {
-    let mut rng = Rng::new(c.seed);
-    let (h, t, dk, dv) = (c.heads, c.tokens, c.dk, c.dv);
-    let q = rng.normal_tensor(&[h, t, dk], 1.0, DType::F64).unwrap();
-    let k = rng.normal_tensor(&[h, t, dk], 1.0, DType::F64).unwrap();
-    let q = (l2_normalize(&q, 1e-6).unwrap() * (dk as f64).powf(-0.5)).unwrap();
-    let k = l2_normalize(&k, 1e-6).unwrap();
-    let inputs = Inputs {
-        q: q.to_dtype(dtype).unwrap(),
-        k: k.to_dtype(dtype).unwrap(),
-        v: rng.normal_tensor(&[h, t, dv], 1.0, dtype).unwrap(),
-        g: rng.uniform_tensor(&[h, t], c.g_min, 0.0, dtype).unwrap(),
-        beta: rng.uniform_tensor(&[h, t], 0.01, 0.99, dtype).unwrap(),
-    };
-    let state = rng.normal_tensor(&[h, dk, dv], 0.5, dtype).unwrap();
-    (inputs, state)
+    delta_rule_inputs(c.seed, [c.heads, c.tokens, c.dk, c.dv], c.g_min, dtype).unwrap()
 }
 
 /// Fails with a labelled report unless every element is finite and within `rtol` of the expected tensor's
