@@ -12,6 +12,7 @@ pub mod graphs;
 pub mod graphset;
 pub mod infer;
 pub mod ir;
+pub mod memory;
 pub mod pages;
 pub mod runtime;
 pub mod sim;

@@ -8,6 +8,7 @@ pub mod commands;
 pub mod compare;
 pub mod device;
 pub mod dump;
+pub mod memory;
 pub mod metrics;
 pub mod non_finite;
 pub mod outputs;

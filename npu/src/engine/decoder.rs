@@ -57,6 +57,28 @@ impl DecoderEngine {
         device: &str,
         opts: &CompileOptions,
     ) -> Result<Self> {
+        Self::build(builder, block, true, device, opts)
+    }
+
+    /// [`DecoderEngine::new`] without the 1-token graph: every call, a single token too, runs padded in the
+    /// prompt-block graph, so the weights are compiled into one graph, not two (the hidden-state graphs of a check,
+    /// which need not be the deployed decode graph).
+    pub fn padded_only(
+        builder: &Builder,
+        block: usize,
+        device: &str,
+        opts: &CompileOptions,
+    ) -> Result<Self> {
+        Self::build(builder, block, false, device, opts)
+    }
+
+    fn build(
+        builder: &Builder,
+        block: usize,
+        single: bool,
+        device: &str,
+        opts: &CompileOptions,
+    ) -> Result<Self> {
         if block == 0 {
             return Err(Error::Input(
                 "a prompt block must hold at least 1 token".into(),
@@ -66,7 +88,11 @@ impl DecoderEngine {
         let config = builder.config().clone();
         let interface = own::decoder(&config, builder.options().taps);
         let context = builder.options().context;
-        let mut sizes = vec![1];
+        let mut sizes = if single || block == 1 {
+            vec![1]
+        } else {
+            vec![]
+        };
         if block > 1 {
             sizes.push(block);
         }

@@ -9,6 +9,7 @@ use crate::device::{
     available_devices, check_context, check_device, check_positions, open_reference, split_devices,
     warn_precision,
 };
+use crate::memory::{self, Plan};
 use crate::outputs::Paths;
 use crate::progress::Progress;
 use crate::prompts::eos_ids;
@@ -71,6 +72,66 @@ fn devices(asked: Option<&str>) -> Result<Vec<String>> {
     Ok(list)
 }
 
+/// What compare-devices holds at once, phase by phase, with weights in `format`: the reference and its runs; the
+/// reference on the original weights (compressed formats); then for each device its deployed graphs, then (released)
+/// its graphs with taps, beside both sides' runs.
+#[allow(clippy::too_many_arguments)]
+fn memory_plan(
+    dir: &std::path::Path,
+    config: &reference::config::Config,
+    dtype: candle_core::DType,
+    format: WeightFormat,
+    devices: &[crate::device::DeviceSettings],
+    set: Option<&crate::device::set::SetSource>,
+    prompts: usize,
+    positions: usize,
+) -> Result<Plan> {
+    let runs = memory::run_bytes(config, prompts, positions);
+    let held = |format| memory::reference_bytes(dir, config, dtype, format);
+    let mut plan = Plan::default();
+    plan.phase(
+        "the reference",
+        vec![
+            ("its weights".into(), held(format)?),
+            ("its runs".into(), runs),
+        ],
+    );
+    if format != WeightFormat::F32 {
+        plan.phase(
+            "the reference on the original weights",
+            vec![
+                ("its weights".into(), held(WeightFormat::F32)?),
+                ("the runs".into(), runs),
+            ],
+        );
+    }
+    for d in devices {
+        let both = ("both sides' runs".to_string(), 2 * runs);
+        match set {
+            Some(s) => {
+                plan.phase(
+                    format!("{}: the set's graphs", d.device),
+                    vec![
+                        ("its graphs".into(), memory::set_graph_bytes(&s.set)),
+                        ("the runtime".into(), memory::RUNTIME_BYTES),
+                        both,
+                    ],
+                );
+            }
+            None => {
+                let graphs = if d.block > 1 { 2 } else { 1 };
+                let mut deployed = memory::graph_parts(config, format, &d.device, graphs);
+                deployed.push(both.clone());
+                plan.phase(format!("{}: deployed graphs", d.device), deployed);
+                let mut tapped = memory::graph_parts(config, format, &d.device, 1);
+                tapped.push(both);
+                plan.phase(format!("{}: graphs with taps", d.device), tapped);
+            }
+        }
+    }
+    Ok(plan)
+}
+
 /// Runs `qwen35 compare-devices`.
 pub fn exec(args: CompareArgs) -> Result<Outcome> {
     Paths::new()
@@ -115,10 +176,32 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
     }
     let outputs = args.report.outputs()?;
     let eos = eos_ids(dir, config);
+    let positions = set.iter().map(|p| p.ids.len()).max().unwrap_or(0) + args.tokens;
+    let dtype = args.model.dtype.dtype();
+    let plan_for = |format: WeightFormat| {
+        memory_plan(
+            dir,
+            config,
+            dtype,
+            format,
+            &settings,
+            target.set(),
+            set.len(),
+            positions,
+        )
+    };
+    let alternatives = memory::smaller_formats(store.format())
+        .into_iter()
+        .map(|(flag, f)| Ok((flag, plan_for(f)?)))
+        .collect::<Result<Vec<_>>>()?;
+    let memory = memory::check("compare-devices", &plan_for(store.format())?, &alternatives)?;
 
     let progress = Progress::new(set.len() * (1 + devices.len()));
     let mut reference = open_reference(config, store, RunOptions::default(), true)?;
     let runs = reference_runs(&mut reference, &set, args.tokens, &progress)?;
+    // Its runs are all the comparisons need: its weights are handed back before any graph is built.
+    let reference_record = reference.record().clone();
+    drop(reference);
     let quantization = if store.format() == WeightFormat::F32 {
         None
     } else {
@@ -148,10 +231,11 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
             weights: store.format().name(),
             prompts: set.iter().map(|p| (p.label.clone(), p.ids.len())).collect(),
             tokens: args.tokens,
-            reference: reference.record().clone(),
+            reference: reference_record,
         },
         quantization,
         devices: reports,
+        memory: Some(memory.measured()),
     };
     report.emit(&outputs)?;
     Ok(if report.passed() {

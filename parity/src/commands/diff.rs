@@ -308,6 +308,7 @@ pub fn exec(args: DiffArgs) -> Result<Outcome> {
         },
         quantization: None,
         devices: vec![device],
+        memory: None,
     };
     report.emit(&outputs)?;
     Ok(if report.passed() {

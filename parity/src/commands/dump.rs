@@ -6,6 +6,7 @@ use super::args::{Backend, DeviceArgs, Dtype, FormArgs, ModelArgs, PromptArgs};
 use crate::device::own::engine;
 use crate::device::{DeviceSettings, check_context, check_positions, open_reference};
 use crate::dump::{FORMAT, write_dump};
+use crate::memory;
 use crate::outputs::Paths;
 use anyhow::{Result, bail};
 use std::collections::BTreeMap;
@@ -66,6 +67,38 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
     let (dir, config, store) = args.model.open()?;
     let (ids, prompt) = args.prompt.ids(&dir, &config)?;
     check_positions(ids.len(), args.generate, &config, "--generate")?;
+    let format = store.format();
+    let dtype = args.model.dtype.dtype();
+    let memory_for = |format| -> Result<crate::memory::Plan> {
+        let run = (
+            "the run".to_string(),
+            memory::run_bytes(&config, 1, ids.len() + args.generate),
+        );
+        let mut m = crate::memory::Plan::default();
+        match &plan {
+            Plan::Reference(_) => m.phase(
+                "the reference",
+                vec![
+                    (
+                        "its weights".into(),
+                        memory::reference_bytes(&dir, &config, dtype, format)?,
+                    ),
+                    run,
+                ],
+            ),
+            Plan::OpenVino(s) => {
+                let mut parts = memory::graph_parts(&config, format, &s.device, 1);
+                parts.push(run);
+                m.phase(format!("{}: the graphs with taps", s.device), parts)
+            }
+        };
+        Ok(m)
+    };
+    let alternatives = memory::smaller_formats(format)
+        .into_iter()
+        .map(|(flag, f)| Ok((flag, memory_for(f)?)))
+        .collect::<Result<Vec<_>>>()?;
+    memory::check("dump", &memory_for(format)?, &alternatives)?;
     let mut metadata = BTreeMap::from([("model".to_string(), dir.display().to_string())]);
     if let Some(p) = prompt {
         metadata.insert("prompt".into(), p);

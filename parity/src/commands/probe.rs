@@ -7,6 +7,7 @@ use super::args::{FormArgs, GraphArgs, ModeArg, ModelArgs, PromptArgs, ReportArg
 use super::target::Target;
 use crate::device::own::OwnGraphs;
 use crate::device::{DeviceUnderTest, check_device};
+use crate::memory::{self, Plan};
 use crate::outputs::Paths;
 use crate::probe::run::{ProbePlan, run};
 use anyhow::{Context, Result, bail};
@@ -58,6 +59,71 @@ pub struct ProbeArgs {
     form: FormArgs,
     #[command(flatten)]
     graph: GraphArgs,
+}
+
+/// What the probe holds at once, phase by phase, with weights in `format`: the reference tracing the prompt, then
+/// each device's per-layer graphs of `layers` (all when empty; chained mode compiles every layer up to the last),
+/// or a set's graphs, beside the trace.
+#[allow(clippy::too_many_arguments)]
+fn memory_plan(
+    dir: &std::path::Path,
+    config: &reference::config::Config,
+    dtype: candle_core::DType,
+    format: reference::quant::WeightFormat,
+    devices: &[&str],
+    set: Option<&crate::device::set::SetSource>,
+    prompt: &crate::prompts::LabelledPrompt,
+    layers: &[usize],
+    mode: crate::probe::Mode,
+) -> Result<Plan> {
+    let trace = (
+        "the trace".to_string(),
+        memory::run_bytes(config, 1, prompt.ids.len()),
+    );
+    let n = config.num_layers();
+    let compiled: Vec<usize> = match (layers.iter().max(), mode) {
+        (None, _) => (0..n).collect(),
+        (Some(&last), crate::probe::Mode::Chained) => (0..=last.min(n - 1)).collect(),
+        (Some(_), crate::probe::Mode::Isolated) => {
+            layers.iter().copied().filter(|&l| l < n).collect()
+        }
+    };
+    let mut plan = Plan::default();
+    plan.phase(
+        "the reference",
+        vec![
+            (
+                "its weights".into(),
+                memory::reference_bytes(dir, config, dtype, format)?,
+            ),
+            trace.clone(),
+        ],
+    );
+    for &d in devices {
+        let graphs = match set {
+            Some(s) => (
+                "the set's graphs".to_string(),
+                memory::set_graph_bytes(&s.set),
+            ),
+            None => (
+                format!(
+                    "{} layer graphs of {} weights",
+                    compiled.len(),
+                    format.name()
+                ),
+                compiled
+                    .iter()
+                    .map(|&l| npu::memory::layer_graph_bytes(config, format, l, d))
+                    .sum(),
+            ),
+        };
+        let mut parts = vec![graphs, trace.clone()];
+        if !npu::sim::NumericModel::is_sim(d) {
+            parts.push(("the runtime".into(), memory::RUNTIME_BYTES));
+        }
+        plan.phase(format!("{d}: per-layer graphs"), parts);
+    }
+    Ok(plan)
 }
 
 /// Runs `qwen35 probe`.
@@ -122,14 +188,57 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
         mode: args.mode.into(),
         max_nrmse: args.max_nrmse,
         max_state_nrmse: args.max_state_nrmse,
+        model: None,
     };
-    let report = run(
+    let dtype = args.model.dtype.dtype();
+    let devices: Vec<&str> = std::iter::once(device.as_str())
+        .chain(args.tolerance_from.as_deref())
+        .collect();
+    let plan_for = |format, layers: &[usize]| {
+        memory_plan(
+            dir,
+            config,
+            dtype,
+            format,
+            &devices,
+            target.set(),
+            &prompt,
+            layers,
+            plan.mode,
+        )
+    };
+    let mut alternatives = memory::smaller_formats(store.format())
+        .into_iter()
+        .map(|(flag, f)| Ok((flag, plan_for(f, &args.layers)?)))
+        .collect::<Result<Vec<_>>>()?;
+    if args.ir.is_none() && args.layers.len() != 2 {
+        // One DeltaNet and one attention layer: the probe's smallest useful unit.
+        let kinds = &config.layer_types;
+        let first = |k| kinds.iter().position(|&t| t == k);
+        if let (Some(d), Some(a)) = (
+            first(reference::config::LayerKind::Linear),
+            first(reference::config::LayerKind::Full),
+        ) {
+            let two = [d.min(a), d.max(a)];
+            alternatives.push((
+                format!("--layers {},{}", two[0], two[1]),
+                plan_for(store.format(), &two)?,
+            ));
+        }
+    }
+    let memory = memory::check(
+        "probe",
+        &plan_for(store.format(), &args.layers)?,
+        &alternatives,
+    )?;
+    let mut report = run(
         &plan,
         dut.as_mut(),
         baseline
             .as_mut()
             .map(|b| (b as &mut dyn DeviceUnderTest, args.factor)),
     )?;
+    report.memory = Some(memory.measured());
     report.emit(&outputs)?;
     Ok(if report.passed() {
         Outcome::Pass

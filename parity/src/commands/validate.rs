@@ -7,6 +7,7 @@ use super::args::{FormArgs, GraphArgs, ModeArg, ModelArgs, PromptArgs, ReportArg
 use super::target::Target;
 use crate::device::check_device;
 use crate::device::fault::Fault;
+use crate::memory::{self, Plan};
 use crate::outputs::Paths;
 use crate::prompts::{eos_ids, repeated_prompt};
 use crate::validate::CheckId;
@@ -84,6 +85,64 @@ pub struct ValidateArgs {
     /// Tests only: make the device misbehave (leak-state, ignore-restore, logits-from=POSITION).
     #[arg(long, hide = true, value_name = "FAULT")]
     inject_fault: Option<String>,
+}
+
+/// What validate holds at once, phase by phase, with weights in `format`: the reference model throughout (its
+/// backends share it) and the runs, beside one set of graphs at a time: the deployed ones, the ones with taps, the
+/// probe's per-layer graphs, another block size's, the fresh copy (each released before the next is compiled).
+#[allow(clippy::too_many_arguments)]
+fn memory_plan(
+    dir: &std::path::Path,
+    config: &reference::config::Config,
+    dtype: candle_core::DType,
+    format: reference::quant::WeightFormat,
+    settings: &crate::device::DeviceSettings,
+    set: Option<&crate::device::set::SetSource>,
+    prompts: usize,
+    positions: usize,
+) -> Result<Plan> {
+    let reference = memory::reference_bytes(dir, config, dtype, format)?;
+    let runs = 2 * memory::run_bytes(config, prompts, positions);
+    let base = |mut parts: Vec<(String, u64)>| {
+        parts.push(("the reference's weights".into(), reference));
+        parts.push(("the runs".into(), runs));
+        parts
+    };
+    let d = settings.device.as_str();
+    let mut plan = Plan::default();
+    match set {
+        Some(s) => {
+            plan.phase(
+                format!("{d}: the set's graphs"),
+                base(vec![
+                    ("its graphs".into(), memory::set_graph_bytes(&s.set)),
+                    ("the runtime".into(), memory::RUNTIME_BYTES),
+                ]),
+            );
+        }
+        None => {
+            let graphs = if settings.block > 1 { 2 } else { 1 };
+            plan.phase(
+                format!("{d}: deployed graphs (and each other block size, the fresh copy)"),
+                base(memory::graph_parts(config, format, d, graphs)),
+            );
+            plan.phase(
+                format!("{d}: graphs with taps"),
+                base(memory::graph_parts(config, format, d, 1)),
+            );
+            let layers: u64 = (0..config.num_layers())
+                .map(|l| npu::memory::layer_graph_bytes(config, format, l, d))
+                .sum();
+            plan.phase(
+                format!("{d}: the probe's per-layer graphs"),
+                base(vec![
+                    (format!("{} layer graphs", config.num_layers()), layers),
+                    ("the runtime".into(), memory::RUNTIME_BYTES),
+                ]),
+            );
+        }
+    }
+    Ok(plan)
 }
 
 /// Runs `qwen35 validate`.
@@ -171,6 +230,25 @@ pub fn exec(args: ValidateArgs) -> Result<Outcome> {
     let outputs = args.report.outputs()?;
     let eos = eos_ids(dir, config);
     let fault_kind = fault.as_ref().map(|(f, _)| *f);
+    let positions = set.iter().map(|p| p.ids.len()).max().unwrap_or(0) + args.tokens;
+    let dtype = args.model.dtype.dtype();
+    let plan_for = |format| {
+        memory_plan(
+            dir,
+            config,
+            dtype,
+            format,
+            &settings,
+            target.set(),
+            set.len(),
+            positions,
+        )
+    };
+    let alternatives = memory::smaller_formats(store.format())
+        .into_iter()
+        .map(|(flag, f)| Ok((flag, plan_for(f)?)))
+        .collect::<Result<Vec<_>>>()?;
+    let memory = memory::check("validate", &plan_for(store.format())?, &alternatives)?;
     let mut dut = target.device(settings, &args.graph, fault_kind)?;
     // A flag that configures a check which cannot run on this device is refused, not ignored.
     let caps = dut.capabilities().clone();
@@ -252,7 +330,8 @@ pub fn exec(args: ValidateArgs) -> Result<Outcome> {
             .collect(),
         fault,
     };
-    let report = run(&plan, dut.as_mut(), start)?;
+    let mut report = run(&plan, dut.as_mut(), start)?;
+    report.memory = Some(memory.measured());
     report.emit(&outputs)?;
     Ok(if report.passed() {
         Outcome::Pass

@@ -4,19 +4,21 @@
 //! Per prompt the reference runs twice: free-running greedy (its tokens), then teacher-forced over the prompt and its
 //! own tokens with every tap. A device runs three times: free-running greedy and teacher-forced on the reference's
 //! tokens with the graphs as deployed (logits and states only), and teacher-forced again with graphs that output
-//! every tap, for the hidden states. The report says whether the two kinds of graphs gave the same logits.
+//! every tap, for the hidden states. The report says whether the two kinds of graphs gave the same logits. Each
+//! kind runs every prompt before the next is compiled, and is released after, so that one copy of the weights is
+//! resident at a time.
 
 mod aggregate;
 pub mod run;
 
 pub use aggregate::{DeviceReport, Distribution, FirstDivergence, FirstNonFinite};
 
-use crate::device::DeviceUnderTest;
+use crate::device::{Capabilities, DeviceUnderTest};
 use crate::metrics::{TensorError, TokenAgreement, max_abs_diff, per_slice, values};
 use crate::non_finite::{NonFinite, scan_all};
 use anyhow::{Context, Result, bail};
 use candle_core::Tensor;
-use reference::backend::{Backend, Forced, Precision, greedy, teacher_forced};
+use reference::backend::{Backend, Forced, Generation, Precision, greedy, teacher_forced};
 use reference::config::LayerKind;
 use reference::taps::names;
 use serde::Serialize;
@@ -300,18 +302,21 @@ pub struct PromptComparison {
     pub decode_seconds: f64,
 }
 
-/// Compares a device under test with the reference on one prompt; `eos` are the end-of-sequence ids. Tokens and
-/// logits come from the graphs as deployed (free-running greedy, then teacher-forced on the reference's tokens);
-/// hidden states and states from the graphs with taps where they are other graphs, else from the deployed ones; what
-/// the device does not expose is named in [`PromptComparison::not_available`].
-pub fn compare_prompt(
+/// What the deployed graphs gave on one prompt: free-running greedy, then teacher-forced on the reference's tokens.
+pub struct DeployedRun {
+    /// The free-running greedy run.
+    pub free: Generation,
+    /// Teacher-forced on the reference's tokens.
+    pub forced: Forced,
+}
+
+/// Runs the deployed graphs on one reference run's prompt: free-running greedy for as many tokens as the reference
+/// made, then teacher-forced on the reference's tokens.
+pub fn deployed_run(
     reference: &ReferenceRun,
     dut: &mut dyn DeviceUnderTest,
-    eos: &[u32],
-) -> Result<PromptComparison> {
+) -> Result<DeployedRun> {
     let n = reference.tokens.len();
-    let caps = dut.capabilities().clone();
-    let cont = continuation(&reference.tokens);
     let free = greedy(
         dut.deployed()?,
         &reference.prompt,
@@ -320,26 +325,52 @@ pub fn compare_prompt(
         false,
         |_| Ok(()),
     )?;
-    let forced = teacher_forced(dut.deployed()?, &reference.prompt, cont)?;
-    let (with_taps, tapped_vs_deployed) = match dut.tapped()? {
-        Some(tapped) => {
-            let t = teacher_forced(tapped, &reference.prompt, cont)?;
-            let d = TensorError::of(&t.run.logits, &forced.run.logits)?.max_abs;
-            (Some(t), d)
-        }
-        None => (None, 0.0),
+    let forced = teacher_forced(
+        dut.deployed()?,
+        &reference.prompt,
+        continuation(&reference.tokens),
+    )?;
+    Ok(DeployedRun { free, forced })
+}
+
+/// The tapped graphs teacher-forced on one reference run's tokens, when they are other graphs than the deployed ones
+/// (`None` otherwise: the deployed run carries whatever hidden outputs there are).
+pub fn tapped_run(
+    reference: &ReferenceRun,
+    dut: &mut dyn DeviceUnderTest,
+) -> Result<Option<Forced>> {
+    match dut.tapped()? {
+        Some(tapped) => Ok(Some(teacher_forced(
+            tapped,
+            &reference.prompt,
+            continuation(&reference.tokens),
+        )?)),
+        None => Ok(None),
+    }
+}
+
+/// Compares a device under test with the reference on one prompt, from what its graphs gave there
+/// ([`deployed_run`], [`tapped_run`]); `eos` are the end-of-sequence ids. Tokens and logits come from the graphs as
+/// deployed (free-running greedy, then teacher-forced on the reference's tokens); hidden states and states from the
+/// graphs with taps where they are other graphs, else from the deployed ones; what the device does not expose is
+/// named in [`PromptComparison::not_available`].
+pub fn compare_prompt(
+    reference: &ReferenceRun,
+    caps: &Capabilities,
+    kinds: &[Option<LayerKind>],
+    deployed: &DeployedRun,
+    tapped: Option<&Forced>,
+    eos: &[u32],
+) -> Result<PromptComparison> {
+    let (free, forced) = (&deployed.free, &deployed.forced);
+    let tapped_vs_deployed = match tapped {
+        Some(t) => TensorError::of(&t.run.logits, &forced.run.logits)?.max_abs,
+        None => 0.0,
     };
-    let taps = with_taps.as_ref().unwrap_or(&forced);
-    let kinds: Vec<Option<LayerKind>> = dut
-        .deployed()?
-        .config()
-        .layer_types
-        .iter()
-        .map(|&k| Some(k))
-        .collect();
+    let taps = tapped.unwrap_or(forced);
     let mut c = compare_runs(
         &reference.label,
-        &kinds,
+        kinds,
         Side {
             prompt_tokens: reference.prompt.len(),
             tokens: &reference.tokens,

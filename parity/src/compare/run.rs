@@ -3,7 +3,7 @@
 
 use super::{
     DeviceReport, Distribution, Position, ReferenceRun, ThresholdOverrides, compare_prompt,
-    continuation, rows,
+    continuation, deployed_run, rows, tapped_run,
 };
 use crate::device::{DeviceUnderTest, open_reference};
 use crate::metrics::TensorError;
@@ -13,6 +13,7 @@ use crate::report::QuantizationError;
 use anyhow::{Context, Result};
 use reference::backend::{Backend, teacher_forced};
 use reference::config::Config;
+use reference::config::LayerKind;
 use reference::model::RunOptions;
 use reference::weights::WeightStore;
 
@@ -41,12 +42,32 @@ pub fn compare_device(
     thresholds: &ThresholdOverrides,
     progress: &Progress,
 ) -> Result<DeviceReport> {
-    let mut compared = Vec::with_capacity(runs.len());
+    // The deployed graphs on every prompt, then (released) the tapped ones: one set compiled at a time.
+    let mut deployed = Vec::with_capacity(runs.len());
     for run in runs {
         progress.step(&format!("{}: {}", dut.label(), run.label));
-        compared.push(compare_prompt(run, dut, eos)?);
+        deployed.push(deployed_run(run, dut)?);
     }
     let record = dut.record()?;
+    let kinds: Vec<Option<LayerKind>> = dut
+        .deployed()?
+        .config()
+        .layer_types
+        .iter()
+        .map(|&k| Some(k))
+        .collect();
+    dut.release();
+    let mut tapped = Vec::with_capacity(runs.len());
+    for run in runs {
+        progress.message(&format!("{}: {} (hidden states)", dut.label(), run.label));
+        tapped.push(tapped_run(run, dut)?);
+    }
+    dut.release();
+    let caps = dut.capabilities().clone();
+    let mut compared = Vec::with_capacity(runs.len());
+    for ((run, d), t) in runs.iter().zip(&deployed).zip(&tapped) {
+        compared.push(compare_prompt(run, &caps, &kinds, d, t.as_ref(), eos)?);
+    }
     let thresholds = thresholds.resolve(&record.judged_precision());
     Ok(DeviceReport::new(dut.label(), record, thresholds, compared))
 }

@@ -138,6 +138,12 @@ pub trait DeviceUnderTest {
     /// full blocks, then single tokens.
     fn set_padding(&mut self, padded: bool) -> Result<()>;
 
+    /// Hands back the memory of the graphs compiled so far, for a check that is done with them before the next one
+    /// compiles others: one copy of the weights is resident at a time. This project's deployed and tapped graphs
+    /// compile again on their next use (what the deployed ones recorded, and how they pad, are kept); a set read
+    /// from files keeps its one set.
+    fn release(&mut self);
+
     /// A freshly compiled copy of the deployed graphs.
     fn fresh(&self) -> Result<Box<dyn Backend>>;
 
@@ -194,6 +200,17 @@ pub fn open_reference(
     taps: bool,
 ) -> Result<ReferenceBackend> {
     let model = Model::from_weights(config.clone(), store)?;
+    reference_on(model, store, opts, taps)
+}
+
+/// The reference running `model` (built from `store`): a second backend on a model already built shares its
+/// weights (a model's clone holds the same packed codes and mapped pages, not a copy).
+pub fn reference_on(
+    model: Model,
+    store: &WeightStore,
+    opts: RunOptions,
+    taps: bool,
+) -> Result<ReferenceBackend> {
     Ok(ReferenceBackend::new(
         model,
         opts,

@@ -21,6 +21,10 @@ pub struct OwnGraphs<'a> {
     fault: Option<Fault>,
     deployed: Option<Faulty<DecoderEngine>>,
     tapped: Option<Faulty<DecoderEngine>>,
+    /// What the deployed graphs ran, kept when they are released.
+    record: Option<RunRecord>,
+    /// How the deployed graphs were last told to feed a prompt, applied again when they are compiled again.
+    padded: Option<bool>,
     caps: Capabilities,
     log: GraphLog,
 }
@@ -56,6 +60,8 @@ impl<'a> OwnGraphs<'a> {
             fault,
             deployed: None,
             tapped: None,
+            record: None,
+            padded: None,
             caps,
             settings,
             log: GraphLog::default(),
@@ -70,16 +76,42 @@ impl<'a> OwnGraphs<'a> {
                 self.store,
                 &self.settings,
                 self.settings.block,
-                false,
+                Graphs::Deployed,
                 &self.log,
                 "deployed",
             )?;
-            self.deployed = Some(faulty(engine, self.fault, self.settings.block));
+            self.record = Some(engine.record().clone());
+            let mut engine = faulty(engine, self.fault, self.settings.block);
+            if let Some(padded) = self.padded {
+                set_rule(&mut engine, padded)?;
+            }
+            self.deployed = Some(engine);
         }
         self.deployed
             .as_mut()
             .context("the deployed graphs are compiled")
     }
+}
+
+/// Pads a prompt's last block, or feeds it unpadded.
+fn set_rule(engine: &mut Faulty<DecoderEngine>, padded: bool) -> Result<()> {
+    let rule = if padded {
+        PromptRule::Padded
+    } else {
+        PromptRule::Blocks
+    };
+    engine.set_padded(padded);
+    Ok(engine.inner_mut().set_prompt_rule(rule)?)
+}
+
+/// Which decoder graphs to compile.
+#[derive(Clone, Copy, PartialEq)]
+enum Graphs {
+    /// As deployed: the prompt-block graph and the 1-token decode graph, logits and states only.
+    Deployed,
+    /// Every tap as an output, in the prompt-block graph alone (single tokens run padded in it): one compiled copy
+    /// of the weights where the deployed set holds two.
+    Tapped,
 }
 
 /// `engine`, compiled for prompt blocks of `block`, with the fault its graphs carry.
@@ -98,7 +130,12 @@ pub fn engine(
     taps: bool,
 ) -> Result<DecoderEngine> {
     let log = GraphLog::default();
-    let e = compile(config, store, settings, settings.block, taps, &log, "")?;
+    let graphs = if taps {
+        Graphs::Tapped
+    } else {
+        Graphs::Deployed
+    };
+    let e = compile(config, store, settings, settings.block, graphs, &log, "")?;
     let r = e.record();
     if !npu::sim::NumericModel::is_sim(&settings.device)
         && r.precision.as_ref() != r.precision_requested.as_ref()
@@ -114,14 +151,13 @@ pub fn engine(
     Ok(e)
 }
 
-/// Builds and compiles the decoder graphs with prompt blocks of `block` (with taps or not), logging them as
-/// `purpose`.
+/// Builds and compiles the decoder graphs `graphs` with prompt blocks of `block`, logging them as `purpose`.
 fn compile(
     config: &Config,
     store: &WeightStore,
     settings: &DeviceSettings,
     block: usize,
-    taps: bool,
+    graphs: Graphs,
     log: &GraphLog,
     purpose: &str,
 ) -> Result<DecoderEngine> {
@@ -129,12 +165,16 @@ fn compile(
         npu::runtime::load()?;
     }
     let graph = GraphOptions {
-        taps,
+        taps: graphs == Graphs::Tapped,
         ..settings.graph
     };
     let builder = Builder::new(config, store, graph)?;
-    let engine = DecoderEngine::new(&builder, block, &settings.device, &settings.compile)
-        .with_context(|| format!("compiling the graphs with --block {block}"))?;
+    let (device, opts) = (&settings.device, &settings.compile);
+    let engine = match graphs {
+        Graphs::Deployed => DecoderEngine::new(&builder, block, device, opts),
+        Graphs::Tapped => DecoderEngine::padded_only(&builder, block, device, opts),
+    }
+    .with_context(|| format!("compiling the graphs with --block {block}"))?;
     log.add(purpose, engine.infos());
     Ok(engine)
 }
@@ -153,6 +193,9 @@ impl DeviceUnderTest for OwnGraphs<'_> {
     }
 
     fn record(&mut self) -> Result<RunRecord> {
+        if let Some(r) = &self.record {
+            return Ok(r.clone());
+        }
         Ok(self.engine()?.record().clone())
     }
 
@@ -167,7 +210,7 @@ impl DeviceUnderTest for OwnGraphs<'_> {
                 self.store,
                 &self.settings,
                 self.settings.block,
-                true,
+                Graphs::Tapped,
                 &self.log,
                 "taps",
             )?;
@@ -189,7 +232,7 @@ impl DeviceUnderTest for OwnGraphs<'_> {
             self.store,
             &self.settings,
             block,
-            false,
+            Graphs::Deployed,
             &self.log,
             &format!("block {block}"),
         )?;
@@ -197,14 +240,14 @@ impl DeviceUnderTest for OwnGraphs<'_> {
     }
 
     fn set_padding(&mut self, padded: bool) -> Result<()> {
-        let rule = if padded {
-            PromptRule::Padded
-        } else {
-            PromptRule::Blocks
-        };
-        let engine = self.engine()?;
-        engine.set_padded(padded);
-        Ok(engine.inner_mut().set_prompt_rule(rule)?)
+        set_rule(self.engine()?, padded)?;
+        self.padded = Some(padded);
+        Ok(())
+    }
+
+    fn release(&mut self) {
+        self.deployed = None;
+        self.tapped = None;
     }
 
     fn fresh(&self) -> Result<Box<dyn Backend>> {
@@ -213,7 +256,7 @@ impl DeviceUnderTest for OwnGraphs<'_> {
             self.store,
             &self.settings,
             self.settings.block,
-            false,
+            Graphs::Deployed,
             &self.log,
             "fresh (back-to-back)",
         )?;

@@ -308,6 +308,9 @@ impl DeviceUnderTest for SetGraphs<'_> {
         Ok(())
     }
 
+    /// A set's graphs are its deployed ones, and there are no others to make room for.
+    fn release(&mut self) {}
+
     fn fresh(&self) -> Result<Box<dyn Backend>> {
         let graphs = open_graphs(
             self.source,

@@ -7,13 +7,14 @@ use super::decoder::probe_decoder;
 use super::{
     LayerProbe, Mode, ProbeThresholds, ReferenceTrace, drill_down, probe, thresholds_from,
 };
-use crate::device::{Capabilities, DeviceUnderTest, open_reference};
+use crate::device::{Capabilities, DeviceUnderTest, reference_on};
 use crate::prompts::LabelledPrompt;
 use crate::report::Machine;
 use crate::report::probe::{Baseline, ProbeInputs, ProbeReport};
 use anyhow::{Context, Result, bail};
 use reference::backend::{Precision, RunRecord};
 use reference::config::Config;
+use reference::model::Model;
 use reference::model::RunOptions;
 use reference::weights::WeightStore;
 use std::path::Path;
@@ -36,6 +37,9 @@ pub struct ProbePlan<'a> {
     pub max_nrmse: Option<f64>,
     /// The largest NRMSE of a state (default: for the precision read back).
     pub max_state_nrmse: Option<f64>,
+    /// The reference model when the caller holds one already (built from `store`): its weights are shared, not
+    /// built a second time.
+    pub model: Option<&'a Model>,
 }
 
 /// How a device can be probed, or why it cannot (naming what it would need).
@@ -138,8 +142,14 @@ pub fn run(
         );
     }
     let block = block_of(&caps);
-    let mut reference = open_reference(plan.config, plan.store, RunOptions::default(), true)?;
+    let model = match plan.model {
+        Some(m) => m.clone(),
+        None => Model::from_weights(plan.config.clone(), plan.store)?,
+    };
+    let mut reference = reference_on(model, plan.store, RunOptions::default(), true)?;
     let trace = ReferenceTrace::new(&mut reference, &plan.prompt.ids, block)?;
+    // The trace is all the probe needs of it: its weights are handed back before any graph is built.
+    drop(reference);
     let via = how(&caps).unwrap_or_default();
     // Judged by the thresholds for the precision the probed graphs read back (set once they are compiled).
     let f32 = ProbeThresholds::for_precision(&Precision::F32);
@@ -193,6 +203,7 @@ pub fn run(
         thresholds,
         baseline,
         drill_down: drill_down(&probed),
+        memory: None,
         layers: probed,
     })
 }

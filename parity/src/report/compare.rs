@@ -68,6 +68,9 @@ pub struct CompareReport {
     pub quantization: Option<QuantizationError>,
     /// Every device.
     pub devices: Vec<DeviceReport>,
+    /// The memory estimated before work, beside the peak measured (compare-devices).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory: Option<crate::memory::MemoryReport>,
 }
 
 impl CompareReport {

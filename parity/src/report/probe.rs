@@ -70,6 +70,9 @@ pub struct ProbeReport {
     pub layers: Vec<LayerProbe>,
     /// Where the error starts in the first layer over threshold.
     pub drill_down: Option<DrillDown>,
+    /// The memory estimated before work, beside the peak measured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory: Option<crate::memory::MemoryReport>,
 }
 
 impl ProbeReport {

@@ -94,6 +94,9 @@ pub struct ValidateReport {
     pub compare: Option<CompareReport>,
     /// The probe check's report.
     pub probe: Option<ProbeReport>,
+    /// The memory estimated before work, beside the peak measured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory: Option<crate::memory::MemoryReport>,
 }
 
 impl ValidateReport {

@@ -74,6 +74,8 @@ pub fn blocks(
             ));
             continue;
         }
+        // Another block size compiles other graphs: the deployed ones are released first.
+        dut.release();
         let mut dev = dut.with_block(block)?;
         for ((prompt, ref_tokens), whole) in ctx.set.iter().zip(reference).zip(&base) {
             if same_as_deployed(prompt.ids.len()) {
@@ -498,6 +500,8 @@ pub fn back_to_back(ctx: &Context, dut: &mut dyn DeviceUnderTest) -> Result<Find
     let first = ctx.repeated;
     let second = &ctx.set[0];
     let mut failures = Vec::new();
+    // The fresh copy is compiled with the deployed graphs released: one copy of the weights at a time.
+    dut.release();
     let mut fresh = dut.fresh()?;
     let alone = greedy_on(
         fresh.as_mut(),

@@ -6,7 +6,7 @@ use super::{Check, CheckId, Context, Finding, equivalence, length, lookup};
 use crate::compare::run::{compare_device, reference_runs};
 use crate::compare::{DeviceReport, ThresholdOverrides};
 use crate::device::fault::Fault;
-use crate::device::{Capabilities, DeviceUnderTest, open_reference};
+use crate::device::{Capabilities, DeviceUnderTest, reference_on};
 use crate::metrics::{exceeds, nan_max};
 use crate::probe::Mode;
 use crate::probe::run::{ProbePlan, how};
@@ -17,6 +17,7 @@ use crate::report::{CompareReport, Inputs, Machine};
 use anyhow::{Context as _, Result, bail};
 use reference::backend::{Backend, LookupOptions};
 use reference::config::Config;
+use reference::model::Model;
 use reference::model::RunOptions;
 use reference::weights::WeightStore;
 use std::path::Path;
@@ -253,7 +254,9 @@ pub fn run(
     };
     let progress = Progress::new(CheckId::ALL.len() + 2 * plan.set.len());
     let mut checks = Vec::new();
-    let mut reference = open_reference(plan.config, plan.store, RunOptions::default(), true)?;
+    // One model for both reference backends (with taps, and plain): one copy of its weights.
+    let model = Model::from_weights(plan.config.clone(), plan.store)?;
+    let mut reference = reference_on(model.clone(), plan.store, RunOptions::default(), true)?;
     let mut compare = None;
     let mut reference_tokens: Vec<Vec<u32>> = Vec::new();
     checks.push(Check::run(CheckId::Compare, &progress, || {
@@ -277,6 +280,7 @@ pub fn run(
             },
             quantization: None,
             devices: vec![report],
+            memory: None,
         });
         Ok(finding)
     }));
@@ -297,6 +301,7 @@ pub fn run(
                     mode: plan.probe_mode,
                     max_nrmse: plan.probe_max_nrmse,
                     max_state_nrmse: plan.probe_max_state_nrmse,
+                    model: Some(&model),
                 },
                 dut,
                 None,
@@ -306,8 +311,7 @@ pub fn run(
             Ok(finding)
         }),
     });
-    let mut plain_reference =
-        open_reference(plan.config, plan.store, RunOptions::default(), false)?;
+    let mut plain_reference = reference_on(model, plan.store, RunOptions::default(), false)?;
     checks.push(Check::run(CheckId::Blocks, &progress, || {
         equivalence::blocks(&ctx, dut, &plan.blocks, &reference_tokens)
     }));
@@ -383,6 +387,7 @@ pub fn run(
         seconds: start.elapsed().as_secs_f64(),
         compare,
         probe,
+        memory: None,
     })
 }
 

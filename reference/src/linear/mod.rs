@@ -142,6 +142,20 @@ impl SharedMap {
         #[cfg(not(unix))]
         let _ = range;
     }
+
+    /// [`SharedMap::release`] over the whole map.
+    pub fn release_all(&self) {
+        self.release(0..self.bytes().len());
+    }
+}
+
+impl std::fmt::Debug for SharedMap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedMap")
+            .field("bytes", &self.bytes().len())
+            .field("mapped", &self.1.is_some())
+            .finish()
+    }
 }
 
 impl MappedMatrix {

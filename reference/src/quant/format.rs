@@ -161,6 +161,25 @@ pub enum Storage {
 }
 
 impl Storage {
+    /// The bytes a tensor of `shape` takes stored this way, `float` bytes per value when it keeps the checkpoint's
+    /// values (4 in an f32 graph or run): INT4 codes two to a byte (a row starting on a byte) and INT8 codes one,
+    /// with their f16 scales (a matrix's rows are its first axis, its inputs the last).
+    pub fn bytes(&self, shape: &[usize], float: u64) -> u64 {
+        let numel: u64 = shape.iter().map(|&d| d as u64).product();
+        let cols = shape.last().map_or(1, |&c| c as u64).max(1);
+        let rows = numel / cols;
+        match self {
+            Storage::Float => numel * float,
+            Storage::F16 => numel * 2,
+            Storage::Int4Sym { group } => {
+                rows * cols.div_ceil(2) + 2 * rows * cols.div_ceil((*group).max(1) as u64)
+            }
+            Storage::Int8Sym => rows * cols + 2 * rows,
+        }
+    }
+}
+
+impl Storage {
     /// Whether the tensor is stored as integer codes and scales.
     pub fn is_quantized(&self) -> bool {
         matches!(self, Storage::Int4Sym { .. } | Storage::Int8Sym)

@@ -66,6 +66,16 @@ impl ShardFile {
     }
 }
 
+/// Bytes a run holds for weights: its own memory, and pages of the mapped checkpoint (read in place, given back to
+/// the kernel under pressure).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Held {
+    /// Owned memory (packed codes and scales, converted tensors).
+    pub owned: u64,
+    /// Mapped checkpoint bytes read in place.
+    pub mapped: u64,
+}
+
 /// The weights of one checkpoint directory.
 pub struct WeightStore {
     dir: PathBuf,
@@ -349,6 +359,48 @@ impl WeightStore {
             (DType::F32, Storage::Int8Sym) => rows * cols + 2 * rows,
             _ => rows * cols * run,
         })
+    }
+
+    /// The memory a run holds for this tensor as the reference keeps it: a matrix as [`WeightStore::linear`] holds
+    /// it (read in place: pages of the mapped checkpoint, which the kernel can take back; packed or rounded: owned),
+    /// any other tensor as [`WeightStore::load`] converts it (owned).
+    pub fn held(&self, spec: &TensorSpec) -> Result<Held> {
+        if spec.shape.len() == 2 {
+            let bytes = self.linear_bytes(spec)?;
+            return Ok(if self.mapped(spec)?.is_some() {
+                Held {
+                    owned: 0,
+                    mapped: bytes,
+                }
+            } else {
+                Held {
+                    owned: bytes,
+                    mapped: 0,
+                }
+            });
+        }
+        let numel: u64 = spec.shape.iter().map(|&d| d as u64).product();
+        let size = if self.dtype == DType::F64 { 8 } else { 4 };
+        Ok(Held {
+            owned: numel * size,
+            mapped: 0,
+        })
+    }
+
+    /// [`WeightStore::held`] over every decoder tensor of `config`: what the reference model holds.
+    pub fn model_held(&self, config: &crate::config::Config) -> Result<Held> {
+        let mut total = Held::default();
+        for spec in crate::schema::Schema::new(config).tensors() {
+            let h = self.held(&spec)?;
+            total.owned += h.owned;
+            total.mapped += h.mapped;
+        }
+        Ok(total)
+    }
+
+    /// The maps of the checkpoint's files, shared: a model hands their pages back as it is done with them.
+    pub fn maps(&self) -> Vec<SharedMap> {
+        self.files.iter().map(|f| f.mmap.clone()).collect()
     }
 
     /// The checkpoint files this store maps (one per shard).

@@ -1,0 +1,229 @@
+//! Memory known before work: a command lays out what it will hold at once, phase by phase (the reference's
+//! weights, each set of compiled graphs, the runs it keeps), and refuses to start when the largest phase does not
+//! fit the memory available, with the figure, what there is, and the options that would fit; never an
+//! out-of-memory kill halfway. The estimate goes in the report beside the peak the run measured.
+
+use anyhow::{Result, bail};
+use npu::memory::{GIB, MEMORY_ENV, available, decoder_graph_bytes, peak_resident};
+use reference::config::Config;
+use reference::quant::WeightFormat;
+use serde::Serialize;
+
+/// What the OpenVINO runtime, its plugin and a call's activations hold besides the weights (measured: under 0.5 GiB
+/// on the CPU device with the tiny models; the static caches and logits of a call are small beside it).
+pub const RUNTIME_BYTES: u64 = 1 << 29;
+
+/// One thing held in memory.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Part {
+    /// What it is.
+    pub what: String,
+    /// Its bytes.
+    pub bytes: u64,
+}
+
+/// Everything held at once during one phase of a command.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Phase {
+    /// The phase (`reference`, `CPU deployed graphs`, …).
+    pub name: String,
+    /// What is held.
+    pub parts: Vec<Part>,
+}
+
+impl Phase {
+    /// The bytes held.
+    pub fn total(&self) -> u64 {
+        self.parts.iter().map(|p| p.bytes).sum()
+    }
+}
+
+/// A command's phases, in order.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Plan {
+    phases: Vec<Phase>,
+}
+
+impl Plan {
+    /// Adds a phase holding `parts`.
+    pub fn phase(&mut self, name: impl Into<String>, parts: Vec<(String, u64)>) -> &mut Self {
+        self.phases.push(Phase {
+            name: name.into(),
+            parts: parts
+                .into_iter()
+                .map(|(what, bytes)| Part { what, bytes })
+                .collect(),
+        });
+        self
+    }
+
+    /// The phase that holds the most.
+    pub fn peak(&self) -> Option<&Phase> {
+        self.phases.iter().max_by_key(|p| p.total())
+    }
+
+    /// The most any phase holds.
+    pub fn peak_bytes(&self) -> u64 {
+        self.peak().map_or(0, Phase::total)
+    }
+}
+
+/// The estimate a report carries, beside what the run measured.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct MemoryReport {
+    /// The largest phase's bytes, estimated before work.
+    pub estimate_bytes: u64,
+    /// That phase, and what it holds.
+    pub peak_phase: Option<Phase>,
+    /// The memory the run could use (`MemAvailable`, or the `QWEN35_MEMORY_GIB` figure), when known.
+    pub available_bytes: Option<u64>,
+    /// The peak resident memory the run reached (`VmHWM`), filled in when it ends.
+    pub measured_peak_bytes: Option<u64>,
+}
+
+impl MemoryReport {
+    /// The report with the peak resident memory measured so far.
+    pub fn measured(mut self) -> Self {
+        self.measured_peak_bytes = peak_resident();
+        self
+    }
+}
+
+/// `bytes` as messages give it: in GiB, or in MiB below a tenth of one.
+pub fn gib(bytes: u64) -> String {
+    let g = bytes as f64 / GIB;
+    if g >= 0.1 {
+        format!("{g:.1} GiB")
+    } else {
+        format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+    }
+}
+
+/// Fails unless `plan` fits the memory available; `command` names the command and `alternatives` are other option
+/// sets (as flags) with their plans, of which those that fit are offered. Without a known figure (no
+/// `MemAvailable`, no `QWEN35_MEMORY_GIB`) nothing is checked.
+pub fn check(command: &str, plan: &Plan, alternatives: &[(String, Plan)]) -> Result<MemoryReport> {
+    let available = available()?;
+    let report = MemoryReport {
+        estimate_bytes: plan.peak_bytes(),
+        peak_phase: plan.peak().cloned(),
+        available_bytes: available,
+        measured_peak_bytes: None,
+    };
+    let (Some(avail), Some(peak)) = (available, plan.peak()) else {
+        return Ok(report);
+    };
+    if peak.total() <= avail {
+        return Ok(report);
+    }
+    let parts: Vec<String> = peak
+        .parts
+        .iter()
+        .filter(|p| p.bytes > 0)
+        .map(|p| format!("{} {}", p.what, gib(p.bytes)))
+        .collect();
+    let source = if std::env::var(MEMORY_ENV).is_ok() {
+        MEMORY_ENV.to_string()
+    } else {
+        "MemAvailable".to_string()
+    };
+    let fits: Vec<String> = alternatives
+        .iter()
+        .filter(|(_, p)| p.peak_bytes() <= avail)
+        .map(|(flags, p)| format!("{flags} (about {})", gib(p.peak_bytes())))
+        .collect();
+    let offer = if fits.is_empty() {
+        "no smaller set of options here would fit".to_string()
+    } else {
+        format!("these would fit: {}", fits.join("; "))
+    };
+    bail!(
+        "{command} would hold about {} at its peak ({}: {}), and {} is available ({source}); {offer}. Refused before \
+         any work (set {MEMORY_ENV} to plan for another figure)",
+        gib(peak.total()),
+        peak.name,
+        parts.join(" + "),
+        gib(avail),
+    )
+}
+
+/// The compiled copies of this project's decoder graph a set of `graphs` graphs holds on `device`, with weights in
+/// `format`, and the runtime beside them: a plan's parts.
+pub fn graph_parts(
+    config: &Config,
+    format: WeightFormat,
+    device: &str,
+    graphs: usize,
+) -> Vec<(String, u64)> {
+    let one = decoder_graph_bytes(config, format, device);
+    let mut parts = vec![(
+        format!("{graphs} × {} of {} weights", gib(one), format.name()),
+        graphs as u64 * one,
+    )];
+    if !npu::sim::NumericModel::is_sim(device) {
+        parts.push(("the runtime".into(), RUNTIME_BYTES));
+    }
+    parts
+}
+
+/// What a run keeps of `prompts` prompts of `tokens` positions each with every layer's taps, per side compared: the
+/// logits of every position and about sixteen hidden-size vectors per layer and position.
+pub fn run_bytes(config: &Config, prompts: usize, tokens: usize) -> u64 {
+    let per_position =
+        config.vocab_size as u64 + 16 * (config.num_layers() * config.hidden_size) as u64;
+    4 * (prompts * tokens) as u64 * per_position
+}
+
+/// The weight formats smaller than `format` a run could take instead, with the flag that asks for each.
+pub fn smaller_formats(format: WeightFormat) -> Vec<(String, WeightFormat)> {
+    let int4 = (
+        "--weights int4".to_string(),
+        WeightFormat::Int4Sym { group: 128 },
+    );
+    match format {
+        WeightFormat::F32 => vec![("--weights f16".into(), WeightFormat::F16), int4],
+        WeightFormat::F16 => vec![int4],
+        _ => Vec::new(),
+    }
+}
+
+/// The reference model's own memory (its packed or converted weights; pages it reads in place are the kernel's to
+/// take back) on the checkpoint in `dir`, with weights in `format`.
+pub fn reference_bytes(
+    dir: &std::path::Path,
+    config: &Config,
+    dtype: candle_core::DType,
+    format: WeightFormat,
+) -> Result<u64> {
+    Ok(
+        reference::weights::WeightStore::open_with_format(dir, dtype, format)?
+            .model_held(config)?
+            .owned,
+    )
+}
+
+/// One compiled copy of every graph of a set read from files: each graph's `.bin` (a plugin copies what a graph uses
+/// into its own layout; a `.bin` shared by several graphs is counted for each, an upper bound).
+pub fn set_graph_bytes(set: &npu::graphset::GraphSet) -> u64 {
+    set.decoder
+        .iter()
+        .chain(set.layers.iter())
+        .flat_map(|part| &part.graphs)
+        .map(|g| std::fs::metadata(&g.bin).map_or(0, |m| m.len()))
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_peak_is_the_largest_phase() {
+        let mut plan = Plan::default();
+        plan.phase("a", vec![("x".into(), 3), ("y".into(), 4)])
+            .phase("b", vec![("z".into(), 9)]);
+        assert_eq!(plan.peak_bytes(), 9);
+        assert_eq!(plan.peak().map(|p| p.name.as_str()), Some("b"));
+        assert_eq!(Plan::default().peak_bytes(), 0);
+    }
+}
