@@ -262,7 +262,14 @@ pub fn compile(
     graph.save(&xml_path)?;
     let bin_path = graph.bin_path(&xml_path)?;
     drop(graph);
-    compile_ir(core, &xml_path, &bin_path, &name, device, opts)
+    // The device copies the weights into its own layout: the `.bin`'s pages are handed back as it reads them.
+    let releaser = crate::pages::Releaser::start(
+        vec![bin_path.clone()],
+        std::time::Duration::from_millis(250),
+    );
+    let compiled = compile_ir(core, &xml_path, &bin_path, &name, device, opts);
+    drop(releaser);
+    compiled
 }
 
 /// Reads an IR file (`.xml` with its `.bin` beside it) and compiles it for `device` with `opts` set explicitly

@@ -4,13 +4,13 @@
 //!
 //! An OpenVINO plugin copies a graph's constants into its own layout once per compiled graph, whatever file they
 //! came from: on the CPU plugin, the 32-layer 9B-shaped checkpoint with INT4 weights measured 10.2 GiB resident for
-//! its two decoder graphs, against 2 × 5.3 GiB of constants in the IR. FP16SIM holds a graph's constants as the IR
-//! stores them and decodes each, once, into f32 values (4 bytes a value, codes included), and a product over a
-//! quantized matrix makes its f32 values on the way.
+//! its two decoder graphs, against 2 × 5.2 GiB of constants in the IR. FP16SIM holds a graph's constants as the IR
+//! stores them and decodes each, once (floats to f32, integer codes to i64), and a product over a quantized matrix
+//! makes its f32 values on the way.
 
 use crate::error::{Error, Result};
 use reference::config::Config;
-use reference::quant::WeightFormat;
+use reference::quant::{Storage, WeightFormat};
 use reference::schema::{Schema, TensorSpec};
 
 /// Bytes in a GiB.
@@ -45,12 +45,28 @@ fn largest(specs: &[TensorSpec]) -> u64 {
         .unwrap_or(0)
 }
 
+/// Values of `specs` that `format` stores as integer codes.
+fn coded(specs: &[TensorSpec], format: WeightFormat) -> u64 {
+    specs
+        .iter()
+        .filter(|s| {
+            matches!(
+                format.storage(s.role(), &s.shape),
+                Storage::Int4Sym { .. } | Storage::Int8Sym
+            )
+        })
+        .map(|s| s.shape.iter().map(|&d| d as u64).product::<u64>())
+        .sum()
+}
+
 /// The resident bytes of one compiled copy of the constants of `specs` on `device`.
 fn graph_bytes(specs: &[TensorSpec], format: WeightFormat, device: &str) -> u64 {
     let ir = stored(specs, format);
     if crate::sim::NumericModel::is_sim(device) {
-        // The IR's bytes, every constant decoded to f32, and one matrix's f32 values while a product runs.
-        ir + 4 * values(specs) + 4 * largest(specs)
+        // The IR's bytes; every constant decoded, floats to f32 and integer codes to i64; and while a product over
+        // a quantized matrix runs, its codes and its dequantized values in f32.
+        let codes = coded(specs, format);
+        ir + 4 * (values(specs) - codes) + 8 * codes + 8 * largest(specs)
     } else {
         ir
     }

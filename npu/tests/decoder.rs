@@ -274,3 +274,39 @@ fn a_thousand_token_prompt_at_the_default_context() {
     );
     assert!(logits.max_abs < 1e-3, "logits vs transformers: {logits}");
 }
+
+#[test]
+fn a_padded_only_engine_runs_single_tokens_in_its_block_graph() {
+    // The graphs with taps of a check hold one compiled copy of the weights: single tokens run padded in the
+    // prompt-block graph. Same tokens, and the logits of every position, decode steps included, as the engine
+    // that decodes in its 1-token graph.
+    let (config, weights) = tiny();
+    let builder = Builder::new(
+        &config,
+        &weights,
+        GraphOptions {
+            context: 64,
+            ..GraphOptions::default()
+        },
+    )
+    .unwrap();
+    let ids: Vec<u32> = (0..20).map(|i| (i * 53 % 500) as u32).collect();
+    let opts = CompileOptions::default();
+    let mut both = DecoderEngine::new(&builder, 16, "CPU", &opts).unwrap();
+    let mut padded = DecoderEngine::padded_only(&builder, 16, "CPU", &opts).unwrap();
+    assert_eq!(both.blocks(), vec![1, 16]);
+    assert_eq!(padded.blocks(), vec![16], "no 1-token graph");
+    let a = run(&mut both, &ids, 6).unwrap();
+    let b = run(&mut padded, &ids, 6).unwrap();
+    assert_eq!(a.generated, b.generated);
+    let cont = &a.generated[..a.generated.len() - 1];
+    let fa = reference::backend::teacher_forced(&mut both, &ids, cont).unwrap();
+    let fb = reference::backend::teacher_forced(&mut padded, &ids, cont).unwrap();
+    assert_eq!(fa.run.logits.dims(), fb.run.logits.dims());
+    let d = diff(&fb.run.logits, &fa.run.logits).unwrap();
+    assert!(d.within(0.0, 1e-5), "teacher-forced logits: {d}");
+    for (name, t) in &fa.run.taps {
+        let d = diff(&fb.run.taps[name], t).unwrap();
+        assert!(d.within(0.0, 1e-5), "{name}: {d}");
+    }
+}

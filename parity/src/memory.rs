@@ -89,10 +89,10 @@ impl MemoryReport {
     }
 }
 
-/// `bytes` as messages give it: in GiB, or in MiB below a tenth of one.
+/// `bytes` as messages give it: in GiB, or in MiB below one.
 pub fn gib(bytes: u64) -> String {
     let g = bytes as f64 / GIB;
-    if g >= 0.1 {
+    if g >= 1.0 {
         format!("{g:.1} GiB")
     } else {
         format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)

@@ -220,6 +220,17 @@ impl<'a> Builder<'a> {
     /// (the same bytes as compressing them whole), and the checkpoint pages read are handed back after each one
     /// ([`crate::pages`]), so neither the f32 values nor the codes of a large tensor are ever whole in memory.
     fn matrix(&self, graph: &mut Graph, spec: &TensorSpec) -> Result<Value> {
+        let value = self.matrix_value(graph, spec)?;
+        // The checkpoint's pages just read (a whole tensor, in a graph held in memory) are handed back: a graph
+        // built from many tensors never holds their bf16 resident.
+        if graph.shared_bin().is_none() {
+            crate::pages::release(&self.weights.paths());
+        }
+        Ok(value)
+    }
+
+    /// [`Builder::matrix`]'s value.
+    fn matrix_value(&self, graph: &mut Graph, spec: &TensorSpec) -> Result<Value> {
         let shape = spec.shape.as_slice();
         let streamed = graph.shared_bin().is_some();
         let key = |part: &str| streamed.then(|| format!("{}#{part}", spec.name));

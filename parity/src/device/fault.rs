@@ -261,14 +261,14 @@ impl<B: Backend> Backend for Faulty<B> {
 }
 
 /// Per-layer graphs with [`Fault::LayerGraph`]: the faulty layer's MLP output 5% too large, its output with it.
-pub struct FaultyLayers {
+pub struct FaultyLayers<'a> {
     /// The graphs.
-    pub inner: Box<dyn LayerDevice>,
+    pub inner: Box<dyn LayerDevice + 'a>,
     /// The faulty layer.
     pub layer: usize,
 }
 
-impl LayerDevice for FaultyLayers {
+impl LayerDevice for FaultyLayers<'_> {
     fn run(
         &mut self,
         layer: usize,

@@ -158,3 +158,94 @@ impl LayerDevice for DeviceLayers {
         self.record.clone()
     }
 }
+
+/// This project's per-layer graphs compiled a layer at a time, as the probe reaches each, the one before released
+/// first (the probe runs every block of a layer before the next): a probe of every layer never holds more than one
+/// layer's weights compiled. Each graph is logged as it compiles.
+pub struct OneLayerAtATime<'a> {
+    builder: Builder<'a>,
+    device: String,
+    opts: CompileOptions,
+    layers: Vec<usize>,
+    block: usize,
+    current: Option<(usize, LayerRunner)>,
+    record: RunRecord,
+    log: &'a super::GraphLog,
+}
+
+impl<'a> OneLayerAtATime<'a> {
+    /// The graphs of `layers` for blocks of `block` tokens, the first compiled now (what it reads back is the
+    /// record's), each graph logged in `log` as `probe layers`.
+    pub fn build(
+        builder: Builder<'a>,
+        layers: &[usize],
+        block: usize,
+        device: &str,
+        opts: &CompileOptions,
+        log: &'a super::GraphLog,
+    ) -> Result<Self> {
+        let &first = layers.first().context("no layer to probe")?;
+        let start = std::time::Instant::now();
+        let runner = LayerRunner::new(&builder, first, block, device, opts)?;
+        log.add("probe layers", [runner.info()]);
+        let record = RunRecord {
+            taps: true,
+            compile_seconds: Some(start.elapsed().as_secs_f64()),
+            ..npu::engine::record_of(&[runner.info()], &builder, block, opts)?
+        };
+        Ok(OneLayerAtATime {
+            builder,
+            device: device.to_string(),
+            opts: opts.clone(),
+            layers: layers.to_vec(),
+            block,
+            current: Some((first, runner)),
+            record,
+            log,
+        })
+    }
+}
+
+impl LayerDevice for OneLayerAtATime<'_> {
+    fn run(
+        &mut self,
+        layer: usize,
+        hidden: &Tensor,
+        start: usize,
+        state: &mut HostLayerState,
+    ) -> Result<BTreeMap<String, Tensor>> {
+        if !self.layers.contains(&layer) {
+            bail!("layer {layer} was not compiled");
+        }
+        if self.current.as_ref().map(|(l, _)| *l) != Some(layer) {
+            // Released before the next is built: one layer's weights compiled at a time.
+            self.current = None;
+            let t = std::time::Instant::now();
+            let runner =
+                LayerRunner::new(&self.builder, layer, self.block, &self.device, &self.opts)?;
+            self.log.add("probe layers", [runner.info()]);
+            let seconds = self.record.compile_seconds.unwrap_or(0.0) + t.elapsed().as_secs_f64();
+            self.record.compile_seconds = Some(seconds);
+            if let Some(cached) = runner.info().loaded_from_cache {
+                self.record
+                    .from_cache
+                    .insert(runner.info().graph.clone(), cached);
+            }
+            self.current = Some((layer, runner));
+        }
+        let (_, runner) = self.current.as_mut().context("a layer is compiled")?;
+        Ok(runner.run(hidden, start, state)?)
+    }
+
+    fn block(&self) -> usize {
+        self.block
+    }
+
+    fn context(&self) -> Option<usize> {
+        Some(self.builder.options().context)
+    }
+
+    fn record(&self) -> RunRecord {
+        self.record.clone()
+    }
+}

@@ -147,8 +147,9 @@ pub trait DeviceUnderTest {
     /// A freshly compiled copy of the deployed graphs.
     fn fresh(&self) -> Result<Box<dyn Backend>>;
 
-    /// Per-layer graphs of `layers` for blocks of `block` tokens, when the device has per-layer graphs.
-    fn layers(&self, layers: &[usize], block: usize) -> Result<Option<Box<dyn LayerDevice>>>;
+    /// Per-layer graphs of `layers` for blocks of `block` tokens, when the device has per-layer graphs (this
+    /// project's are compiled a layer at a time as they are run).
+    fn layers(&self, layers: &[usize], block: usize) -> Result<Option<Box<dyn LayerDevice + '_>>>;
 
     /// Every graph compiled so far, with what it was compiled for.
     fn graphs(&self) -> Vec<GraphInfo>;

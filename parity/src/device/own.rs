@@ -1,9 +1,8 @@
 //! This project's graphs, built from the checkpoint, as the device under test.
 
 use super::fault::{Fault, Faulty, FaultyLayers};
-use super::{
-    Capabilities, DeviceLayers, DeviceSettings, DeviceUnderTest, GraphInfo, GraphLog, LayerDevice,
-};
+use super::layers::OneLayerAtATime;
+use super::{Capabilities, DeviceSettings, DeviceUnderTest, GraphInfo, GraphLog, LayerDevice};
 use anyhow::{Context, Result};
 use npu::engine::DecoderEngine;
 use npu::graphs::{Builder, GraphOptions};
@@ -263,7 +262,7 @@ impl DeviceUnderTest for OwnGraphs<'_> {
         Ok(Box::new(faulty(engine, self.fault, self.settings.block)))
     }
 
-    fn layers(&self, layers: &[usize], block: usize) -> Result<Option<Box<dyn LayerDevice>>> {
+    fn layers(&self, layers: &[usize], block: usize) -> Result<Option<Box<dyn LayerDevice + '_>>> {
         let builder = Builder::new(
             self.config,
             self.store,
@@ -272,14 +271,14 @@ impl DeviceUnderTest for OwnGraphs<'_> {
                 ..self.settings.graph
             },
         )?;
-        let d = DeviceLayers::build(
-            &builder,
+        let d = OneLayerAtATime::build(
+            builder,
             layers,
             block,
             &self.settings.device,
             &self.settings.compile,
+            &self.log,
         )?;
-        self.log.add("probe layers", d.infos());
         Ok(Some(match self.fault {
             Some(Fault::LayerGraph(layer)) => Box::new(FaultyLayers {
                 inner: Box::new(d),

@@ -323,7 +323,7 @@ impl DeviceUnderTest for SetGraphs<'_> {
         Ok(Box::new(Faulty::new(graphs, self.fault)))
     }
 
-    fn layers(&self, layers: &[usize], block: usize) -> Result<Option<Box<dyn LayerDevice>>> {
+    fn layers(&self, layers: &[usize], block: usize) -> Result<Option<Box<dyn LayerDevice + '_>>> {
         if self.source.set.layers.is_none() {
             return Ok(None);
         }
