@@ -147,6 +147,22 @@ pub fn check(command: &str, plan: &Plan, alternatives: &[(String, Plan)]) -> Res
     )
 }
 
+/// [`check`] of the plan for `format`, offering each smaller weight format ([`smaller_formats`]) and `extra` plans
+/// that would fit.
+pub fn check_formats(
+    command: &str,
+    format: WeightFormat,
+    plan_for: impl Fn(WeightFormat) -> Result<Plan>,
+    extra: Vec<(String, Plan)>,
+) -> Result<MemoryReport> {
+    let mut alternatives = smaller_formats(format)
+        .into_iter()
+        .map(|(flag, f)| Ok((flag, plan_for(f)?)))
+        .collect::<Result<Vec<_>>>()?;
+    alternatives.extend(extra);
+    check(command, &plan_for(format)?, &alternatives)
+}
+
 /// The compiled copies of this project's decoder graph a set of `graphs` graphs holds on `device`, with weights in
 /// `format`, and the runtime beside them: a plan's parts.
 pub fn graph_parts(

@@ -190,11 +190,7 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
             positions,
         )
     };
-    let alternatives = memory::smaller_formats(store.format())
-        .into_iter()
-        .map(|(flag, f)| Ok((flag, plan_for(f)?)))
-        .collect::<Result<Vec<_>>>()?;
-    let memory = memory::check("compare-devices", &plan_for(store.format())?, &alternatives)?;
+    let memory = memory::check_formats("compare-devices", store.format(), plan_for, Vec::new())?;
 
     let progress = Progress::new(set.len() * (1 + devices.len()));
     let mut reference = open_reference(config, store, RunOptions::default(), true)?;

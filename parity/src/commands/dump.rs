@@ -94,11 +94,7 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
         };
         Ok(m)
     };
-    let alternatives = memory::smaller_formats(format)
-        .into_iter()
-        .map(|(flag, f)| Ok((flag, memory_for(f)?)))
-        .collect::<Result<Vec<_>>>()?;
-    memory::check("dump", &memory_for(format)?, &alternatives)?;
+    memory::check_formats("dump", format, memory_for, Vec::new())?;
     let mut metadata = BTreeMap::from([("model".to_string(), dir.display().to_string())]);
     if let Some(p) = prompt {
         metadata.insert("prompt".into(), p);

@@ -62,8 +62,8 @@ pub struct ProbeArgs {
 }
 
 /// What the probe holds at once, phase by phase, with weights in `format`: the reference tracing the prompt, then
-/// each device's per-layer graphs of `layers` (all when empty; chained mode compiles every layer up to the last),
-/// or a set's graphs, beside the trace.
+/// each device's per-layer graphs of `layers` (all when empty; chained mode runs every layer up to the last), one
+/// compiled at a time, or a set's graphs (all compiled at once), beside the trace.
 #[allow(clippy::too_many_arguments)]
 fn memory_plan(
     dir: &std::path::Path,
@@ -105,16 +105,18 @@ fn memory_plan(
                 "the set's graphs".to_string(),
                 memory::set_graph_bytes(&s.set),
             ),
+            // Compiled a layer at a time: the largest layer's graph.
             None => (
                 format!(
-                    "{} layer graphs of {} weights",
+                    "the largest of {} layer graphs (one compiled at a time) of {} weights",
                     compiled.len(),
                     format.name()
                 ),
                 compiled
                     .iter()
                     .map(|&l| npu::memory::layer_graph_bytes(config, format, l, d))
-                    .sum(),
+                    .max()
+                    .unwrap_or(0),
             ),
         };
         let mut parts = vec![graphs, trace.clone()];
@@ -207,10 +209,7 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
             plan.mode,
         )
     };
-    let mut alternatives = memory::smaller_formats(store.format())
-        .into_iter()
-        .map(|(flag, f)| Ok((flag, plan_for(f, &args.layers)?)))
-        .collect::<Result<Vec<_>>>()?;
+    let mut fewer = Vec::new();
     if args.ir.is_none() && args.layers.len() != 2 {
         // One DeltaNet and one attention layer: the probe's smallest useful unit.
         let kinds = &config.layer_types;
@@ -220,16 +219,17 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
             first(reference::config::LayerKind::Full),
         ) {
             let two = [d.min(a), d.max(a)];
-            alternatives.push((
+            fewer.push((
                 format!("--layers {},{}", two[0], two[1]),
                 plan_for(store.format(), &two)?,
             ));
         }
     }
-    let memory = memory::check(
+    let memory = memory::check_formats(
         "probe",
-        &plan_for(store.format(), &args.layers)?,
-        &alternatives,
+        store.format(),
+        |f| plan_for(f, &args.layers),
+        fewer,
     )?;
     let mut report = run(
         &plan,

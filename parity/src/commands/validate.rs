@@ -130,13 +130,17 @@ fn memory_plan(
                 format!("{d}: graphs with taps"),
                 base(memory::graph_parts(config, format, d, 1)),
             );
-            let layers: u64 = (0..config.num_layers())
+            let layer = (0..config.num_layers())
                 .map(|l| npu::memory::layer_graph_bytes(config, format, l, d))
-                .sum();
+                .max()
+                .unwrap_or(0);
             plan.phase(
                 format!("{d}: the probe's per-layer graphs"),
                 base(vec![
-                    (format!("{} layer graphs", config.num_layers()), layers),
+                    (
+                        "the largest layer graph (one compiled at a time)".into(),
+                        layer,
+                    ),
                     ("the runtime".into(), memory::RUNTIME_BYTES),
                 ]),
             );
@@ -244,11 +248,7 @@ pub fn exec(args: ValidateArgs) -> Result<Outcome> {
             positions,
         )
     };
-    let alternatives = memory::smaller_formats(store.format())
-        .into_iter()
-        .map(|(flag, f)| Ok((flag, plan_for(f)?)))
-        .collect::<Result<Vec<_>>>()?;
-    let memory = memory::check("validate", &plan_for(store.format())?, &alternatives)?;
+    let memory = memory::check_formats("validate", store.format(), plan_for, Vec::new())?;
     let mut dut = target.device(settings, &args.graph, fault_kind)?;
     // A flag that configures a check which cannot run on this device is refused, not ignored.
     let caps = dut.capabilities().clone();
