@@ -146,7 +146,12 @@ impl Model {
     /// Builds the model from a parsed config and an open weight store.
     pub fn from_weights(config: Config, w: &WeightStore) -> Result<Self> {
         let s = Schema::new(&config);
-        let embed_tokens = w.linear(&s.global(Param::EmbedTokens))?;
+        // Looked up a few rows at a time: quantised on read unless it is also the LM head.
+        let embed_tokens = if config.tie_word_embeddings {
+            w.linear(&s.global(Param::EmbedTokens))?
+        } else {
+            w.embedding(&s.global(Param::EmbedTokens))?
+        };
         let mut layers = Vec::with_capacity(config.num_layers());
         for (i, kind) in config.layer_types.iter().enumerate() {
             let mixer = match kind {

@@ -29,12 +29,14 @@ use memmap2::Mmap;
 use std::sync::Arc;
 
 mod kernel;
+mod on_read;
 mod packed;
 mod quant_kernel;
 mod rows;
 
 pub use kernel::matvec;
 use kernel::widen;
+pub use on_read::QuantizedOnRead;
 pub use packed::PackedMatrix;
 pub use quant_kernel::matvec_packed;
 use rows::{WidenRows, blocked_gemm, gather, rows_f32, to_tensor, widen_rows};
@@ -280,6 +282,9 @@ pub enum Linear {
     Packed(PackedMatrix),
     /// A tensor held in memory (f64 runs).
     Dense(Tensor),
+    /// Read in place and quantised a row at a time when read (the embedding of a compressed f32 run): the packed
+    /// matrix's values without its codes held.
+    OnRead(QuantizedOnRead),
 }
 
 impl Linear {
@@ -289,6 +294,7 @@ impl Linear {
             Linear::Mapped(m) => m.forward(x),
             Linear::Packed(m) => m.forward(x),
             Linear::Dense(w) => crate::ops::linear(x, w),
+            Linear::OnRead(m) => m.packed()?.forward(x),
         }
     }
 
@@ -301,6 +307,7 @@ impl Linear {
                 let ids = Tensor::from_vec(ids.to_vec(), ids.len(), w.device())?;
                 Ok(w.index_select(&ids, 0)?)
             }
+            Linear::OnRead(m) => m.gather(ids),
         }
     }
 
@@ -310,6 +317,7 @@ impl Linear {
             Linear::Mapped(m) => m.to_tensor(),
             Linear::Packed(m) => m.to_tensor(),
             Linear::Dense(w) => Ok(w.clone()),
+            Linear::OnRead(m) => m.packed()?.to_tensor(),
         }
     }
 }

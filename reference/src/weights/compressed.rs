@@ -4,16 +4,56 @@
 
 use super::{Raw, WeightStore};
 use crate::error::{Error, Result};
-use crate::linear::{Elem, MappedMatrix, PackedMatrix, SharedMap};
+use crate::linear::{Elem, Linear, MappedMatrix, PackedMatrix, QuantizedOnRead, SharedMap};
 use crate::quant::{
     QuantKind, QuantizedMatrix, Storage, quantize_int4_sym, quantize_int8_sym, round_f16,
 };
 use crate::schema::TensorSpec;
+use candle_core::DType;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 use safetensors::tensor::Dtype as StDtype;
 
 impl WeightStore {
+    /// An embedding table: [`WeightStore::linear`], but a quantised one in an f32 run is read in place and quantised
+    /// a row at a time as it is looked up ([`Linear::OnRead`], the same values as the packed codes) when the
+    /// checkpoint stores it as bf16, f16 or f32. Not for a table that is also the LM head (tied), which every
+    /// forward call multiplies whole.
+    pub fn embedding(&self, spec: &TensorSpec) -> Result<Linear> {
+        match self.on_read(spec)? {
+            Some(m) => Ok(Linear::OnRead(m)),
+            None => self.linear(spec),
+        }
+    }
+
+    /// The quantised matrix read in place, when [`WeightStore::embedding`] can quantise it on read.
+    pub(super) fn on_read(&self, spec: &TensorSpec) -> Result<Option<QuantizedOnRead>> {
+        let kind = match self.storage(spec) {
+            Storage::Int4Sym { group } => QuantKind::Int4Sym { group },
+            Storage::Int8Sym => QuantKind::Int8Sym,
+            _ => return Ok(None),
+        };
+        let full_name = self.full_name(spec);
+        let raw = self.raw(&full_name, &spec.shape)?;
+        let elem = match raw.dtype {
+            StDtype::BF16 => Elem::Bf16,
+            StDtype::F16 => Elem::F16,
+            StDtype::F32 => Elem::F32,
+            _ => return Ok(None),
+        };
+        let &[rows, cols] = spec.shape.as_slice() else {
+            return Ok(None);
+        };
+        if self.dtype != DType::F32 {
+            return Ok(None);
+        }
+        let file = raw.file;
+        let info = file.info(&full_name).expect("checked by raw");
+        let m = MappedMatrix::new(&file.mmap, file.start(info), rows, cols, elem)
+            .map_err(|e| raw.err(e.to_string()))?;
+        Ok(Some(QuantizedOnRead::new(m, kind)))
+    }
+
     /// Rows per block when a matrix is quantised or rounded a block at a time (about 1 M values: 4 MB of f32).
     pub(super) fn block_rows(cols: usize) -> usize {
         ((1 << 20) / cols.max(1)).max(1)

@@ -387,11 +387,22 @@ impl WeightStore {
         })
     }
 
-    /// [`WeightStore::held`] over every decoder tensor of `config`: what the reference model holds.
+    /// [`WeightStore::held`] over every decoder tensor of `config`: what the reference model holds (an untied
+    /// embedding it quantises on read holds nothing but mapped pages).
     pub fn model_held(&self, config: &crate::config::Config) -> Result<Held> {
         let mut total = Held::default();
         for spec in crate::schema::Schema::new(config).tensors() {
-            let h = self.held(&spec)?;
+            let on_read = spec.role() == crate::schema::Role::Embedding
+                && !config.tie_word_embeddings
+                && self.on_read(&spec)?.is_some();
+            let h = if on_read {
+                Held {
+                    owned: 0,
+                    mapped: self.raw(&self.full_name(&spec), &spec.shape)?.bytes.len() as u64,
+                }
+            } else {
+                self.held(&spec)?
+            };
             total.owned += h.owned;
             total.mapped += h.mapped;
         }
