@@ -5,7 +5,7 @@ use crate::devices::{CompileOptions, Compiled, ExecInfo, compile, openvino_messa
 use crate::error::{Error, Result};
 use crate::graphs::ports;
 use crate::ir::Graph;
-use crate::sim::{NumericModel, eval::Evaluator};
+use crate::sim::{Kernels, NumericModel, eval::Evaluator};
 use candle_core::{DType, Device, Tensor};
 use openvino::{ElementType, InferRequest, Shape};
 use std::collections::BTreeMap;
@@ -52,8 +52,10 @@ pub fn prepare(graph: Graph, device: &str, opts: &CompileOptions) -> Result<Box<
             .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
-        let model = NumericModel::parse(device, &config)?;
-        return Ok(Box::new(SimSession::new(graph, device, model)?));
+        let (model, kernels) = crate::sim::parse_device(device, &config)?;
+        return Ok(Box::new(SimSession::with_kernels(
+            graph, device, model, kernels,
+        )?));
     }
     let mut core = crate::runtime::core()?;
     Ok(Box::new(Session::new(compile(
@@ -70,6 +72,16 @@ pub struct SimSession {
 impl SimSession {
     /// Prepares `graph` under `model`.
     pub fn new(graph: Graph, device: &str, model: NumericModel) -> Result<Self> {
+        Self::with_kernels(graph, device, model, Kernels::Tiled)
+    }
+
+    /// Prepares `graph` under `model`, computed with `kernels`.
+    pub fn with_kernels(
+        graph: Graph,
+        device: &str,
+        model: NumericModel,
+        kernels: Kernels,
+    ) -> Result<Self> {
         let start = std::time::Instant::now();
         let inputs: Vec<String> = graph.inputs().into_iter().map(|(n, _, _)| n).collect();
         let outputs: Vec<String> = graph.outputs().into_iter().map(|(n, _, _)| n).collect();
@@ -84,7 +96,7 @@ impl SimSession {
             .cloned()
             .collect();
         let name = graph.name().to_string();
-        let evaluator = Evaluator::new(graph, model, &state_in, &state_out)?;
+        let evaluator = Evaluator::with_kernels(graph, model, &state_in, &state_out, kernels)?;
         Ok(SimSession {
             info: ExecInfo {
                 graph: name,

@@ -4,9 +4,9 @@
 //!
 //! An OpenVINO plugin copies a graph's constants into its own layout once per compiled graph, whatever file they
 //! came from: on the CPU plugin, the 32-layer 9B-shaped checkpoint with INT4 weights measured 10.2 GiB resident for
-//! its two decoder graphs, against 2 × 5.2 GiB of constants in the IR. FP16SIM holds a graph's constants as the IR
-//! stores them and decodes each, once (floats to f32, integer codes to i64), and a product over a quantized matrix
-//! makes its f32 values on the way.
+//! its two decoder graphs, against 2 × 5.2 GiB of constants in the IR. FP16SIM's tiled kernels read each matrix
+//! where the graphs' one mapped `.bin` stores it, a tile of rows decoded at a time, and hand its pages back after
+//! it; its plain evaluator (`kernels=plain`) decodes every constant of a graph, integer codes to i64.
 
 use crate::error::{Error, Result};
 use reference::config::Config;
@@ -59,28 +59,73 @@ fn coded(specs: &[TensorSpec], format: WeightFormat) -> u64 {
         .sum()
 }
 
-/// The resident bytes of one compiled copy of the constants of `specs` on `device`.
-fn graph_bytes(specs: &[TensorSpec], format: WeightFormat, device: &str) -> u64 {
+/// The resident bytes of `graphs` compiled copies of the constants of `specs` on `device`; `in_memory`: an FP16SIM
+/// graph built in memory (a per-layer graph) rather than on a mapped `.bin` (the decoder graphs).
+fn graph_bytes(
+    specs: &[TensorSpec],
+    format: WeightFormat,
+    device: &str,
+    graphs: usize,
+    in_memory: bool,
+) -> u64 {
     let ir = stored(specs, format);
-    if crate::sim::NumericModel::is_sim(device) {
-        // The IR's bytes; every constant decoded, floats to f32 and integer codes to i64; and while a product over
-        // a quantized matrix runs, its codes and its dequantized values in f32.
-        let codes = coded(specs, format);
-        ir + 4 * (values(specs) - codes) + 8 * codes + 8 * largest(specs)
-    } else {
-        ir
+    if !crate::sim::NumericModel::is_sim(device) {
+        return graphs as u64 * ir;
     }
+    let kernels =
+        crate::sim::parse_device(device, &[]).map_or(crate::sim::Kernels::Tiled, |(_, k)| k);
+    if kernels == crate::sim::Kernels::Plain {
+        // Every graph: the IR's bytes; every constant decoded, floats to f32 and integer codes to i64; and while a
+        // product over a quantized matrix runs, its codes and its dequantized values in f32.
+        let codes = coded(specs, format);
+        return graphs as u64 * (ir + 4 * (values(specs) - codes) + 8 * codes + 8 * largest(specs));
+    }
+    // The tiled kernels read each matrix where the `.bin` stores it, one at a time (its pages handed back after
+    // it), so the graphs on one mapped `.bin` hold the largest matrix as stored, and each its other constants
+    // decoded to f32 (norm weights, convolutions, biases: small); a graph built in memory holds its IR too.
+    let (matrices, rest): (Vec<TensorSpec>, Vec<TensorSpec>) =
+        specs.iter().cloned().partition(|s| s.shape.len() == 2);
+    let largest_stored = matrices
+        .iter()
+        .map(|m| stored(std::slice::from_ref(m), format))
+        .max()
+        .unwrap_or(0);
+    let own = 4 * values(&rest) + if in_memory { ir } else { 0 };
+    graphs as u64 * own + largest_stored
 }
 
 /// One compiled copy of this project's whole decoder graph (embedding, every layer, final norm, LM head) on
 /// `device` (an OpenVINO device, or FP16SIM) with weights in `format`.
 pub fn decoder_graph_bytes(config: &Config, format: WeightFormat, device: &str) -> u64 {
-    graph_bytes(&Schema::new(config).tensors(), format, device)
+    decoder_graphs_bytes(config, format, device, 1)
+}
+
+/// `graphs` compiled decoder graphs (an engine's prompt-block and 1-token graphs) on `device`: on an OpenVINO
+/// device each its own copy of the weights, on FP16SIM one mapped `.bin` for all.
+pub fn decoder_graphs_bytes(
+    config: &Config,
+    format: WeightFormat,
+    device: &str,
+    graphs: usize,
+) -> u64 {
+    graph_bytes(
+        &Schema::new(config).tensors(),
+        format,
+        device,
+        graphs,
+        false,
+    )
 }
 
 /// One compiled copy of layer `layer`'s graph on `device` with weights in `format`.
 pub fn layer_graph_bytes(config: &Config, format: WeightFormat, layer: usize, device: &str) -> u64 {
-    graph_bytes(&Schema::new(config).layer_tensors(layer), format, device)
+    graph_bytes(
+        &Schema::new(config).layer_tensors(layer),
+        format,
+        device,
+        1,
+        true,
+    )
 }
 
 /// The memory a run may use: [`MEMORY_ENV`] when set, else the kernel's `MemAvailable` (`None` where neither is
@@ -133,8 +178,23 @@ mod tests {
         let int4 = decoder_graph_bytes(&config, WeightFormat::Int4Sym { group: 32 }, "CPU");
         assert_eq!(f32, 2 * f16, "f16 halves every constant");
         assert!(int4 < f16, "{int4} {f16}");
-        let sim = decoder_graph_bytes(&config, WeightFormat::F32, "FP16SIM");
-        assert!(sim > 2 * f32, "FP16SIM decodes its constants: {sim} {f32}");
+        let plain = decoder_graph_bytes(&config, WeightFormat::F32, "FP16SIM:kernels=plain");
+        assert!(
+            plain > 2 * f32,
+            "the plain evaluator decodes its constants: {plain} {f32}"
+        );
+        let tiled = decoder_graph_bytes(&config, WeightFormat::F32, "FP16SIM");
+        assert!(
+            tiled < f32,
+            "the tiled kernels read matrices in place: {tiled} {f32}"
+        );
+        let two = decoder_graphs_bytes(&config, WeightFormat::F32, "FP16SIM", 2);
+        assert!(
+            tiled < two && two < 2 * tiled,
+            "two graphs share one .bin: {two} {tiled}"
+        );
+        let two_cpu = decoder_graphs_bytes(&config, WeightFormat::F32, "CPU", 2);
+        assert_eq!(two_cpu, 2 * f32, "a plugin copies the weights per graph");
         let layers: u64 = (0..config.num_layers())
             .map(|l| layer_graph_bytes(&config, WeightFormat::F32, l, "CPU"))
             .sum();

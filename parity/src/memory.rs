@@ -171,15 +171,23 @@ pub fn graph_parts(
     device: &str,
     graphs: usize,
 ) -> Vec<(String, u64)> {
-    let one = decoder_graph_bytes(config, format, device);
-    let mut parts = vec![(
-        format!("{graphs} × {} of {} weights", gib(one), format.name()),
-        graphs as u64 * one,
-    )];
-    if !npu::sim::NumericModel::is_sim(device) {
-        parts.push(("the runtime".into(), RUNTIME_BYTES));
+    if npu::sim::NumericModel::is_sim(device) {
+        return vec![(
+            format!(
+                "{graphs} graph(s) reading one mapped .bin of {} weights a matrix at a time",
+                format.name()
+            ),
+            npu::memory::decoder_graphs_bytes(config, format, device, graphs),
+        )];
     }
-    parts
+    let one = decoder_graph_bytes(config, format, device);
+    vec![
+        (
+            format!("{graphs} × {} of {} weights", gib(one), format.name()),
+            graphs as u64 * one,
+        ),
+        ("the runtime".into(), RUNTIME_BYTES),
+    ]
 }
 
 /// What a run keeps of `prompts` prompts of `tokens` positions each with every layer's taps, per side compared: the

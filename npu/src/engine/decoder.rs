@@ -62,7 +62,8 @@ impl DecoderEngine {
 
     /// [`DecoderEngine::new`] without the 1-token graph: every call, a single token too, runs padded in the
     /// prompt-block graph, so the weights are compiled into one graph, not two (the hidden-state graphs of a check,
-    /// which need not be the deployed decode graph).
+    /// which need not be the deployed decode graph). On FP16SIM, whose graphs share one copy of the weights, the
+    /// 1-token graph is kept.
     pub fn padded_only(
         builder: &Builder,
         block: usize,
@@ -88,6 +89,9 @@ impl DecoderEngine {
         let config = builder.config().clone();
         let interface = own::decoder(&config, builder.options().taps);
         let context = builder.options().context;
+        // FP16SIM's graphs share one mapped `.bin`: the 1-token graph costs no second copy of the weights, and
+        // saves a padded block's work per step.
+        let single = single || crate::sim::NumericModel::is_sim(device);
         let mut sizes = if single || block == 1 {
             vec![1]
         } else {

@@ -22,9 +22,12 @@ pub(super) fn decoder_graphs(
     let mut graphs = Vec::new();
     let mut ir_reused = None;
     if crate::sim::NumericModel::is_sim(device) {
-        // FP16SIM evaluates graphs held in memory.
+        // FP16SIM evaluates the graphs where they are built: their constants streamed to one unlinked scratch
+        // `.bin` (every weight written once for all of them), which each evaluator maps and reads a matrix at a
+        // time; nothing of the weights is held in memory.
+        let bin = crate::ir::SharedBin::scratch()?;
         for &tokens in sizes {
-            let graph = builder.decoder_graph_on(tokens, None)?;
+            let graph = builder.decoder_graph_on(tokens, Some(&bin))?;
             let ports = IrPorts::of_graph(&graph);
             let ports = resolve(
                 &decoder_subject(graph.name(), tokens, context),

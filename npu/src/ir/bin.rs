@@ -102,6 +102,28 @@ impl SharedBin {
         }))))
     }
 
+    /// A file in the system's temporary directory that no name reaches (unlinked once opened): a graph's constants
+    /// for as long as a graph or a mapping holds it, gone with the last, whatever ends the process.
+    pub fn scratch() -> Result<SharedBin> {
+        static COUNTER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("qwen35-bin-{}-{n}.bin", std::process::id()));
+        let bin = SharedBin::create(&path)?;
+        std::fs::remove_file(&path).map_err(|e| Error::io(&path, e))?;
+        Ok(bin)
+    }
+
+    /// The file as written so far, mapped read-only (its pages are the page cache's: a reader hands them back with
+    /// `madvise`, and they are read again from the cache or the disk).
+    pub(crate) fn map(&self) -> Result<memmap2::Mmap> {
+        let mut f = self.lock()?;
+        let path = f.path.clone();
+        f.writer.flush().map_err(|e| Error::io(&path, e))?;
+        // SAFETY: the file is only ever appended to (by this process, through this writer): the bytes mapped do
+        // not change while the map lives.
+        unsafe { memmap2::Mmap::map(f.writer.get_ref()) }.map_err(|e| Error::io(&path, e))
+    }
+
     fn lock(&self) -> Result<MutexGuard<'_, BinFile>> {
         self.0.lock().map_err(|_| {
             Error::Interface("a shared .bin was poisoned by a panic while writing".into())

@@ -334,6 +334,14 @@ impl Graph {
     }
 
     /// The `size` bytes at `offset` of the graph's `.bin` (read back from the file for a shared one).
+    /// The graph's `.bin` file mapped (`None`: its constants are held in memory).
+    pub(crate) fn bin_map(&self) -> Result<Option<memmap2::Mmap>> {
+        match &self.bin {
+            Bin::Memory(_) => Ok(None),
+            Bin::File(f) => f.map().map(Some),
+        }
+    }
+
     pub(crate) fn bin_bytes(
         &self,
         offset: usize,

@@ -12,6 +12,7 @@ use super::ops::{
     binary, binary_int, concat, convert, from_tensor, gather, slice, softmax, to_tensor, transpose,
     unary,
 };
+use super::weights::{Weight, find_weights};
 use crate::error::{Error, Result};
 use crate::ir::{ElemType, Graph, LoopBody, Node, Value};
 use candle_core::Tensor;
@@ -118,8 +119,15 @@ pub(super) fn broadcast_index(shape: &[usize], out: &[usize]) -> Vec<usize> {
 
 /// Evaluates graphs of one [`NumericModel`].
 pub struct Evaluator {
-    graph: Graph,
-    model: NumericModel,
+    pub(super) graph: Graph,
+    pub(super) model: NumericModel,
+    pub(super) kernels: Kernels,
+    /// The checkpoint matrices read where they lie, by the node computing them (top level), and every node of
+    /// their weight chains, which is not evaluated.
+    weights: HashMap<usize, Weight>,
+    deferred: HashSet<usize>,
+    /// The graph's `.bin` mapped, when it is a file.
+    pub(super) map: Option<memmap2::Mmap>,
     /// Decoded constants by node id (top level and Loop bodies share the `.bin`).
     consts: HashMap<(usize, usize), V>,
     /// Inputs and producers of the outputs that hold states (kept in f32 when the model keeps states in f32).
@@ -132,6 +140,16 @@ pub struct Evaluator {
     norm_eps: HashMap<(usize, usize), V>,
 }
 
+/// How the evaluator computes: every op as written (the specification), or with the products tiled and
+/// vectorised and the checkpoint matrices read where they lie (the same numbers to the last bit, the default).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernels {
+    /// Every op as written, one term at a time.
+    Plain,
+    /// Tiled, vectorised and parallel products; checkpoint matrices decoded a tile at a time by their reader.
+    Tiled,
+}
+
 impl Evaluator {
     /// An evaluator of `graph`; `state_inputs`/`state_outputs` name the ports that carry states between calls.
     pub fn new(
@@ -140,8 +158,27 @@ impl Evaluator {
         state_inputs: &[String],
         state_outputs: &[String],
     ) -> Result<Self> {
+        Self::with_kernels(graph, model, state_inputs, state_outputs, Kernels::Tiled)
+    }
+
+    /// [`Evaluator::new`] computing with `kernels`.
+    pub fn with_kernels(
+        graph: Graph,
+        model: NumericModel,
+        state_inputs: &[String],
+        state_outputs: &[String],
+        kernels: Kernels,
+    ) -> Result<Self> {
+        let (weights, deferred) = match kernels {
+            Kernels::Plain => Default::default(),
+            Kernels::Tiled => find_weights(&graph),
+        };
+        let map = match kernels {
+            Kernels::Plain => None,
+            Kernels::Tiled => graph.bin_map()?,
+        };
         let mut consts = HashMap::new();
-        decode_consts(&graph, &graph.nodes, 0, &model, &mut consts)?;
+        decode_consts(&graph, &graph.nodes, 0, &model, &deferred, &mut consts)?;
         let mut state_producers = HashSet::new();
         for n in graph.nodes.iter().filter(|n| n.op == "Result") {
             let v = n.inputs[0];
@@ -157,6 +194,10 @@ impl Evaluator {
         Ok(Evaluator {
             graph,
             model,
+            kernels,
+            weights,
+            deferred,
+            map,
             consts,
             state_inputs: state_inputs.iter().cloned().collect(),
             state_producers,
@@ -223,8 +264,22 @@ impl Evaluator {
         scope: usize,
         parameter: &mut dyn FnMut(usize, &Node) -> Result<V>,
     ) -> Result<Vec<Vec<V>>> {
+        // Each value is dropped after its last reader (those the results read are kept).
+        let mut last = vec![0usize; nodes.len()];
+        for (id, node) in nodes.iter().enumerate() {
+            for v in &node.inputs {
+                let reader = if node.op == "Result" { usize::MAX } else { id };
+                last[v.node] = last[v.node].max(reader);
+            }
+        }
+        let top = scope == 0;
         let mut values: Vec<Vec<V>> = Vec::with_capacity(nodes.len());
         for (id, node) in nodes.iter().enumerate() {
+            if top && self.deferred.contains(&id) {
+                // A node of a weight chain: its matrix is read by its reader, where it lies.
+                values.push(vec![Val::f(node.outputs[0].shape.clone(), Vec::new())]);
+                continue;
+            }
             let arg = |i: usize| -> V {
                 let Value { node, port } = node.inputs[i];
                 values[node][port].clone()
@@ -255,13 +310,26 @@ impl Evaluator {
                 }
                 op => {
                     let args: Vec<V> = (0..node.inputs.len()).map(arg).collect();
-                    let v = self
-                        .op(op, node, &args, fused)
-                        .map_err(|e| err(e.to_string()))?;
+                    let weight = |i: usize| {
+                        (top && node.inputs.len() > i)
+                            .then(|| self.weights.get(&node.inputs[i].node))
+                            .flatten()
+                    };
+                    let v = match (op, weight(0), weight(1)) {
+                        ("MatMul", _, Some(w)) => self.weight_product(&args[0], w),
+                        ("Gather", Some(w), _) => self.weight_gather(w, &args[1]),
+                        _ => self.op(op, node, &args, fused),
+                    }
+                    .map_err(|e| err(e.to_string()))?;
                     vec![if keep_f32 { v } else { self.round_val(&v) }]
                 }
             };
             values.push(out);
+            for v in &node.inputs {
+                if last[v.node] == id {
+                    values[v.node] = Vec::new();
+                }
+            }
         }
         Ok(values)
     }
@@ -413,61 +481,6 @@ impl Evaluator {
         })
     }
 
-    /// `a @ b` with optional transposes of the last two dims and broadcast batch dims: each term rounded to the
-    /// storage format before it is summed (the accumulation as the model says), the result rounded by the caller.
-    fn matmul(&self, a: &V, b: &V, ta: bool, tb: bool) -> Result<V> {
-        let last2 = |v: &V, t: bool| -> Result<V> {
-            let r = v.shape.len();
-            if !t {
-                return Ok(v.clone());
-            }
-            let mut perm: Vec<usize> = (0..r).collect();
-            perm.swap(r - 2, r - 1);
-            transpose(v, &perm)
-        };
-        let (a, b) = (last2(a, ta)?, last2(b, tb)?);
-        let (ra, rb) = (a.shape.len(), b.shape.len());
-        let (m, k) = (a.shape[ra - 2], a.shape[ra - 1]);
-        let (k2, n) = (b.shape[rb - 2], b.shape[rb - 1]);
-        if k != k2 {
-            return Err(Error::Interface(format!(
-                "MatMul {:?} x {:?}",
-                a.shape, b.shape
-            )));
-        }
-        let batch = broadcast(&a.shape[..ra - 2], &b.shape[..rb - 2])?;
-        let ia = broadcast_index(&a.shape[..ra - 2], &batch);
-        let ib = broadcast_index(&b.shape[..rb - 2], &batch);
-        let (av, bv) = (a.floats()?, b.floats()?);
-        let exact = self.model.is_exact_f32();
-        let acc_storage = self.model.accumulation == Accumulation::Storage;
-        let mut out = Vec::with_capacity(ia.len() * m * n);
-        for (&pa, &pb) in ia.iter().zip(&ib) {
-            let a0 = &av[pa * m * k..(pa + 1) * m * k];
-            let b0 = &bv[pb * k * n..(pb + 1) * k * n];
-            for i in 0..m {
-                for j in 0..n {
-                    let mut acc = 0f32;
-                    for kk in 0..k {
-                        let p = a0[i * k + kk] * b0[kk * n + j];
-                        if exact {
-                            acc += p;
-                        } else {
-                            acc += self.model.round(p);
-                            if acc_storage {
-                                acc = self.model.round(acc);
-                            }
-                        }
-                    }
-                    out.push(acc);
-                }
-            }
-        }
-        let mut shape = batch;
-        shape.extend([m, n]);
-        Ok(Val::f(shape, out))
-    }
-
     fn reduce(&self, x: &V, axes: &[usize], keep: bool, mean: bool, fused: bool) -> Result<V> {
         let xs = x.floats()?;
         let shape = &x.shape;
@@ -522,13 +535,15 @@ pub(super) fn decode_consts(
     nodes: &[Node],
     scope: usize,
     model: &NumericModel,
+    deferred: &HashSet<usize>,
     out: &mut HashMap<(usize, usize), V>,
 ) -> Result<()> {
     for (id, n) in nodes.iter().enumerate() {
         if let Some(body) = &n.body {
-            decode_consts(graph, &body.nodes, n as *const Node as usize, model, out)?;
+            let scope = n as *const Node as usize;
+            decode_consts(graph, &body.nodes, scope, model, &HashSet::new(), out)?;
         }
-        if n.op != "Const" {
+        if n.op != "Const" || (scope == 0 && deferred.contains(&id)) {
             continue;
         }
         let num = |k: &str| -> Result<usize> {

@@ -53,7 +53,14 @@ pub(super) fn find_norms(
             ..NumericModel::default()
         };
         let mut one = HashMap::new();
-        decode_consts(graph, std::slice::from_ref(c), 0, &exact, &mut one)?;
+        decode_consts(
+            graph,
+            std::slice::from_ref(c),
+            0,
+            &exact,
+            &HashSet::new(),
+            &mut one,
+        )?;
         if let Some(v) = one.into_values().next() {
             eps.insert((scope, constant), v);
         }

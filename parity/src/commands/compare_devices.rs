@@ -123,7 +123,10 @@ fn memory_plan(
                 let mut deployed = memory::graph_parts(config, format, &d.device, graphs);
                 deployed.push(both.clone());
                 plan.phase(format!("{}: deployed graphs", d.device), deployed);
-                let mut tapped = memory::graph_parts(config, format, &d.device, 1);
+                // The graphs with taps: the prompt-block graph alone on an OpenVINO device, both on FP16SIM.
+                let sim = npu::sim::NumericModel::is_sim(&d.device);
+                let tapped_graphs = if sim { graphs } else { 1 };
+                let mut tapped = memory::graph_parts(config, format, &d.device, tapped_graphs);
                 tapped.push(both);
                 plan.phase(format!("{}: graphs with taps", d.device), tapped);
             }

@@ -159,7 +159,7 @@ pub trait DeviceUnderTest {
 /// present (the error names the ones that are).
 pub fn check_device(device: &str) -> Result<()> {
     if NumericModel::is_sim(device) {
-        NumericModel::parse(device, &[])?;
+        npu::sim::parse_device(device, &[])?;
         return Ok(());
     }
     let core = npu::runtime::core()?;

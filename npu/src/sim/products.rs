@@ -1,0 +1,204 @@
+//! The evaluator's matrix products: the plain one (every term in a triple loop, the specification), the tiled one
+//! ([`super::kernel`], the same sums to the last bit), and the products and gathers that read a checkpoint matrix
+//! where it lies ([`super::weights`]).
+
+use super::eval::{Evaluator, Kernels, V, Val, broadcast, broadcast_index};
+use super::kernel::{Dense, Rows, products};
+use super::numeric::Accumulation;
+use super::ops::transpose;
+use super::weights::{Form, Packed, Weight};
+use crate::error::{Error, Result};
+use std::borrow::Cow;
+
+/// `v` with its last two dims swapped.
+fn swap_last(v: &V) -> Result<V> {
+    let r = v.shape.len();
+    let mut perm: Vec<usize> = (0..r).collect();
+    perm.swap(r - 2, r - 1);
+    transpose(v, &perm)
+}
+
+impl Evaluator {
+    /// `a @ b` with optional transposes of the last two dims and broadcast batch dims: each term rounded to the
+    /// storage format before it is summed (the accumulation as the model says), the result rounded by the caller.
+    pub(super) fn matmul(&self, a: &V, b: &V, ta: bool, tb: bool) -> Result<V> {
+        if a.shape.len() < 2 || b.shape.len() < 2 {
+            return Err(Error::Interface(format!(
+                "MatMul {:?} x {:?}: both operands need two dims",
+                a.shape, b.shape
+            )));
+        }
+        if self.kernels == Kernels::Plain {
+            return self.matmul_plain(a, b, ta, tb);
+        }
+        // The tiled product reads the right operand by rows of the result's columns: `[.., n, k]`.
+        let a = if ta { swap_last(a)? } else { a.clone() };
+        let b = if tb { b.clone() } else { swap_last(b)? };
+        let (ra, rb) = (a.shape.len(), b.shape.len());
+        let (m, k) = (a.shape[ra - 2], a.shape[ra - 1]);
+        let (n, k2) = (b.shape[rb - 2], b.shape[rb - 1]);
+        if k != k2 {
+            return Err(Error::Interface(format!(
+                "MatMul {:?} x {:?}",
+                a.shape, b.shape
+            )));
+        }
+        let batch = broadcast(&a.shape[..ra - 2], &b.shape[..rb - 2])?;
+        let ia = broadcast_index(&a.shape[..ra - 2], &batch);
+        let ib = broadcast_index(&b.shape[..rb - 2], &batch);
+        let (av, bv) = (a.floats()?, b.floats()?);
+        let mut out = Vec::with_capacity(ia.len() * m * n);
+        for (&pa, &pb) in ia.iter().zip(&ib) {
+            let a0 = &av[pa * m * k..(pa + 1) * m * k];
+            let b0 = &bv[pb * n * k..(pb + 1) * n * k];
+            out.extend(products(&self.model, a0, m, k, n, &Dense(b0, k))?);
+        }
+        let mut shape = batch;
+        shape.extend([m, n]);
+        Ok(Val::f(shape, out))
+    }
+
+    /// The plain product: the specification the tiled one is held to.
+    fn matmul_plain(&self, a: &V, b: &V, ta: bool, tb: bool) -> Result<V> {
+        let (a, b) = (
+            if ta { swap_last(a)? } else { a.clone() },
+            if tb { swap_last(b)? } else { b.clone() },
+        );
+        let (ra, rb) = (a.shape.len(), b.shape.len());
+        let (m, k) = (a.shape[ra - 2], a.shape[ra - 1]);
+        let (k2, n) = (b.shape[rb - 2], b.shape[rb - 1]);
+        if k != k2 {
+            return Err(Error::Interface(format!(
+                "MatMul {:?} x {:?}",
+                a.shape, b.shape
+            )));
+        }
+        let batch = broadcast(&a.shape[..ra - 2], &b.shape[..rb - 2])?;
+        let ia = broadcast_index(&a.shape[..ra - 2], &batch);
+        let ib = broadcast_index(&b.shape[..rb - 2], &batch);
+        let (av, bv) = (a.floats()?, b.floats()?);
+        let exact = self.model.is_exact_f32();
+        let acc_storage = self.model.accumulation == Accumulation::Storage;
+        let mut out = Vec::with_capacity(ia.len() * m * n);
+        for (&pa, &pb) in ia.iter().zip(&ib) {
+            let a0 = &av[pa * m * k..(pa + 1) * m * k];
+            let b0 = &bv[pb * k * n..(pb + 1) * k * n];
+            for i in 0..m {
+                for j in 0..n {
+                    let mut acc = 0f32;
+                    for kk in 0..k {
+                        let p = a0[i * k + kk] * b0[kk * n + j];
+                        if exact {
+                            acc += p;
+                        } else {
+                            acc += self.model.round(p);
+                            if acc_storage {
+                                acc = self.model.round(acc);
+                            }
+                        }
+                    }
+                    out.push(acc);
+                }
+            }
+        }
+        let mut shape = batch;
+        shape.extend([m, n]);
+        Ok(Val::f(shape, out))
+    }
+
+    /// The bytes at `(offset, size)` of the graph's `.bin`: borrowed from its mapping or from the graph.
+    fn bytes(&self, (offset, size): (usize, usize)) -> Result<Cow<'_, [u8]>> {
+        match &self.map {
+            Some(map) => map
+                .get(offset..offset + size)
+                .map(Cow::Borrowed)
+                .ok_or_else(|| {
+                    Error::Interface(format!(
+                        "{size} bytes at offset {offset} lie outside the mapped .bin ({} bytes)",
+                        map.len()
+                    ))
+                }),
+            None => self.graph.bin_bytes(offset, size),
+        }
+    }
+
+    /// Runs `f` on the matrix `w` over its bytes, then hands the mapped pages it read back to the page cache (a
+    /// process holds one matrix of a graph resident at a time, not the whole `.bin`).
+    fn with_weight<T>(&self, w: &Weight, f: impl FnOnce(&Packed<'_>) -> Result<T>) -> Result<T> {
+        let scales_at = match w.form {
+            Form::Codes { scales, .. } => scales,
+            Form::F32 | Form::F16 => (0, 0),
+        };
+        let (data, scales) = (self.bytes(w.data)?, self.bytes(scales_at)?);
+        let packed = Packed {
+            weight: w,
+            data: &data,
+            scales: &scales,
+        };
+        packed.check()?;
+        let out = f(&packed);
+        if let Some(map) = &self.map {
+            for (offset, size) in [w.data, scales_at] {
+                // SAFETY: a read-only shared mapping of a file: dropped pages are read again from the file.
+                let _ = unsafe {
+                    map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, offset, size)
+                };
+            }
+        }
+        out
+    }
+
+    /// `x @ wᵀ` for a checkpoint matrix `w` `[n, k]` read where it lies: `[.., k]` → `[.., n]`.
+    pub(super) fn weight_product(&self, x: &V, w: &Weight) -> Result<V> {
+        let r = x.shape.len();
+        if r < 2 || x.shape[r - 1] != w.cols {
+            return Err(Error::Interface(format!(
+                "MatMul {:?} x [{}, {}]ᵀ",
+                x.shape, w.rows, w.cols
+            )));
+        }
+        let xs = x.floats()?;
+        let m = xs.len() / w.cols.max(1);
+        let out = self.with_weight(w, |p| products(&self.model, xs, m, w.cols, w.rows, p))?;
+        let mut shape = x.shape[..r - 1].to_vec();
+        shape.push(w.rows);
+        Ok(Val::f(shape, out))
+    }
+
+    /// The rows `indices` of a checkpoint matrix `w` (a `Gather` on axis 0): `indices.shape + [cols]`.
+    pub(super) fn weight_gather(&self, w: &Weight, indices: &V) -> Result<V> {
+        let idx = indices.ints()?;
+        let dim = w.rows as i64;
+        let mut out = vec![0f32; idx.len() * w.cols];
+        self.with_weight(w, |p| {
+            for (&i, o) in idx.iter().zip(out.chunks_exact_mut(w.cols.max(1))) {
+                let i = if i < 0 { i + dim } else { i };
+                if !(0..dim).contains(&i) {
+                    return Err(Error::Interface(format!(
+                        "Gather index {i} outside 0..{dim}"
+                    )));
+                }
+                let i = i as usize;
+                self.model_rows(p, i, o)?;
+            }
+            Ok(())
+        })?;
+        let mut shape = indices.shape.clone();
+        shape.push(w.cols);
+        Ok(Val::f(shape, out))
+    }
+
+    /// Row `i` of `p` as the model stores it.
+    fn model_rows(&self, p: &Packed<'_>, i: usize, out: &mut [f32]) -> Result<()> {
+        use super::kernel::{BF16, F16, F32};
+        use super::numeric::Storage;
+        match (self.model.storage, self.model.flush_subnormals) {
+            (Storage::F16, true) => p.rows::<F16, true>(i, i + 1, out),
+            (Storage::F16, false) => p.rows::<F16, false>(i, i + 1, out),
+            (Storage::Bf16, true) => p.rows::<BF16, true>(i, i + 1, out),
+            (Storage::Bf16, false) => p.rows::<BF16, false>(i, i + 1, out),
+            (Storage::F32, true) => p.rows::<F32, true>(i, i + 1, out),
+            (Storage::F32, false) => p.rows::<F32, false>(i, i + 1, out),
+        }
+    }
+}

@@ -1,0 +1,280 @@
+//! Checkpoint matrices read where they lie: the graph builder's weight forms (an f32 constant; an f16 one and its
+//! `Convert`; integer codes and f16 scales dequantized by `Convert`, `Multiply` and `Reshape`) recognised in a graph
+//! and decoded a tile of rows at a time, from the `.bin` as it stores them, by the one product or gather that reads
+//! them, instead of every op of the chain writing the whole matrix in f32.
+//!
+//! A decoded value is what the chain's ops would store: the storage rounding of the constant on entry and of every
+//! op's result, that is `round(round(code) · round(scale))` for codes and `round(value)` for floats (rounding twice
+//! is rounding once: a stored value rounds to itself).
+
+use super::kernel::{Rows, dequantize, round_lane};
+use crate::error::{Error, Result};
+use crate::ir::{ElemType, Graph, Node};
+use std::collections::{HashMap, HashSet};
+
+/// Where a matrix's values lie in the `.bin`, and how they are stored.
+#[derive(Debug, Clone)]
+pub(super) struct Weight {
+    pub(super) rows: usize,
+    pub(super) cols: usize,
+    /// `(offset, size)` of the values (or the codes).
+    pub(super) data: (usize, usize),
+    pub(super) form: Form,
+    /// The chain's nodes (the one read last first), replaced by the reader.
+    pub(super) nodes: Vec<usize>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Form {
+    F32,
+    F16,
+    /// Integer codes (`I4` or `I8`) with one f16 scale per group of `group` columns at `scales`.
+    Codes {
+        ty: ElemType,
+        scales: (usize, usize),
+        group: usize,
+    },
+}
+
+fn offsets(n: &Node) -> Option<(usize, usize)> {
+    let num = |k: &str| n.attr(k).and_then(|v| v.parse().ok());
+    Some((num("offset")?, num("size")?))
+}
+
+/// The constant `id` of type `ty` and its shape.
+fn constant(nodes: &[Node], id: usize, ty: ElemType) -> Option<(&Node, &[usize])> {
+    let n = &nodes[id];
+    (n.op == "Const" && n.outputs[0].ty == ty).then(|| (n, n.outputs[0].shape.as_slice()))
+}
+
+/// The node feeding input `i` of `n`, when it reads that node's first port.
+fn input(n: &Node, i: usize) -> Option<usize> {
+    let v = n.inputs.get(i)?;
+    (v.port == 0).then_some(v.node)
+}
+
+fn is_convert_to_f32(n: &Node) -> bool {
+    n.op == "Convert" && n.attr("destination_type") == Some("f32")
+}
+
+/// The matrix `[rows, cols]` node `id` computes from constants alone, in one of the builder's weight forms.
+pub(super) fn recognise(nodes: &[Node], id: usize) -> Option<Weight> {
+    let n = &nodes[id];
+    let shape = &n.outputs[0].shape;
+    let &[rows, cols] = shape.as_slice() else {
+        return None;
+    };
+    if n.outputs[0].ty != ElemType::F32 {
+        return None;
+    }
+    let weight = |data, form, nodes: Vec<usize>| {
+        Some(Weight {
+            rows,
+            cols,
+            data,
+            form,
+            nodes,
+        })
+    };
+    match n.op {
+        "Const" => weight(offsets(n)?, Form::F32, vec![id]),
+        "Convert" if is_convert_to_f32(n) => {
+            let c = input(n, 0)?;
+            let (cn, _) = constant(nodes, c, ElemType::F16)?;
+            weight(offsets(cn)?, Form::F16, vec![id, c])
+        }
+        "Reshape" => {
+            let (mul, target) = (input(n, 0)?, input(n, 1)?);
+            let m = &nodes[mul];
+            if m.op != "Multiply" {
+                return None;
+            }
+            let (cc, sc) = (input(m, 0)?, input(m, 1)?);
+            let (codes_convert, scales_convert) = (&nodes[cc], &nodes[sc]);
+            if !is_convert_to_f32(codes_convert) || !is_convert_to_f32(scales_convert) {
+                return None;
+            }
+            let (codes, scales) = (input(codes_convert, 0)?, input(scales_convert, 0)?);
+            let (codes_node, codes_shape) = constant(nodes, codes, ElemType::I4)
+                .or_else(|| constant(nodes, codes, ElemType::I8))?;
+            let (scales_node, scales_shape) = constant(nodes, scales, ElemType::F16)?;
+            let &[r, groups, group] = codes_shape else {
+                return None;
+            };
+            if r != rows || groups * group != cols || scales_shape != [rows, groups, 1] {
+                return None;
+            }
+            weight(
+                offsets(codes_node)?,
+                Form::Codes {
+                    ty: codes_node.outputs[0].ty,
+                    scales: offsets(scales_node)?,
+                    group,
+                },
+                vec![id, mul, cc, sc, codes, scales, target],
+            )
+        }
+        _ => None,
+    }
+}
+
+/// A recognised matrix over its bytes.
+pub(super) struct Packed<'a> {
+    pub(super) weight: &'a Weight,
+    pub(super) data: &'a [u8],
+    pub(super) scales: &'a [u8],
+}
+
+impl Packed<'_> {
+    /// Checks that the bytes hold the matrix.
+    pub(super) fn check(&self) -> Result<()> {
+        let w = self.weight;
+        let n = w.rows * w.cols;
+        let need = match w.form {
+            Form::F32 => 4 * n,
+            Form::F16 => 2 * n,
+            Form::Codes { ty, group, .. } => {
+                if self.scales.len() < 2 * (n / group.max(1)) {
+                    return Err(Error::Interface(
+                        "a matrix's scales lie outside the .bin".into(),
+                    ));
+                }
+                ty.byte_size(n)
+            }
+        };
+        if self.data.len() < need {
+            return Err(Error::Interface(format!(
+                "a [{}, {}] matrix needs {need} bytes, the .bin holds {}",
+                w.rows,
+                w.cols,
+                self.data.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Rows for Packed<'_> {
+    fn rows<const S: u8, const FTZ: bool>(
+        &self,
+        r0: usize,
+        r1: usize,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let cols = self.weight.cols;
+        let round = round_lane::<S, FTZ>;
+        match self.weight.form {
+            Form::F32 => {
+                for (o, b) in out
+                    .iter_mut()
+                    .zip(self.data[4 * r0 * cols..4 * r1 * cols].chunks_exact(4))
+                {
+                    *o = round(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+                }
+            }
+            Form::F16 => {
+                for (o, b) in out
+                    .iter_mut()
+                    .zip(self.data[2 * r0 * cols..2 * r1 * cols].chunks_exact(2))
+                {
+                    *o = round(half::f16::from_le_bytes([b[0], b[1]]).to_f32());
+                }
+            }
+            Form::Codes { ty, group, .. } => {
+                let groups = cols / group;
+                let mut codes = vec![0f32; group];
+                for r in r0..r1 {
+                    for g in 0..groups {
+                        let s = 2 * (r * groups + g);
+                        let scale = round(
+                            half::f16::from_le_bytes([self.scales[s], self.scales[s + 1]]).to_f32(),
+                        );
+                        let first = r * cols + g * group;
+                        match ty {
+                            ElemType::I8 => {
+                                for (c, &b) in
+                                    codes.iter_mut().zip(&self.data[first..first + group])
+                                {
+                                    *c = f32::from(b as i8);
+                                }
+                            }
+                            _ if first.is_multiple_of(2) && group.is_multiple_of(2) => {
+                                let bytes = &self.data[first / 2..(first + group) / 2];
+                                for (pair, &b) in codes.chunks_exact_mut(2).zip(bytes) {
+                                    pair[0] = f32::from(((b << 4) as i8) >> 4);
+                                    pair[1] = f32::from((b as i8) >> 4);
+                                }
+                            }
+                            _ => {
+                                for (j, c) in codes.iter_mut().enumerate() {
+                                    let i = first + j;
+                                    let byte = self.data[i / 2];
+                                    let nibble = if i.is_multiple_of(2) {
+                                        byte & 0x0f
+                                    } else {
+                                        byte >> 4
+                                    };
+                                    *c = f32::from(((nibble << 4) as i8) >> 4);
+                                }
+                            }
+                        }
+                        let o = &mut out
+                            [(r - r0) * cols + g * group..(r - r0) * cols + (g + 1) * group];
+                        dequantize::<S, FTZ>(&codes, scale, o);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The checkpoint matrices of the graph's top level that only products (as `b` of `a @ bᵀ`) and row gathers read,
+/// and the nodes of their chains.
+pub(super) fn find_weights(graph: &Graph) -> (HashMap<usize, Weight>, HashSet<usize>) {
+    let nodes = &graph.nodes;
+    let mut readers: Vec<Vec<(usize, usize)>> = vec![Vec::new(); nodes.len()];
+    for (id, n) in nodes.iter().enumerate() {
+        for (i, v) in n.inputs.iter().enumerate() {
+            readers[v.node].push((id, i));
+        }
+    }
+    let axis_zero = |n: &Node| {
+        let c = &nodes[n.inputs[2].node];
+        let at = |k: &str| c.attr(k).and_then(|v| v.parse::<usize>().ok());
+        c.op == "Const"
+            && c.outputs[0].ty == ElemType::I64
+            && matches!((at("offset"), at("size")), (Some(o), Some(8))
+                if graph.bin_bytes(o, 8).is_ok_and(|b| b.as_ref() == [0; 8]))
+    };
+    let reads_rows = |&(id, i): &(usize, usize)| {
+        let n = &nodes[id];
+        match n.op {
+            "MatMul" => {
+                i == 1
+                    && n.attr("transpose_b") == Some("true")
+                    && n.attr("transpose_a") != Some("true")
+            }
+            "Gather" => i == 0 && n.inputs.len() == 3 && axis_zero(n),
+            _ => false,
+        }
+    };
+    let (mut weights, mut deferred) = (HashMap::new(), HashSet::new());
+    for id in 0..nodes.len() {
+        if readers[id].is_empty() || !readers[id].iter().all(reads_rows) {
+            continue;
+        }
+        let Some(w) = recognise(nodes, id) else {
+            continue;
+        };
+        // Every other node of the chain is read by the chain alone.
+        let inner_only = w.nodes[1..]
+            .iter()
+            .all(|&c| readers[c].iter().all(|(r, _)| w.nodes.contains(r)));
+        if inner_only {
+            deferred.extend(w.nodes.iter().copied());
+            weights.insert(id, w);
+        }
+    }
+    (weights, deferred)
+}
