@@ -18,6 +18,43 @@ fn swap_last(v: &V) -> Result<V> {
     transpose(v, &perm)
 }
 
+/// The sizes of a batched product `a` `[.., m, k]` times `b` (`[.., n, k]` when `b_by_rows`, else `[.., k, n]`),
+/// its broadcast batch dims and, per batch entry, the entry of `a` and of `b` it reads.
+struct Batched {
+    m: usize,
+    k: usize,
+    n: usize,
+    batch: Vec<usize>,
+    ia: Vec<usize>,
+    ib: Vec<usize>,
+}
+
+fn batched(a: &V, b: &V, b_by_rows: bool) -> Result<Batched> {
+    let (ra, rb) = (a.shape.len(), b.shape.len());
+    let (m, k) = (a.shape[ra - 2], a.shape[ra - 1]);
+    let (mut k2, mut n) = (b.shape[rb - 2], b.shape[rb - 1]);
+    if b_by_rows {
+        std::mem::swap(&mut k2, &mut n);
+    }
+    if k != k2 {
+        return Err(Error::Interface(format!(
+            "MatMul {:?} x {:?}",
+            a.shape, b.shape
+        )));
+    }
+    let batch = broadcast(&a.shape[..ra - 2], &b.shape[..rb - 2])?;
+    let ia = broadcast_index(&a.shape[..ra - 2], &batch);
+    let ib = broadcast_index(&b.shape[..rb - 2], &batch);
+    Ok(Batched {
+        m,
+        k,
+        n,
+        batch,
+        ia,
+        ib,
+    })
+}
+
 impl Evaluator {
     /// `a @ b` with optional transposes of the last two dims and broadcast batch dims: each term rounded to the
     /// storage format before it is summed (the accumulation as the model says), the result rounded by the caller.
@@ -34,18 +71,14 @@ impl Evaluator {
         // The tiled product reads the right operand by rows of the result's columns: `[.., n, k]`.
         let a = if ta { swap_last(a)? } else { a.clone() };
         let b = if tb { b.clone() } else { swap_last(b)? };
-        let (ra, rb) = (a.shape.len(), b.shape.len());
-        let (m, k) = (a.shape[ra - 2], a.shape[ra - 1]);
-        let (n, k2) = (b.shape[rb - 2], b.shape[rb - 1]);
-        if k != k2 {
-            return Err(Error::Interface(format!(
-                "MatMul {:?} x {:?}",
-                a.shape, b.shape
-            )));
-        }
-        let batch = broadcast(&a.shape[..ra - 2], &b.shape[..rb - 2])?;
-        let ia = broadcast_index(&a.shape[..ra - 2], &batch);
-        let ib = broadcast_index(&b.shape[..rb - 2], &batch);
+        let Batched {
+            m,
+            k,
+            n,
+            batch,
+            ia,
+            ib,
+        } = batched(&a, &b, true)?;
         let (av, bv) = (a.floats()?, b.floats()?);
         let mut out = Vec::with_capacity(ia.len() * m * n);
         for (&pa, &pb) in ia.iter().zip(&ib) {
@@ -64,18 +97,14 @@ impl Evaluator {
             if ta { swap_last(a)? } else { a.clone() },
             if tb { swap_last(b)? } else { b.clone() },
         );
-        let (ra, rb) = (a.shape.len(), b.shape.len());
-        let (m, k) = (a.shape[ra - 2], a.shape[ra - 1]);
-        let (k2, n) = (b.shape[rb - 2], b.shape[rb - 1]);
-        if k != k2 {
-            return Err(Error::Interface(format!(
-                "MatMul {:?} x {:?}",
-                a.shape, b.shape
-            )));
-        }
-        let batch = broadcast(&a.shape[..ra - 2], &b.shape[..rb - 2])?;
-        let ia = broadcast_index(&a.shape[..ra - 2], &batch);
-        let ib = broadcast_index(&b.shape[..rb - 2], &batch);
+        let Batched {
+            m,
+            k,
+            n,
+            batch,
+            ia,
+            ib,
+        } = batched(&a, &b, false)?;
         let (av, bv) = (a.floats()?, b.floats()?);
         let exact = self.model.is_exact_f32();
         let acc_storage = self.model.accumulation == Accumulation::Storage;
