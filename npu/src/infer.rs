@@ -103,7 +103,11 @@ impl SimSession {
                 device: device.to_string(),
                 precision: model.precision().into(),
                 execution_devices: Some(model.to_string()),
-                properties: model.properties().into_iter().collect(),
+                properties: model
+                    .properties()
+                    .into_iter()
+                    .chain([("kernels".to_string(), kernels.name().to_string())])
+                    .collect(),
                 compile_seconds: start.elapsed().as_secs_f64(),
                 cache_dir: None,
                 loaded_from_cache: None,

@@ -333,7 +333,6 @@ impl Graph {
         )
     }
 
-    /// The `size` bytes at `offset` of the graph's `.bin` (read back from the file for a shared one).
     /// The graph's `.bin` file mapped (`None`: its constants are held in memory).
     pub(crate) fn bin_map(&self) -> Result<Option<memmap2::Mmap>> {
         match &self.bin {
@@ -342,6 +341,7 @@ impl Graph {
         }
     }
 
+    /// The `size` bytes at `offset` of the graph's `.bin` (read back from the file for a shared one).
     pub(crate) fn bin_bytes(
         &self,
         offset: usize,

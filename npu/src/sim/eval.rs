@@ -150,6 +150,16 @@ pub enum Kernels {
     Tiled,
 }
 
+impl Kernels {
+    /// The `kernels=` option's value.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernels::Plain => "plain",
+            Kernels::Tiled => "tiled",
+        }
+    }
+}
+
 impl Evaluator {
     /// An evaluator of `graph`; `state_inputs`/`state_outputs` name the ports that carry states between calls.
     pub fn new(

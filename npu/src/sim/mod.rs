@@ -69,3 +69,34 @@ pub fn parse_device(device: &str, config: &[(String, String)]) -> Result<(Numeri
     };
     Ok((model, kernels))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kernels_option_is_read_beside_the_numeric_ones() {
+        let (m, k) = parse_device("FP16SIM", &[]).unwrap();
+        assert_eq!((m, k), (NumericModel::default(), Kernels::Tiled));
+        let (m, k) = parse_device("FP16SIM:kernels=plain,acc=f16", &[]).unwrap();
+        assert_eq!(k, Kernels::Plain);
+        assert_eq!(m, NumericModel::parse("FP16SIM:acc=f16", &[]).unwrap());
+        let config = [("KERNELS".to_string(), "Plain".to_string())];
+        let (m, k) = parse_device("FP16SIM:store=bf16", &config).unwrap();
+        assert_eq!(k, Kernels::Plain);
+        assert_eq!(m, NumericModel::parse("FP16SIM:store=bf16", &[]).unwrap());
+        for (device, config, says) in [
+            ("FP16SIM:kernels=fast", vec![], "kernels is tiled or plain"),
+            (
+                "FP16SIM:kernels=plain",
+                vec![("kernels".to_string(), "tiled".to_string())],
+                "given twice",
+            ),
+            ("FP16SIM:kernels=plain,speed=fast", vec![], "unknown option"),
+        ] {
+            let e = parse_device(device, &config).unwrap_err().to_string();
+            assert!(e.contains(says), "{device}: {e}");
+        }
+        assert_eq!(Kernels::Plain.name(), "plain");
+    }
+}

@@ -5,7 +5,7 @@
 
 use super::{MappedMatrix, PackedMatrix};
 use crate::error::{Error, Result};
-use crate::quant::{QuantKind, QuantizedMatrix, quantize_int4_sym, quantize_int8_sym};
+use crate::quant::{QuantKind, QuantizedMatrix, quantize_as};
 use candle_core::{Device, Tensor};
 use std::ops::Range;
 
@@ -25,11 +25,12 @@ impl QuantizedOnRead {
     /// The codes and scales of rows `r`.
     fn quantize(&self, r: Range<usize>) -> Result<QuantizedMatrix> {
         let cols = self.map.cols();
-        let w = self.map.rows_f32(r.start, r.len());
-        match self.kind {
-            QuantKind::Int4Sym { group } => quantize_int4_sym(&w, r.len(), cols, group),
-            QuantKind::Int8Sym => quantize_int8_sym(&w, r.len(), cols),
-        }
+        quantize_as(
+            &self.map.rows_f32(r.start, r.len()),
+            r.len(),
+            cols,
+            self.kind,
+        )
     }
 
     /// The rows `ids`, quantised and dequantised, `[ids.len(), cols]`; an id outside the matrix is an error.
@@ -75,12 +76,9 @@ mod tests {
             MappedMatrix::new(&SharedMap::from_vec(bytes), 0, rows, cols, Elem::Bf16).unwrap();
         let widened = map.rows_f32(0, rows);
         for kind in [QuantKind::Int8Sym, QuantKind::Int4Sym { group: 16 }] {
-            let whole = match kind {
-                QuantKind::Int4Sym { group } => quantize_int4_sym(&widened, rows, cols, group),
-                QuantKind::Int8Sym => quantize_int8_sym(&widened, rows, cols),
-            }
-            .unwrap()
-            .dequantize();
+            let whole = quantize_as(&widened, rows, cols, kind)
+                .unwrap()
+                .dequantize();
             let m = QuantizedOnRead::new(map.clone(), kind);
             let ids = [3u32, 0, 8, 3];
             let got: Vec<f32> = m

@@ -160,6 +160,19 @@ pub fn quantize_int8_sym(w: &[f32], rows: usize, cols: usize) -> Result<Quantize
     quantize(w, rows, cols, QuantKind::Int8Sym)
 }
 
+/// [`quantize_int4_sym`] or [`quantize_int8_sym`], as `kind` says.
+pub fn quantize_as(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    kind: QuantKind,
+) -> Result<QuantizedMatrix> {
+    match kind {
+        QuantKind::Int4Sym { group } => quantize_int4_sym(w, rows, cols, group),
+        QuantKind::Int8Sym => quantize_int8_sym(w, rows, cols),
+    }
+}
+
 fn check_len(len: usize, rows: usize, cols: usize, what: &str) -> Result<()> {
     match rows.checked_mul(cols) {
         Some(n) if n == len => Ok(()),

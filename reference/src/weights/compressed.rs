@@ -48,7 +48,9 @@ impl WeightStore {
             return Ok(None);
         }
         let file = raw.file;
-        let info = file.info(&full_name).expect("checked by raw");
+        let info = file
+            .info(&full_name)
+            .ok_or_else(|| raw.err("not in its file's header".into()))?;
         let m = MappedMatrix::new(&file.mmap, file.start(info), rows, cols, elem)
             .map_err(|e| raw.err(e.to_string()))?;
         Ok(Some(QuantizedOnRead::new(m, kind)))
