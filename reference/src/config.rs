@@ -81,14 +81,15 @@ pub struct Config {
     pub nested: bool,
 }
 
-struct Fields<'a> {
-    file: String,
-    prefix: &'a str,
-    map: &'a Map<String, Value>,
+/// The fields of one JSON object of a config file, with the path of their keys for errors.
+pub(crate) struct Fields<'a> {
+    pub(crate) file: String,
+    pub(crate) prefix: &'a str,
+    pub(crate) map: &'a Map<String, Value>,
 }
 
 impl<'a> Fields<'a> {
-    fn err(&self, key: &str, message: impl Into<String>) -> Error {
+    pub(crate) fn err(&self, key: &str, message: impl Into<String>) -> Error {
         Error::Config {
             file: self.file.clone(),
             key: format!("{}{}", self.prefix, key),
@@ -96,7 +97,7 @@ impl<'a> Fields<'a> {
         }
     }
 
-    fn get(&self, key: &str) -> Result<&'a Value> {
+    pub(crate) fn get(&self, key: &str) -> Result<&'a Value> {
         self.map.get(key).ok_or_else(|| {
             self.err(
                 key,
@@ -105,7 +106,7 @@ impl<'a> Fields<'a> {
         })
     }
 
-    fn usize(&self, key: &str) -> Result<usize> {
+    pub(crate) fn usize(&self, key: &str) -> Result<usize> {
         let v = self.get(key)?;
         let n = v
             .as_u64()
@@ -116,19 +117,19 @@ impl<'a> Fields<'a> {
         usize::try_from(n).map_err(|_| self.err(key, "too large"))
     }
 
-    fn f64(&self, key: &str) -> Result<f64> {
+    pub(crate) fn f64(&self, key: &str) -> Result<f64> {
         let v = self.get(key)?;
         v.as_f64()
             .ok_or_else(|| self.err(key, format!("expected a number, found {v}")))
     }
 
-    fn bool(&self, key: &str) -> Result<bool> {
+    pub(crate) fn bool(&self, key: &str) -> Result<bool> {
         let v = self.get(key)?;
         v.as_bool()
             .ok_or_else(|| self.err(key, format!("expected true or false, found {v}")))
     }
 
-    fn object(&self, key: &str) -> Result<&'a Map<String, Value>> {
+    pub(crate) fn object(&self, key: &str) -> Result<&'a Map<String, Value>> {
         let v = self.get(key)?;
         v.as_object()
             .ok_or_else(|| self.err(key, format!("expected an object, found {v}")))

@@ -7,7 +7,8 @@
 //! [`rope`] are the blocks, their weights [`linear`] layers read in place; [`model`] assembles the decoder with a separate [`model::State`]; [`taps`] records
 //! intermediates under the dump's names; [`backend`] is the interface every backend implements, with the one greedy
 //! loop; [`masks`] are the causal masks and bands the reference and the OpenVINO graphs share; [`io`] writes
-//! safetensors files; [`tokenizer`] encodes prompts through the checkpoint's chat template.
+//! safetensors files; [`tokenizer`] encodes prompts through the checkpoint's chat template; [`vision`] is the vision
+//! tower and a multimodal prompt's positions.
 #![deny(missing_docs)]
 
 pub mod attention;
@@ -30,6 +31,7 @@ pub mod synth;
 pub mod synthetic;
 pub mod taps;
 pub mod tokenizer;
+pub mod vision;
 pub mod weights;
 
 pub use config::{Config, LayerKind};

@@ -248,11 +248,33 @@ impl Model {
         if ids.is_empty() {
             return Err(Error::Input("no tokens to run".into()));
         }
-        if positions.len() != ids.len() {
+        self.check_ids(ids)?;
+        let h = self.embed_tokens.gather(ids)?;
+        self.forward_embedded(h, positions, state, opts, taps)
+    }
+
+    /// [`Model::forward_at`] from the embeddings `[T, H]` instead of token ids: a multimodal prompt's, whose image
+    /// tokens carry the vision tower's rows ([`crate::vision::positions::scatter_rows`]).
+    pub fn forward_embedded(
+        &self,
+        embeddings: Tensor,
+        positions: &Positions,
+        state: &mut State,
+        opts: &RunOptions,
+        taps: &mut Taps,
+    ) -> Result<Tensor> {
+        let (t, width) = embeddings.dims2()?;
+        if t == 0 || width != self.config.hidden_size {
             return Err(Error::Input(format!(
-                "{} positions for {} tokens",
-                positions.len(),
-                ids.len()
+                "embeddings of shape {:?}: expected [T >= 1, {}]",
+                embeddings.dims(),
+                self.config.hidden_size
+            )));
+        }
+        if positions.len() != t {
+            return Err(Error::Input(format!(
+                "{} positions for {t} tokens",
+                positions.len()
             )));
         }
         if state.layers.len() != self.layers.len() {
@@ -260,10 +282,8 @@ impl Model {
                 "the state belongs to a different model".into(),
             ));
         }
-        self.check_ids(ids)?;
         let dev = Device::Cpu;
-        let t = ids.len();
-        let mut h = self.embed_tokens.gather(ids)?;
+        let mut h = embeddings.to_dtype(self.dtype)?;
         taps.record(|| names::EMBEDDINGS.into(), &h)?;
 
         let rotary = self.rope.tables(positions, self.dtype, &dev)?;

@@ -2,8 +2,8 @@
 //!
 //! Tensors are asked for by their [`TensorSpec`] (see [`crate::schema`]), which gives the name and the shape the
 //! config implies; names are resolved under the decoder prefix of the checkpoint (`model.` for a text-only export,
-//! `model.language_model.` for a full multimodal checkpoint); vision (`model.visual.*`) and multi-token-prediction
-//! (`mtp.*`) tensors are never read.
+//! `model.language_model.` for a full multimodal checkpoint); the vision tower's (`model.visual.*`) are read by their
+//! own specs ([`crate::schema::vision`]), multi-token-prediction (`mtp.*`) tensors never.
 //!
 //! A store opened with a [`WeightFormat`] other than f32 hands out the weights the compressed export runs: each
 //! tensor the format selects is quantised from its checkpoint value (converted to f32, exactly for bf16/f16/f32) and
@@ -24,6 +24,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 mod compressed;
+mod vision;
 
 struct ShardFile {
     path: PathBuf,

@@ -18,3 +18,4 @@ mod rope;
 mod store;
 mod strong_decay;
 mod synth;
+mod vision;

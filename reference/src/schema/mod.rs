@@ -328,3 +328,5 @@ impl<'a> Schema<'a> {
         }
     }
 }
+
+pub mod vision;
