@@ -5,13 +5,13 @@
 //! | `patch_embed.proj.weight` | `[Hv, C, Tp, P, P]` | the Conv3d (kernel = stride = one patch) |
 //! | `patch_embed.proj.bias` | `[Hv]` | bias |
 //! | `pos_embed.weight` | `[N, Hv]` (N = side²) | the learned position table |
-//! | `blocks.i.norm1.weight`, `norm1.bias`, `norm2.weight`, `norm2.bias` | `[Hv]` | LayerNorm |
+//! | `blocks.i.norm1.weight`, `norm2.weight` (and their `.bias`) | `[Hv]` | LayerNorm weight (bias) |
 //! | `blocks.i.attn.qkv.weight` | `[3·Hv, Hv]` | projection (`[3, heads, head_dim]` rows) |
 //! | `blocks.i.attn.qkv.bias` | `[3·Hv]` | bias |
 //! | `blocks.i.attn.proj.weight`, `.bias` | `[Hv, Hv]`, `[Hv]` | projection, bias |
 //! | `blocks.i.mlp.linear_fc1.weight`, `.bias` | `[I, Hv]`, `[I]` | projection, bias |
 //! | `blocks.i.mlp.linear_fc2.weight`, `.bias` | `[Hv, I]`, `[Hv]` | projection, bias |
-//! | `merger.norm.weight`, `.bias` | `[Hv]` | LayerNorm (per patch, before the merge) |
+//! | `merger.norm.weight`, `.bias` | `[Hv]` | LayerNorm weight, bias (per patch, before the merge) |
 //! | `merger.linear_fc1.weight`, `.bias` | `[4·Hv, 4·Hv]`, `[4·Hv]` | projection, bias |
 //! | `merger.linear_fc2.weight`, `.bias` | `[H, 4·Hv]`, `[H]` | projection to the text width, bias |
 
@@ -25,10 +25,10 @@ pub const VISION_PREFIX: &str = "model.visual.";
 pub enum VisionRole {
     /// A linear layer's weight `[out, in]` (the patch Conv3d counts as one, flattened to `[Hv, C·Tp·P·P]`).
     Projection,
-    /// A linear layer's (or the Conv3d's) bias.
+    /// A linear layer's, the Conv3d's or a LayerNorm's bias.
     Bias,
-    /// A LayerNorm's weight or bias (plain, not zero-centred).
-    LayerNorm,
+    /// A LayerNorm's weight (plain, not zero-centred).
+    NormWeight,
     /// The learned position table.
     Table,
 }
@@ -110,8 +110,8 @@ impl<'a> VisionSchema<'a> {
     pub fn layer_norm(&self, scope: &str) -> [VisionTensor; 2] {
         let h = self.config.hidden_size;
         [
-            VisionTensor::new(format!("{scope}.weight"), vec![h], VisionRole::LayerNorm),
-            VisionTensor::new(format!("{scope}.bias"), vec![h], VisionRole::LayerNorm),
+            VisionTensor::new(format!("{scope}.weight"), vec![h], VisionRole::NormWeight),
+            VisionTensor::new(format!("{scope}.bias"), vec![h], VisionRole::Bias),
         ]
     }
 

@@ -2,7 +2,9 @@
 
 use crate::config::{Config, LayerKind};
 use crate::error::{Error, Result};
+use crate::schema::vision::{VisionRole, VisionSchema};
 use crate::schema::{Param, Role, Schema};
+use crate::vision::VisionConfig;
 use serde_json::{Value, json};
 
 /// The dimensions of a synthetic checkpoint.
@@ -345,63 +347,22 @@ pub fn plan(shape: Shape, layers: usize) -> Result<Vec<TensorPlan>> {
         Some(Init::normal(NORM_STD)),
     );
 
-    // The vision tower (Qwen3-VL style, without deepstack mergers).
-    let v = shape.dims().vision;
-    let vh = v.hidden;
+    // The vision tower (Qwen3-VL style, without deepstack mergers), as the schema lists it.
+    let vision = VisionConfig::from_json_str(&config_value.to_string(), "(synthetic config)")?
+        .ok_or_else(|| Error::Input("the synthetic config has no vision tower".into()))?;
     let layer_norm = Init::Normal {
         mean: 1.0,
         std: NORM_STD as f32,
     };
-    let patch = vec![vh, v.in_channels, v.temporal_patch, v.patch, v.patch];
-    push(
-        &mut out,
-        "model.visual.patch_embed.proj.weight",
-        patch,
-        None,
-    );
-    push(
-        &mut out,
-        "model.visual.patch_embed.proj.bias",
-        vec![vh],
-        Some(BIAS),
-    );
-    push(
-        &mut out,
-        "model.visual.pos_embed.weight",
-        vec![v.positions, vh],
-        Some(Init::normal(0.02)),
-    );
-    for b in 0..v.depth {
-        let p = format!("model.visual.blocks.{b}");
-        for norm in ["norm1", "norm2"] {
-            push(
-                &mut out,
-                &format!("{p}.{norm}.weight"),
-                vec![vh],
-                Some(layer_norm),
-            );
-            push(&mut out, &format!("{p}.{norm}.bias"), vec![vh], Some(BIAS));
-        }
-        linear(&mut out, &format!("{p}.attn.qkv"), 3 * vh, vh);
-        linear(&mut out, &format!("{p}.attn.proj"), vh, vh);
-        linear(&mut out, &format!("{p}.mlp.linear_fc1"), v.intermediate, vh);
-        linear(&mut out, &format!("{p}.mlp.linear_fc2"), vh, v.intermediate);
+    for t in VisionSchema::new(&vision).tensors() {
+        let init = match t.role {
+            VisionRole::Projection => None,
+            VisionRole::Bias => Some(BIAS),
+            VisionRole::NormWeight => Some(layer_norm),
+            VisionRole::Table => Some(Init::normal(0.02)),
+        };
+        push(&mut out, &t.full_name(), t.shape, init);
     }
-    let merged = vh * v.merge * v.merge;
-    push(
-        &mut out,
-        "model.visual.merger.norm.weight",
-        vec![vh],
-        Some(layer_norm),
-    );
-    push(
-        &mut out,
-        "model.visual.merger.norm.bias",
-        vec![vh],
-        Some(BIAS),
-    );
-    linear(&mut out, "model.visual.merger.linear_fc1", merged, merged);
-    linear(&mut out, "model.visual.merger.linear_fc2", h, merged);
     Ok(out)
 }
 
@@ -419,15 +380,4 @@ fn push(out: &mut Vec<TensorPlan>, name: &str, shape: Vec<usize>, init: Option<I
         shape,
         init,
     });
-}
-
-/// Appends a linear layer's `weight [out, in]` and `bias [out]`.
-fn linear(out: &mut Vec<TensorPlan>, prefix: &str, out_dim: usize, in_dim: usize) {
-    push(
-        out,
-        &format!("{prefix}.weight"),
-        vec![out_dim, in_dim],
-        None,
-    );
-    push(out, &format!("{prefix}.bias"), vec![out_dim], Some(BIAS));
 }
