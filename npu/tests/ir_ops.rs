@@ -3,7 +3,7 @@
 use candle_core::{DType, Device, Tensor};
 use npu::devices::{CompileOptions, compile, compile_file};
 use npu::infer::{Executor, Session, SimSession};
-use npu::ir::{ElemType, Graph, Unary};
+use npu::ir::{ElemType, GeluMode, Graph, Unary};
 use npu::sim::NumericModel;
 use reference::compare::diff;
 use reference::synthetic::Rng;
@@ -97,6 +97,10 @@ fn elementwise_matmul_and_shape_ops_match_candle() {
         let y = g.unary(op, xi).unwrap();
         g.result(y, name).unwrap();
     }
+    for (mode, name) in [(GeluMode::Erf, "gelu_erf"), (GeluMode::Tanh, "gelu_tanh")] {
+        let y = g.gelu(xi, mode).unwrap();
+        g.result(y, name).unwrap();
+    }
     let mean = g.reduce_mean(xi, &[2], true).unwrap();
     let centred = g.sub(xi, mean).unwrap();
     g.result(centred, "centred").unwrap();
@@ -133,6 +137,8 @@ fn elementwise_matmul_and_shape_ops_match_candle() {
         1e-6,
     );
     close("swish", &out["swish"], &x.silu().unwrap(), 1e-6);
+    close("gelu_erf", &out["gelu_erf"], &x.gelu_erf().unwrap(), 1e-6);
+    close("gelu_tanh", &out["gelu_tanh"], &x.gelu().unwrap(), 1e-6);
     close("sin", &out["sin"], &x.sin().unwrap(), 1e-6);
     close("cos", &out["cos"], &x.cos().unwrap(), 1e-6);
     close(

@@ -33,6 +33,7 @@ pub mod model;
 pub mod ops;
 pub mod ports;
 pub mod rope;
+pub mod vision;
 
 use crate::error::{Error, Result};
 use crate::ir::{ElemType, Graph, Value};

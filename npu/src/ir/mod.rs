@@ -16,7 +16,7 @@ mod xml;
 
 pub use bin::SharedBin;
 pub use loop_op::{LoopInput, LoopOutput};
-pub use ops::{Binary, Unary};
+pub use ops::{Binary, GeluMode, Unary};
 
 pub(crate) use bin::Bin;
 

@@ -37,6 +37,25 @@ pub enum Unary {
     Swish,
 }
 
+/// The two forms of GELU (`Gelu-7`'s `approximation_mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GeluMode {
+    /// `x/2 · (1 + erf(x/√2))` (PyTorch's `nn.GELU()`).
+    Erf,
+    /// `x/2 · (1 + tanh(√(2/π) · (x + 0.044715 x³)))` (PyTorch's `gelu(approximate="tanh")`).
+    Tanh,
+}
+
+impl GeluMode {
+    /// The attribute's value.
+    pub fn attr(self) -> &'static str {
+        match self {
+            GeluMode::Erf => "ERF",
+            GeluMode::Tanh => "TANH",
+        }
+    }
+}
+
 impl Binary {
     fn op(self) -> &'static str {
         match self {
@@ -125,6 +144,25 @@ impl Graph {
         }
         let (ty, shape) = (self.elem(x), self.shape(x).to_vec());
         Ok(self.one(name, version, vec![], vec![x], ty, shape))
+    }
+
+    /// GELU of a float tensor, in the form `mode` names.
+    pub fn gelu(&mut self, x: Value, mode: GeluMode) -> Result<Value> {
+        if !self.elem(x).is_float() {
+            return Err(self.err(
+                "Gelu",
+                format!("needs a float input, got {}", self.elem(x).ir_name()),
+            ));
+        }
+        let (ty, shape) = (self.elem(x), self.shape(x).to_vec());
+        Ok(self.one(
+            "Gelu",
+            "opset7",
+            vec![("approximation_mode", mode.attr().into())],
+            vec![x],
+            ty,
+            shape,
+        ))
     }
 
     /// Matrix product with optional transposes of the last two dims; leading dims broadcast.

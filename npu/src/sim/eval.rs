@@ -9,8 +9,8 @@
 use super::norms::find_norms;
 use super::numeric::{Accumulation, NumericModel};
 use super::ops::{
-    binary, binary_int, concat, convert, from_tensor, gather, slice, softmax, to_tensor, transpose,
-    unary,
+    binary, binary_int, concat, convert, from_tensor, gather, gelu_erf, gelu_tanh, slice, softmax,
+    to_tensor, transpose, unary,
 };
 use super::weights::{Weight, find_weights};
 use crate::error::{Error, Result};
@@ -427,6 +427,13 @@ impl Evaluator {
                 if x > 20.0 { x } else { x.exp().ln_1p() }
             })?,
             "Swish" => unary(&a[0], |x| x / (1.0 + (-x).exp()))?,
+            "Gelu" => match attr("approximation_mode") {
+                "TANH" => unary(&a[0], gelu_tanh)?,
+                "ERF" | "" => unary(&a[0], gelu_erf)?,
+                other => {
+                    return Err(Error::Interface(format!("Gelu approximation_mode {other}")));
+                }
+            },
             "MatMul" => self.matmul(
                 &a[0],
                 &a[1],

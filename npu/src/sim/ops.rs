@@ -232,3 +232,16 @@ pub(super) fn to_tensor(v: &Val) -> Result<Tensor> {
         )?,
     })
 }
+
+/// `x/2 · (1 + erf(x/√2))`, evaluated in f64 (the caller rounds).
+pub(super) fn gelu_erf(x: f32) -> f32 {
+    let x = x as f64;
+    (0.5 * x * (1.0 + candle_core::cpu::erf::erf_f64(x * std::f64::consts::FRAC_1_SQRT_2))) as f32
+}
+
+/// `x/2 · (1 + tanh(√(2/π) · (x + 0.044715 x³)))`, evaluated in f64 (the caller rounds).
+pub(super) fn gelu_tanh(x: f32) -> f32 {
+    let x = x as f64;
+    let k = (2.0 / std::f64::consts::PI).sqrt();
+    (0.5 * x * (1.0 + (k * (x + 0.044715 * x * x * x)).tanh())) as f32
+}
