@@ -15,6 +15,7 @@ pub mod block;
 pub mod config;
 pub mod grid;
 pub mod positions;
+pub mod preprocess;
 
 pub use config::{VisionConfig, VisionTokens};
 pub use grid::Grid;

@@ -189,3 +189,40 @@ fn the_vision_tensors_are_the_checkpoints() {
         None
     );
 }
+
+/// The two committed images through our preprocessing against transformers' image processor (PIL backend): the
+/// same grids, and pixel values within one 8-bit level (1/255 after rescaling, 2/255 after normalising with
+/// std 0.5).
+#[test]
+fn the_preprocessed_images_match_transformers_processor() {
+    use reference::vision::preprocess::{Preprocessor, RgbImage};
+    let dir = testdata().join("models/tiny-vl");
+    let g = load_golden(&testdata().join("goldens/tiny-vl.safetensors"));
+    let p = Preprocessor::from_dir(&dir).unwrap();
+    let images: Vec<RgbImage> = ["wide", "small"]
+        .iter()
+        .map(|n| RgbImage::open(&testdata().join(format!("images/{n}.png"))).unwrap())
+        .collect();
+    let (pixels, grid) = p.pixel_values(&images, None).unwrap();
+    assert_eq!(grid, grids(&g.tensors["images.image_grid_thw"]));
+    let expected = &g.tensors["images.pixel_values"];
+    let (_, std) = p.normalize.unwrap();
+    let level = p.rescale.unwrap() / std[0] as f64;
+    let d = diff(&pixels, expected).unwrap();
+    let levels = d.max_abs / level;
+    let a: Vec<f32> = pixels.flatten_all().unwrap().to_vec1().unwrap();
+    let b: Vec<f32> = expected.flatten_all().unwrap().to_vec1().unwrap();
+    let differ = a
+        .iter()
+        .zip(&b)
+        .filter(|(x, y)| (*x - *y).abs() as f64 > level / 2.0)
+        .count();
+    println!(
+        "pixel values: max {levels:.3} levels ({d}); {differ} of {} values differ by a level",
+        a.len()
+    );
+    assert!(
+        levels <= 1.0 + 1e-3,
+        "pixel values differ by {levels} levels: {d}"
+    );
+}
