@@ -6,6 +6,7 @@ use candle_core::{DType, Tensor};
 use npu::devices::CompileOptions;
 use npu::engine::{DecoderEngine, HostLayerState, LayerRunner};
 use npu::graphs::{Builder, DeltaNetGraphForm, GraphOptions};
+use npu::graphset::layout::CallPositions;
 use reference::backend::{Backend, ReferenceBackend};
 use reference::compare::diff;
 use reference::config::Config;
@@ -82,6 +83,7 @@ fn exact_fp16sim_agrees_with_openvino_on_every_layer_graph() {
                 output_scale: scale,
                 context: 64,
                 taps: true,
+                embeddings_input: false,
             };
             let builder = Builder::new(&config, &weights, opts).unwrap();
             let mut worst = 0f64;
@@ -102,7 +104,9 @@ fn exact_fp16sim_agrees_with_openvino_on_every_layer_graph() {
                     )
                     .unwrap();
                     let mut state = HostLayerState::zeros(&config, layer).unwrap();
-                    let mut out = runner.run(&input, 0, &mut state).unwrap();
+                    let mut out = runner
+                        .run(&input, 0, CallPositions::TEXT, &mut state)
+                        .unwrap();
                     out.extend(state.dump_tensors(layer).unwrap());
                     outputs.push(out);
                 }
@@ -197,7 +201,9 @@ fn fp16_arithmetic_moves_the_numbers_by_fp16_precision() {
             LayerRunner::new(&builder, layer, 16, device, &CompileOptions::default()).unwrap();
         assert_eq!(runner.info().device, device);
         let mut state = HostLayerState::zeros(&config, layer).unwrap();
-        let out = runner.run(&taps["embeddings"], 0, &mut state).unwrap();
+        let out = runner
+            .run(&taps["embeddings"], 0, CallPositions::TEXT, &mut state)
+            .unwrap();
         outputs.insert(device, out);
     }
     let err = |device: &str, tap: &str| {

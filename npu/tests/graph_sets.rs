@@ -8,6 +8,7 @@ use candle_core::{DType, Tensor};
 use npu::devices::CompileOptions;
 use npu::engine::{DecoderEngine, HostLayerState, LayerChain, LayerRunner};
 use npu::graphs::{Builder, GraphOptions};
+use npu::graphset::layout::CallPositions;
 use npu::graphset::{PromptRule, manifest};
 use reference::backend::{Backend, ReferenceBackend, Snapshot, greedy};
 use reference::config::Config;
@@ -138,8 +139,12 @@ fn an_exported_per_layer_set_is_the_in_memory_layer_graph_and_chains_into_the_de
     .unwrap();
     let mut s1 = HostLayerState::zeros(&config, 3).unwrap();
     let mut s2 = HostLayerState::zeros(&config, 3).unwrap();
-    let a = from_file.run(&hidden, 0, &mut s1).unwrap();
-    let b = in_memory.run(&hidden, 0, &mut s2).unwrap();
+    let a = from_file
+        .run(&hidden, 0, CallPositions::TEXT, &mut s1)
+        .unwrap();
+    let b = in_memory
+        .run(&hidden, 0, CallPositions::TEXT, &mut s2)
+        .unwrap();
     assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
     for (k, t) in &a {
         assert_eq!(rel(t, &b[k]), 0.0, "{k}");
@@ -183,8 +188,6 @@ fn the_stateless_export_exposes_states_that_agree_with_the_reference() {
     // Embeddings fed by the host in place of token ids: the same graph but for the lookup, bit for bit.
     let (config, store) = tiny();
     let model = Model::from_weights(config.clone(), &store).unwrap();
-    let all: Vec<u32> = (0..config.vocab_size as u32).collect();
-    let table = model.embed(&all).unwrap();
     let set = manifest::open(&testdata().join("sets/tiny-embeds")).unwrap();
     let e = DecoderEngine::open(
         &set,
@@ -198,7 +201,7 @@ fn the_stateless_export_exposes_states_that_agree_with_the_reference() {
     .to_string();
     assert!(e.contains("embedding table"), "{e}");
     let mut embeds =
-        DecoderEngine::open(&set, config, "CPU", &CompileOptions::default(), Some(table)).unwrap();
+        DecoderEngine::open(&set, config, "CPU", &CompileOptions::default(), Some(model)).unwrap();
     let x = greedy(&mut embeds, &ids, 8, &[], true, |_| Ok(())).unwrap();
     assert_eq!(x.tokens, d.tokens);
     assert_eq!(rel(&x.prompt.logits, &d.prompt.logits), 0.0);

@@ -4,6 +4,7 @@ use candle_core::{DType, Tensor};
 use npu::devices::CompileOptions;
 use npu::engine::{HostLayerState, LayerRunner};
 use npu::graphs::{Builder, DeltaNetGraphForm, GraphOptions};
+use npu::graphset::layout::CallPositions;
 use reference::config::{Config, LayerKind};
 use reference::deltanet::Inverse;
 use reference::model::{LayerState, Model, RunOptions};
@@ -71,6 +72,7 @@ fn layer_graphs_match_the_reference() {
                 output_scale: scale,
                 context: 160,
                 taps: true,
+                ..GraphOptions::default()
             };
             let builder = Builder::new(&config, &weights, opts).unwrap();
             let mut worst = Worst::default();
@@ -84,7 +86,9 @@ fn layer_graphs_match_the_reference() {
                     taps[&format!("layers.{}.output", layer - 1)].clone()
                 };
                 let mut state = HostLayerState::zeros(&config, layer).unwrap();
-                let out = runner.run(&input, 0, &mut state).unwrap();
+                let out = runner
+                    .run(&input, 0, CallPositions::TEXT, &mut state)
+                    .unwrap();
                 let label = format!("{name} layer {layer} T={tokens} {form:?} scale {scale}");
                 for (tap, t) in &out {
                     let reference_name = if tap == "output"

@@ -45,10 +45,20 @@ pub enum LayerState {
 /// Everything a run carries from token to token; the weights never change.
 #[derive(Debug, Clone)]
 pub struct State {
-    /// Tokens processed so far (the next token's text position).
+    /// Tokens processed so far (the caches' length).
     pub position: usize,
+    /// The next text position minus [`State::position`]: 0 for text, negative after an image or a video (its tokens
+    /// span fewer positions than they are), as transformers' `rope_deltas` carry the positions on.
+    pub rope_delta: i64,
     /// One entry per layer.
     pub layers: Vec<LayerState>,
+}
+
+impl State {
+    /// The next token's text position (the same on all three MRoPE rows).
+    pub fn next_position(&self) -> usize {
+        usize::try_from(self.position as i64 + self.rope_delta).unwrap_or(0)
+    }
 }
 
 /// The dump names of a layer's two state tensors: `layers.{i}.conv_state` and `layers.{i}.recurrent_state` for a
@@ -212,6 +222,7 @@ impl Model {
             .collect::<Result<_>>()?;
         Ok(State {
             position: 0,
+            rope_delta: 0,
             layers,
         })
     }
@@ -221,7 +232,7 @@ impl Model {
         self.config.check_token_ids(ids)
     }
 
-    /// Runs `ids` (text positions continuing from `state.position`) and returns the last token's logits `[V]`.
+    /// Runs `ids` (text positions continuing from the state's, [`State::next_position`]) and returns the last token's logits `[V]`.
     ///
     /// When `taps` is on it records `embeddings`, per layer `layers.{i}.{output, mixer_output, mlp_output}` and the
     /// mixers' own taps (`layers.{i}.linear_attn.*`, `layers.{i}.self_attn.*`), `final_norm` and `logits` `[T, V]`.
@@ -232,7 +243,7 @@ impl Model {
         opts: &RunOptions,
         taps: &mut Taps,
     ) -> Result<Tensor> {
-        let positions = Positions::text(state.position, ids.len());
+        let positions = Positions::text(state.next_position(), ids.len());
         self.forward_at(ids, &positions, state, opts, taps)
     }
 
@@ -322,14 +333,8 @@ impl Model {
         taps.record(|| names::FINAL_NORM.into(), &normed)?;
         // The next text position follows the largest position used (for text: position + T; after an image, the
         // row maximum + 1, as transformers' rope deltas continue).
-        let last = positions
-            .0
-            .iter()
-            .flat_map(|r| r.iter())
-            .copied()
-            .max()
-            .unwrap_or(-1);
-        state.position = usize::try_from(last + 1).unwrap_or(0).max(state.position);
+        state.position += t;
+        state.rope_delta = positions.next_text() - state.position as i64;
         let logits = if taps.enabled() {
             let logits = self.lm_head.forward(&normed)?;
             taps.record(|| names::LOGITS.into(), &logits)?;

@@ -20,6 +20,17 @@ impl Positions {
         Positions([row.clone(), row.clone(), row])
     }
 
+    /// The text position after these (the largest on any row, plus 1), where the following text continues.
+    pub fn next_text(&self) -> i64 {
+        self.0
+            .iter()
+            .flat_map(|r| r.iter())
+            .copied()
+            .max()
+            .unwrap_or(-1)
+            + 1
+    }
+
     /// Number of tokens.
     pub fn len(&self) -> usize {
         self.0[0].len()

@@ -124,6 +124,16 @@ impl ChatTokenizer {
         add_generation_prompt: bool,
         enable_thinking: bool,
     ) -> Result<String> {
+        self.render_serde(messages, add_generation_prompt, enable_thinking)
+    }
+
+    /// [`ChatTokenizer::render`] of messages in any form the template takes (a content given as a list of parts).
+    fn render_serde<M: Serialize + ?Sized>(
+        &self,
+        messages: &M,
+        add_generation_prompt: bool,
+        enable_thinking: bool,
+    ) -> Result<String> {
         let (source, path) = self.template.as_ref().ok_or_else(|| {
             tok_err(
                 &self.tokenizer_path.with_file_name("tokenizer_config.json"),
@@ -176,6 +186,52 @@ impl ChatTokenizer {
             .encode(text, false)
             .map_err(|e| tok_err(&self.tokenizer_path, e.to_string()))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// Renders and encodes a chat prompt whose last user message shows `images` images before its text: its
+    /// content is handed to the template as transformers' processors hand it, a list of `{"type": "image"}` parts
+    /// and a `{"type": "text"}` part, and the template must write the image placeholder for each
+    /// (`<|vision_start|><|image_pad|><|vision_end|>` in Qwen3.5's): a template that writes fewer is an error naming
+    /// its file, never a prompt silently without its images.
+    pub fn encode_chat_with_images(
+        &self,
+        messages: &[Message],
+        images: usize,
+        placeholder: &str,
+        enable_thinking: bool,
+    ) -> Result<Vec<u32>> {
+        let last_user = messages.iter().rposition(|m| m.role == "user");
+        let parts: Vec<serde_json::Value> = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                if Some(i) == last_user && images > 0 {
+                    let mut content: Vec<serde_json::Value> =
+                        vec![serde_json::json!({"type": "image"}); images];
+                    content.push(serde_json::json!({"type": "text", "text": m.content}));
+                    serde_json::json!({"role": m.role, "content": content})
+                } else {
+                    serde_json::json!({"role": m.role, "content": m.content})
+                }
+            })
+            .collect();
+        let text = self.render_serde(&parts, true, enable_thinking)?;
+        let written = text.matches(placeholder).count();
+        if written != images {
+            let path = self.template.as_ref().map_or_else(
+                || self.tokenizer_path.with_file_name("tokenizer_config.json"),
+                |(_, p)| p.clone(),
+            );
+            return Err(tok_err(
+                &path,
+                format!(
+                    "the chat template wrote {written} image placeholder(s) `{placeholder}` for {images} image(s): it \
+                     does not take images in a message's content; give the prompt as token ids holding the \
+                     placeholders instead"
+                ),
+            ));
+        }
+        self.encode(&text)
     }
 
     /// Renders and encodes a chat prompt.

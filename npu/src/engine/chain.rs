@@ -7,9 +7,10 @@
 use super::{HostLayerState, LayerRunner};
 use crate::devices::{CompileOptions, ExecInfo};
 use crate::error::{Error, Result};
+use crate::graphset::layout::CallPositions;
 use crate::graphset::{GraphSet, PromptRule};
 use candle_core::Tensor;
-use reference::backend::{Backend, Forward, RunRecord, Snapshot};
+use reference::backend::{Backend, EmbeddedPrompt, Forward, RunRecord, Snapshot};
 use reference::config::Config;
 use reference::model::Model;
 use reference::taps::names;
@@ -24,6 +25,7 @@ pub struct LayerChain {
     rule: PromptRule,
     states: Vec<HostLayerState>,
     position: usize,
+    rope_delta: i64,
     record: RunRecord,
 }
 
@@ -88,6 +90,7 @@ impl LayerChain {
             context: set.context,
             states,
             position: 0,
+            rope_delta: 0,
             record,
         })
     }
@@ -145,7 +148,13 @@ impl LayerChain {
         Ok(plan)
     }
 
-    fn run(&mut self, ids: &[u32], all_logits: bool) -> Result<Forward> {
+    /// The layers over `ids` (with `given`, the embeddings and positions of a prompt with images).
+    fn run(
+        &mut self,
+        ids: &[u32],
+        given: Option<&EmbeddedPrompt>,
+        all_logits: bool,
+    ) -> Result<Forward> {
         if ids.is_empty() {
             return Err(Error::Input("no tokens to run".into()));
         }
@@ -164,9 +173,21 @@ impl LayerChain {
         let mut taps: BTreeMap<String, Vec<Tensor>> = BTreeMap::new();
         let mut logits = Vec::new();
         let mut done = 0;
+        let rows = given.map(|p| p.positions.0.each_ref().map(|r| r.as_slice()));
         for (n, tokens) in self.plan(ids.len())? {
             let piece = &ids[done..done + n];
-            let mut h = self.host.embed(piece)?;
+            let (mut h, positions) = match (given, rows) {
+                (Some(p), Some(rows)) => (
+                    p.embeddings.narrow(0, done, n)?,
+                    CallPositions::Rows(rows).slice(done, n),
+                ),
+                _ => (
+                    self.host.embed(piece)?,
+                    CallPositions::Text {
+                        delta: self.rope_delta,
+                    },
+                ),
+            };
             taps.entry(names::EMBEDDINGS.to_string())
                 .or_default()
                 .push(h.clone());
@@ -174,7 +195,7 @@ impl LayerChain {
                 let runner = self.runners[layer].get_mut(&tokens).ok_or_else(|| {
                     Error::Config(format!("layer {layer} has no graph of {tokens} tokens"))
                 })?;
-                let out = runner.run(&h, self.position, state)?;
+                let out = runner.run(&h, self.position, positions, state)?;
                 for (k, v) in &out {
                     taps.entry(names::layer(layer, k))
                         .or_default()
@@ -203,6 +224,9 @@ impl LayerChain {
             .into_iter()
             .map(|(k, v)| Ok((k, Tensor::cat(&v, 0)?)))
             .collect::<Result<_>>()?;
+        if let Some(p) = given {
+            self.rope_delta = p.positions.next_text() - self.position as i64;
+        }
         Ok(Forward { logits, taps })
     }
 
@@ -227,11 +251,22 @@ impl Backend for LayerChain {
             .collect::<Result<_>>()
             .map_err(super::decoder::into_reference)?;
         self.position = 0;
+        self.rope_delta = 0;
         Ok(())
     }
 
     fn forward(&mut self, ids: &[u32], all_logits: bool) -> reference::Result<Forward> {
-        self.run(ids, all_logits)
+        self.run(ids, None, all_logits)
+            .map_err(super::decoder::into_reference)
+    }
+
+    fn forward_embedded(
+        &mut self,
+        prompt: &EmbeddedPrompt,
+        all_logits: bool,
+    ) -> reference::Result<Forward> {
+        prompt.check(self.host.config().hidden_size)?;
+        self.run(&prompt.ids, Some(prompt), all_logits)
             .map_err(super::decoder::into_reference)
     }
 
@@ -246,6 +281,7 @@ impl Backend for LayerChain {
         }
         Ok(Snapshot {
             position: self.position,
+            rope_delta: self.rope_delta,
             tensors,
         })
     }
@@ -257,6 +293,7 @@ impl Backend for LayerChain {
             .collect::<Result<Vec<_>>>()
             .map_err(super::decoder::into_reference)?;
         self.position = snapshot.position;
+        self.rope_delta = snapshot.rope_delta;
         Ok(())
     }
 }

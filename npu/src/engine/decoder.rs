@@ -9,12 +9,13 @@ use crate::devices::{CompileOptions, ExecInfo, compile_ir, read_ports};
 use crate::error::{Error, Result};
 use crate::graphs::Builder;
 use crate::graphset::check::{Resolved, Subject, resolve};
-use crate::graphset::layout::{self, Call};
+use crate::graphset::layout::{self, Call, CallPositions};
 use crate::graphset::{GraphSet, InputRole, Interface, LogitRows, PromptRule, own};
 use crate::infer::{Executor, Session};
-use candle_core::{DType, Device, Tensor};
-use reference::backend::{Backend, Forward, RunRecord, Snapshot};
+use candle_core::{DType, Tensor};
+use reference::backend::{Backend, EmbeddedPrompt, Forward, RunRecord, Snapshot};
 use reference::config::Config;
+use reference::model::Model;
 use reference::taps::{SharedTapSink, names};
 use std::collections::BTreeMap;
 
@@ -43,7 +44,8 @@ pub struct DecoderEngine {
     config: Config,
     states: Vec<HostLayerState>,
     position: usize,
-    embeddings: Option<Tensor>,
+    rope_delta: i64,
+    embeddings: Option<Box<Model>>,
     sink: Option<SharedTapSink>,
     record: RunRecord,
 }
@@ -87,7 +89,11 @@ impl DecoderEngine {
         }
         let start = std::time::Instant::now();
         let config = builder.config().clone();
-        let interface = own::decoder(&config, builder.options().taps);
+        let interface = own::decoder(
+            &config,
+            builder.options().taps,
+            builder.options().embeddings_input,
+        );
         let context = builder.options().context;
         // FP16SIM's graphs share one mapped `.bin`: the 1-token graph costs no second copy of the weights, and
         // saves a padded block's work per step.
@@ -122,14 +128,14 @@ impl DecoderEngine {
     }
 
     /// Compiles the decoder graphs of a set read from files for `device` (an OpenVINO device), each checked against
-    /// the set's description first. `config` is the checkpoint's the set was made from; `embeddings` (`[V, H]`, the
-    /// checkpoint's table) is needed when the set takes host-side embeddings.
+    /// the set's description first. `config` is the checkpoint's the set was made from; `embeddings`, the reference
+    /// on the checkpoint whose table the host looks rows up in, is needed when the set takes host-side embeddings.
     pub fn open(
         set: &GraphSet,
         config: Config,
         device: &str,
         opts: &CompileOptions,
-        embeddings: Option<Tensor>,
+        embeddings: Option<Model>,
     ) -> Result<Self> {
         if crate::sim::NumericModel::is_sim(device) {
             return Err(Error::Config(format!(
@@ -143,7 +149,7 @@ impl DecoderEngine {
         let interface = part.interface.clone();
         if interface.has("embeddings") && embeddings.is_none() {
             return Err(Error::Config(format!(
-                "{}: the set takes host-side embeddings; give the checkpoint's embedding table",
+                "{}: the set takes host-side embeddings; give the checkpoint (its embedding table)",
                 set.source
             )));
         }
@@ -201,7 +207,7 @@ impl DecoderEngine {
         context: Option<usize>,
         context_source: String,
         config: Config,
-        embeddings: Option<Tensor>,
+        embeddings: Option<Model>,
         record: RunRecord,
     ) -> Result<Self> {
         let states = if interface.stateful {
@@ -227,10 +233,17 @@ impl DecoderEngine {
             config,
             states,
             position: 0,
-            embeddings,
+            rope_delta: 0,
+            embeddings: embeddings.map(Box::new),
             sink: None,
             record,
         })
+    }
+
+    /// Gives this project's graphs built with an `embeddings` input ([`crate::graphs::GraphOptions`]) the host
+    /// model whose table the text tokens' rows are looked up in.
+    pub fn set_host_embeddings(&mut self, host: Model) {
+        self.embeddings = Some(Box::new(host));
     }
 
     /// What the graphs were prepared with, the largest block first.
@@ -342,15 +355,43 @@ impl DecoderEngine {
     }
 
     /// One call of graph `g` on `ids` (at most its tokens), updating the states; the logits of its real rows and
-    /// its taps.
-    fn call(&mut self, g: usize, ids: &[u32]) -> Result<(Tensor, BTreeMap<String, Tensor>)> {
+    /// its taps. `given` holds the call's embeddings and positions when they are a prompt's with images.
+    fn call(
+        &mut self,
+        g: usize,
+        ids: &[u32],
+        given: Option<(Tensor, CallPositions)>,
+    ) -> Result<(Tensor, BTreeMap<String, Tensor>)> {
         let graph = &mut self.graphs[g];
         let tokens = graph.tokens.unwrap_or(ids.len());
+        let (rows, positions) = match given {
+            Some((rows, positions)) => (Some(rows), positions),
+            None => (
+                None,
+                CallPositions::Text {
+                    delta: self.rope_delta,
+                },
+            ),
+        };
+        if rows.is_some()
+            && !graph
+                .ports
+                .inputs
+                .iter()
+                .any(|(r, _)| *r == InputRole::Embeddings)
+        {
+            return Err(Error::Input(format!(
+                "{} takes token ids, not embeddings: a prompt with images needs decoder graphs with an \
+                 `embeddings` input",
+                graph.exec.info().graph
+            )));
+        }
         let call = Call {
             ids,
             tokens,
             past: self.position,
             context: self.context,
+            positions,
         };
         let config = &self.config;
         let graph_name = graph.exec.info().graph.clone();
@@ -358,14 +399,20 @@ impl DecoderEngine {
         let mut inputs: Vec<(String, Tensor)> = Vec::new();
         for (role, port) in &graph.ports.inputs {
             let t = match role {
+                InputRole::Embeddings if rows.is_some() => layout::rows(
+                    config,
+                    &port.spec(),
+                    rows.as_ref().unwrap_or_else(|| unreachable!()),
+                    &call,
+                    &at(&port.key),
+                )?,
                 InputRole::Embeddings => {
-                    let table = self.embeddings.as_ref().ok_or_else(|| {
+                    let host = self.embeddings.as_ref().ok_or_else(|| {
                         Error::Interface("the set takes embeddings, and none were given".into())
                     })?;
                     let mut padded: Vec<u32> = ids.to_vec();
                     padded.resize(tokens, 0);
-                    let rows =
-                        table.index_select(&Tensor::from_vec(padded, tokens, &Device::Cpu)?, 0)?;
+                    let rows = host.embed(&padded)?.to_dtype(DType::F32)?;
                     layout::rows(config, &port.spec(), &rows, &call, &at(&port.key))?
                 }
                 other => layout::fill(config, *other, &port.spec(), &call, &at(&port.key))?,
@@ -432,8 +479,14 @@ impl DecoderEngine {
         Ok((logits, taps))
     }
 
-    /// [`Backend::forward`]: the graph calls over `ids` and their outputs, token-major.
-    fn forward_calls(&mut self, ids: &[u32], all_logits: bool) -> Result<Forward> {
+    /// [`Backend::forward`]: the graph calls over `ids` and their outputs, token-major; with `given`, the
+    /// embeddings and positions of a prompt with images ([`Backend::forward_embedded`]).
+    fn forward_calls(
+        &mut self,
+        ids: &[u32],
+        given: Option<&EmbeddedPrompt>,
+        all_logits: bool,
+    ) -> Result<Forward> {
         if ids.is_empty() {
             return Err(Error::Input("no tokens to run".into()));
         }
@@ -469,9 +522,17 @@ impl DecoderEngine {
         let mut logits = Vec::with_capacity(plan.len());
         let mut taps: BTreeMap<String, Vec<Tensor>> = BTreeMap::new();
         let mut done = 0;
+        let rows = given.map(|p| p.positions.0.each_ref().map(|r| r.as_slice()));
         for (g, n) in plan {
             let position = self.position;
-            let (l, t) = self.call(g, &ids[done..done + n])?;
+            let piece = match (given, rows) {
+                (Some(p), Some(rows)) => Some((
+                    p.embeddings.narrow(0, done, n)?,
+                    CallPositions::Rows(rows).slice(done, n),
+                )),
+                _ => None,
+            };
+            let (l, t) = self.call(g, &ids[done..done + n], piece)?;
             if let Some(sink) = &self.sink {
                 super::stream(sink, position, n, &l, t)?;
                 logits = vec![l];
@@ -494,6 +555,9 @@ impl DecoderEngine {
             .map(|(k, v)| Ok((k, Tensor::cat(&v, 0)?)))
             .collect::<Result<_>>()?;
         taps.remove(names::LOGITS);
+        if let Some(p) = given {
+            self.rope_delta = p.positions.next_text() - self.position as i64;
+        }
         Ok(Forward { logits, taps })
     }
 }
@@ -518,13 +582,26 @@ impl Backend for DecoderEngine {
             g.exec.reset().map_err(into_reference)?;
         }
         self.position = 0;
+        self.rope_delta = 0;
         Ok(())
     }
 
     /// One token runs through the single-token graph; more by the set's host rule (padded blocks, or full blocks
     /// then single tokens; a dynamic graph takes the whole call).
     fn forward(&mut self, ids: &[u32], all_logits: bool) -> reference::Result<Forward> {
-        self.forward_calls(ids, all_logits).map_err(into_reference)
+        self.forward_calls(ids, None, all_logits)
+            .map_err(into_reference)
+    }
+
+    /// Through graphs with an `embeddings` input (and positions of three rows, for the images' tokens).
+    fn forward_embedded(
+        &mut self,
+        prompt: &EmbeddedPrompt,
+        all_logits: bool,
+    ) -> reference::Result<Forward> {
+        prompt.check(self.config.hidden_size)?;
+        self.forward_calls(&prompt.ids, Some(prompt), all_logits)
+            .map_err(into_reference)
     }
 
     fn exposes_state(&self) -> bool {
@@ -548,6 +625,7 @@ impl Backend for DecoderEngine {
         }
         Ok(Snapshot {
             position: self.position,
+            rope_delta: self.rope_delta,
             tensors,
         })
     }
@@ -564,6 +642,7 @@ impl Backend for DecoderEngine {
             .map_err(into_reference)?;
         self.states = states;
         self.position = snapshot.position;
+        self.rope_delta = snapshot.rope_delta;
         Ok(())
     }
 

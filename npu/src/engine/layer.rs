@@ -6,7 +6,7 @@ use crate::devices::{CompileOptions, ExecInfo, IrPorts, compile_ir, read_ports};
 use crate::error::{Error, Result};
 use crate::graphs::Builder;
 use crate::graphset::check::{Resolved, Subject, resolve};
-use crate::graphset::layout::{self, Call};
+use crate::graphset::layout::{self, Call, CallPositions};
 use crate::graphset::{GraphFile, GraphSet, InputRole, own};
 use crate::infer::{Executor, Session, prepare};
 use candle_core::Tensor;
@@ -130,13 +130,14 @@ impl LayerRunner {
         self.tokens
     }
 
-    /// Runs `hidden` `[S, H]` (positions `start..`) through the layer in blocks, updating `state`; returns every
-    /// token-major output over the `S` tokens, named as in the dump without the `layers.{i}.` prefix (the layer's
-    /// own output as `output`).
+    /// Runs `hidden` `[S, H]` (after `start` tokens, at `positions`) through the layer in blocks, updating `state`;
+    /// returns every token-major output over the `S` tokens, named as in the dump without the `layers.{i}.` prefix
+    /// (the layer's own output as `output`).
     pub fn run(
         &mut self,
         hidden: &Tensor,
         start: usize,
+        positions: CallPositions,
         state: &mut HostLayerState,
     ) -> Result<BTreeMap<String, Tensor>> {
         if state.kind() != self.kind {
@@ -166,6 +167,7 @@ impl LayerRunner {
                 tokens: self.tokens,
                 past,
                 context: self.context,
+                positions: positions.slice(done, valid),
             };
             let graph_name = self.session.info().graph.clone();
             let at = |key: &str| format!("{graph_name} `{key}`");

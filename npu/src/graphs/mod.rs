@@ -95,6 +95,10 @@ pub struct GraphOptions {
     /// states. A deployed graph has none: extra outputs can change what a device compiler fuses, so tokens and
     /// logits are taken from graphs without taps and the taps from a second set of graphs.
     pub taps: bool,
+    /// Whether the decoder graphs take the token embeddings `[T, H]` (`embeddings`, looked up on the host: a
+    /// prompt with images carries the vision tower's rows at its image tokens) instead of token ids; the NPU port's
+    /// decoder takes them so, its text embeddings a graph of their own.
+    pub embeddings_input: bool,
 }
 
 impl Default for GraphOptions {
@@ -105,6 +109,7 @@ impl Default for GraphOptions {
             output_scale: reference::linear_attn::PORT_OUTPUT_SCALE as f32,
             context: DEFAULT_CONTEXT,
             taps: true,
+            embeddings_input: false,
         }
     }
 }

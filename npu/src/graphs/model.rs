@@ -215,11 +215,25 @@ impl<'a> Builder<'a> {
             Some(bin) => Graph::with_shared_bin(&name, bin),
             None => Graph::new(&name),
         };
-        let ids = graph.parameter(ports::INPUT_IDS, ElemType::I64, &[tokens]);
+        let embeddings = self
+            .opts
+            .embeddings_input
+            .then(|| graph.parameter(ports::EMBEDDINGS, ElemType::F32, &[tokens, c.hidden_size]));
+        let ids = embeddings
+            .is_none()
+            .then(|| graph.parameter(ports::INPUT_IDS, ElemType::I64, &[tokens]));
         let inputs = self.block_inputs(&mut graph, tokens, &c.layer_types)?;
-        let embed_tokens = self.matrix(&mut graph, &s.global(Param::EmbedTokens))?;
+        // The table is in the graph when it gathers the rows, or when it is the tied LM head.
+        let embed_tokens = match (ids, c.tie_word_embeddings) {
+            (None, false) => None,
+            _ => Some(self.matrix(&mut graph, &s.global(Param::EmbedTokens))?),
+        };
         let taps = self.taps();
-        let mut h = graph.gather(embed_tokens, ids, 0)?;
+        let mut h = match (ids, embed_tokens, embeddings) {
+            (Some(ids), Some(table), _) => graph.gather(table, ids, 0)?,
+            (_, _, Some(rows)) => rows,
+            _ => unreachable!("a decoder graph takes token ids or embeddings"),
+        };
         taps.record(&mut graph, || names::EMBEDDINGS.into(), h)?;
         for layer in 0..c.num_layers() {
             let prefix = ports::layer_prefix(layer);
@@ -229,8 +243,8 @@ impl<'a> Builder<'a> {
         let norm = self.norm_weight(&mut graph, &s.global(Param::Norm))?;
         let normed = rms_norm(&mut graph, h, norm, c.rms_norm_eps as f32)?;
         taps.record(&mut graph, || names::FINAL_NORM.into(), normed)?;
-        let lm_head = if c.tie_word_embeddings {
-            embed_tokens
+        let lm_head = if let (true, Some(table)) = (c.tie_word_embeddings, embed_tokens) {
+            table
         } else {
             self.matrix(&mut graph, &s.global(Param::LmHead))?
         };

@@ -8,6 +8,8 @@ use reference::config::LayerKind;
 
 /// Token ids `[T]` (i64), decoder graphs.
 pub const INPUT_IDS: &str = "input_ids";
+/// Token embeddings `[T, H]` (f32, looked up on the host), decoder graphs built to take them.
+pub const EMBEDDINGS: &str = "embeddings";
 /// The residual stream entering the layer `[T, H]`, per-layer graphs.
 pub const HIDDEN: &str = "hidden";
 /// 1 for a real token, 0 for a padded slot `[T]`.

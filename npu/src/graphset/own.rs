@@ -82,12 +82,23 @@ fn block_inputs(config: &Config) -> Vec<(InputRole, PortSpec)> {
     out
 }
 
-/// The interface of this project's decoder graphs (built with taps or not).
-pub fn decoder(config: &Config, taps: bool) -> Interface {
-    let mut inputs = vec![(
-        InputRole::InputIds,
-        PortSpec::new(ports::INPUT_IDS, ElemKind::I64, &[Axis::Tokens]),
-    )];
+/// The interface of this project's decoder graphs (built with taps or not, taking token ids or embeddings).
+pub fn decoder(config: &Config, taps: bool, embeddings_input: bool) -> Interface {
+    let mut inputs = vec![if embeddings_input {
+        (
+            InputRole::Embeddings,
+            PortSpec::new(
+                ports::EMBEDDINGS,
+                ElemKind::F32,
+                &[Axis::Tokens, Axis::Hidden],
+            ),
+        )
+    } else {
+        (
+            InputRole::InputIds,
+            PortSpec::new(ports::INPUT_IDS, ElemKind::I64, &[Axis::Tokens]),
+        )
+    }];
     inputs.extend(block_inputs(config));
     Interface {
         stateful: false,

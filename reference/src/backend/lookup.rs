@@ -281,6 +281,7 @@ mod tests {
             let fed = Tensor::from_vec(self.fed.clone(), self.fed.len(), &Device::Cpu)?;
             Ok(Snapshot {
                 position: self.fed.len(),
+                rope_delta: 0,
                 tensors: [("fed".to_string(), fed)].into(),
             })
         }

@@ -9,6 +9,7 @@
 
 use crate::error::{Error, Result};
 use crate::model::{LayerState, Model, RunOptions, State, argmax, state_names};
+use crate::rope::Positions;
 use crate::taps::{SharedTapSink, Taps, names};
 use crate::{Config, LayerKind};
 use candle_core::{DType, Tensor};
@@ -27,6 +28,9 @@ pub use record::{Precision, RunRecord};
 pub struct Snapshot {
     /// Tokens processed so far.
     pub position: usize,
+    /// The next text position minus `position` (0 for text; negative after an image, see
+    /// [`crate::model::State::rope_delta`]).
+    pub rope_delta: i64,
     /// `layers.{i}.conv_state` `[C, K]`, `recurrent_state` `[Hv, Dk, Dv]`, `key_cache`, `value_cache` `[Hkv, P, D]`.
     pub tensors: BTreeMap<String, Tensor>,
 }
@@ -49,6 +53,41 @@ pub struct Forward {
     pub taps: BTreeMap<String, Tensor>,
 }
 
+/// A prompt whose image or video tokens carry the vision tower's rows: its ids (image and video placeholders
+/// included), their embeddings `[T, H]` (the table's rows, but the tower's at the placeholders) and their MRoPE
+/// positions from the start of the sequence (transformers' `get_rope_index`).
+#[derive(Debug, Clone)]
+pub struct EmbeddedPrompt {
+    /// The token ids.
+    pub ids: Vec<u32>,
+    /// One row per token.
+    pub embeddings: Tensor,
+    /// `[3, T]`.
+    pub positions: Positions,
+}
+
+impl EmbeddedPrompt {
+    /// Fails unless the ids, the embeddings' rows and the positions count the same tokens (at least one) of
+    /// `hidden` values each.
+    pub fn check(&self, hidden: usize) -> Result<()> {
+        let (rows, width) = self.embeddings.dims2()?;
+        if self.ids.is_empty()
+            || rows != self.ids.len()
+            || self.positions.len() != rows
+            || width != hidden
+        {
+            return Err(Error::Input(format!(
+                "a prompt of {} ids with embeddings {:?} and {} positions: expected one row of {hidden} and one \
+                 position per id",
+                self.ids.len(),
+                self.embeddings.dims(),
+                self.positions.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// A backend: runs tokens from its state, and hands its state out and back.
 pub trait Backend {
     /// The model's configuration.
@@ -63,6 +102,18 @@ pub trait Backend {
     /// Runs `ids` (at the positions following the state's) and updates the state. `all_logits` asks for the logits
     /// of every token, not only the last one's.
     fn forward(&mut self, ids: &[u32], all_logits: bool) -> Result<Forward>;
+
+    /// Runs a prompt given as embeddings and positions ([`EmbeddedPrompt`]: one with images) from the current
+    /// state, like [`Backend::forward`]; the following calls continue from the positions it ends at. A backend whose
+    /// graphs take token ids only refuses it (the default).
+    fn forward_embedded(&mut self, prompt: &EmbeddedPrompt, all_logits: bool) -> Result<Forward> {
+        let _ = (prompt, all_logits);
+        Err(Error::Input(format!(
+            "the {} backend takes token ids only: it cannot run a prompt with images (its graphs need an \
+             `embeddings` input and three rows of positions)",
+            self.record().backend
+        )))
+    }
 
     /// Whether [`Backend::snapshot`] and [`Backend::restore`] reach the backend's state. A stateful graph made
     /// elsewhere keeps its caches inside the runtime: it says `false`, its `snapshot` fails, and [`greedy`] and
@@ -141,14 +192,53 @@ pub fn continue_greedy(
     max_new: usize,
     stop: &[u32],
     all_logits: bool,
-    mut on_token: impl FnMut(u32) -> Result<()>,
+    on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<Generation> {
     if ids.is_empty() {
         return Err(Error::Input("no tokens to run".into()));
     }
     backend.config().check_token_ids(ids)?;
+    generate(
+        backend,
+        |b| b.forward(ids, all_logits),
+        max_new,
+        stop,
+        on_token,
+    )
+}
+
+/// [`greedy`] from a prompt with images: from a fresh state, `prompt` in one call, then up to `max_new` greedy
+/// tokens at the text positions following the prompt's.
+pub fn greedy_embedded(
+    backend: &mut dyn Backend,
+    prompt: &EmbeddedPrompt,
+    max_new: usize,
+    stop: &[u32],
+    all_logits: bool,
+    on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<Generation> {
+    prompt.check(backend.config().hidden_size)?;
+    backend.config().check_token_ids(&prompt.ids)?;
+    backend.reset()?;
+    generate(
+        backend,
+        |b| b.forward_embedded(prompt, all_logits),
+        max_new,
+        stop,
+        on_token,
+    )
+}
+
+/// The generation loop: `first` runs the prompt, then greedy single-token calls.
+fn generate(
+    backend: &mut dyn Backend,
+    first: impl FnOnce(&mut dyn Backend) -> Result<Forward>,
+    max_new: usize,
+    stop: &[u32],
+    mut on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<Generation> {
     let start = Instant::now();
-    let first = backend.forward(ids, all_logits)?;
+    let first = first(backend)?;
     let prompt_seconds = start.elapsed().as_secs_f64();
     let after_prompt = state_after(backend)?;
     let rows = first.logits.dim(0)?;
@@ -191,6 +281,7 @@ fn state_after(backend: &dyn Backend) -> Result<Snapshot> {
     } else {
         Ok(Snapshot {
             position: backend.position()?,
+            rope_delta: 0,
             tensors: BTreeMap::new(),
         })
     }
@@ -296,6 +387,28 @@ impl ReferenceBackend {
     pub fn model(&self) -> &Model {
         &self.model
     }
+
+    /// The taps of the next call: streamed to the sink, recorded, or off.
+    fn taps_for(&self, all_logits: bool) -> Taps {
+        match &self.sink {
+            Some(sink) => Taps::stream(sink.clone(), self.state.position),
+            None if self.taps || all_logits => Taps::on(),
+            None => Taps::off(),
+        }
+    }
+
+    /// A call's [`Forward`] from its taps and last row of logits.
+    fn finish(&self, mut taps: Taps, last: Tensor, all_logits: bool) -> Result<Forward> {
+        let mut taps = taps.take();
+        let logits = match taps.remove(names::LOGITS) {
+            Some(all) if all_logits => all,
+            _ => last.unsqueeze(0)?,
+        };
+        if !self.taps {
+            taps.clear();
+        }
+        Ok(Forward { logits, taps })
+    }
 }
 
 impl Backend for ReferenceBackend {
@@ -313,28 +426,31 @@ impl Backend for ReferenceBackend {
     }
 
     fn forward(&mut self, ids: &[u32], all_logits: bool) -> Result<Forward> {
-        let mut taps = match &self.sink {
-            Some(sink) => Taps::stream(sink.clone(), self.state.position),
-            None if self.taps || all_logits => Taps::on(),
-            None => Taps::off(),
-        };
+        let mut taps = self.taps_for(all_logits);
         let last = self
             .model
             .prefill(ids, &mut self.state, &self.opts, &mut taps)?;
-        let mut taps = taps.take();
-        let logits = match taps.remove(names::LOGITS) {
-            Some(all) if all_logits => all,
-            _ => last.unsqueeze(0)?,
-        };
-        if !self.taps {
-            taps.clear();
-        }
-        Ok(Forward { logits, taps })
+        self.finish(taps, last, all_logits)
+    }
+
+    fn forward_embedded(&mut self, prompt: &EmbeddedPrompt, all_logits: bool) -> Result<Forward> {
+        prompt.check(self.model.config().hidden_size)?;
+        self.model.check_ids(&prompt.ids)?;
+        let mut taps = self.taps_for(all_logits);
+        let last = self.model.forward_embedded(
+            prompt.embeddings.clone(),
+            &prompt.positions,
+            &mut self.state,
+            &self.opts,
+            &mut taps,
+        )?;
+        self.finish(taps, last, all_logits)
     }
 
     fn snapshot(&self) -> Result<Snapshot> {
         Ok(Snapshot {
             position: self.state.position,
+            rope_delta: self.state.rope_delta,
             tensors: self.state.named_tensors().into_iter().collect(),
         })
     }
@@ -413,6 +529,7 @@ pub fn state_from_snapshot(model: &Model, snapshot: &Snapshot) -> Result<State> 
     }
     Ok(State {
         position: snapshot.position,
+        rope_delta: snapshot.rope_delta,
         layers,
     })
 }

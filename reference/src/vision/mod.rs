@@ -16,6 +16,7 @@ pub mod config;
 pub mod grid;
 pub mod positions;
 pub mod preprocess;
+pub mod prompt;
 
 pub use config::{VisionConfig, VisionTokens};
 pub use grid::Grid;

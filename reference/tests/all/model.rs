@@ -167,7 +167,8 @@ proptest! {
         let (whole, whole_state) = prompt.run(&model, &[t], &opts);
         if p.image.is_some() {
             let last = prompt.positions.0.iter().flatten().max().unwrap();
-            prop_assert_eq!(whole_state.position as i64, last + 1, "the position after the prompt");
+            prop_assert_eq!(whole_state.next_position() as i64, last + 1, "the position after the prompt");
+            prop_assert_eq!(whole_state.position, t, "the tokens the caches hold");
         }
 
         let (blocked, blocked_state) = if p.image.is_none() {

@@ -69,7 +69,18 @@ pub fn fill(
                 call.ids.get(token_of(idx)).map_or(0.0, |&id| f64::from(id))
             })
         }
-        InputRole::Positions => by_index(&d, |idx| (call.past + token_of(idx)) as f64),
+        InputRole::Positions => {
+            let row = axis(Axis::Fixed(3));
+            if row.is_none() && call.positions_differ() {
+                return Err(Error::Interface(format!(
+                    "{at}: one row of positions cannot carry an image's (its three MRoPE rows differ); the port \
+                     needs a `3` axis"
+                )));
+            }
+            by_index(&d, |idx| {
+                call.position(row.map_or(0, |r| idx[r]), token_of(idx)) as f64
+            })
+        }
         InputRole::TokenValid => by_index(&d, |idx| {
             if token_of(idx) < call.valid() {
                 1.0
@@ -156,6 +167,7 @@ pub fn rows(
 
 #[cfg(test)]
 mod tests {
+    use super::super::CallPositions;
     use super::super::tests::{config, values};
     use super::*;
     use crate::graphset::ElemKind;
@@ -169,6 +181,7 @@ mod tests {
             tokens: 3,
             past: 2,
             context: Some(4),
+            positions: CallPositions::TEXT,
         };
         let bias = PortSpec::new("m", ElemKind::F32, &[Axis::Tokens, Axis::ContextTokens]);
         let got = values(
@@ -222,6 +235,26 @@ mod tests {
         assert_eq!(
             values(&fill(&c, InputRole::Positions, &pos, &call, "p").unwrap()),
             vec![2., 3., 4., 2., 3., 4., 2., 3., 4.]
+        );
+        // An image's rows, and the text after it shifted by the rope delta.
+        let rows: [&[i64]; 3] = [&[5, 5], &[5, 6], &[5, 5]];
+        let image = Call {
+            positions: CallPositions::Rows(rows),
+            ..call
+        };
+        assert_eq!(
+            values(&fill(&c, InputRole::Positions, &pos, &image, "p").unwrap()),
+            vec![5., 5., 7., 5., 6., 7., 5., 5., 7.]
+        );
+        let one_row = PortSpec::new("p", ElemKind::I64, &[Axis::Tokens]);
+        assert!(fill(&c, InputRole::Positions, &one_row, &image, "p").is_err());
+        let after = Call {
+            positions: CallPositions::Text { delta: -1 },
+            ..call
+        };
+        assert_eq!(
+            values(&fill(&c, InputRole::Positions, &one_row, &after, "p").unwrap()),
+            vec![1., 2., 3.]
         );
         let valid = PortSpec::new("v", ElemKind::Bool, &[Axis::Tokens]);
         assert_eq!(

@@ -24,9 +24,62 @@ pub struct Call<'a> {
     pub past: usize,
     /// The static context, if any.
     pub context: Option<usize>,
+    /// The positions of the call's real tokens: text (`past + delta + slot`), or a prompt with images' MRoPE rows.
+    pub positions: CallPositions<'a>,
+}
+
+/// The positions of a call's real tokens (padded slots continue as text: they are masked out).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallPositions<'a> {
+    /// Text positions `past + delta + slot` (`delta` is the state's rope delta: 0 before any image).
+    Text {
+        /// The next text position minus the tokens so far.
+        delta: i64,
+    },
+    /// The temporal, height and width rows of the real tokens (`get_rope_index`'s, sliced for the call).
+    Rows([&'a [i64]; 3]),
+}
+
+impl<'a> CallPositions<'a> {
+    /// Text positions right after text.
+    pub const TEXT: CallPositions<'static> = CallPositions::Text { delta: 0 };
+
+    /// The positions of tokens `from..from + len` of a run whose positions these are (text positions follow the
+    /// call's `past`, so they stay as they are).
+    pub fn slice(self, from: usize, len: usize) -> Self {
+        match self {
+            CallPositions::Rows(rows) => CallPositions::Rows(rows.map(|r| &r[from..from + len])),
+            text => text,
+        }
+    }
 }
 
 impl Call<'_> {
+    /// The position of slot `slot` on MRoPE row `row` (0 for a port of one row).
+    pub fn position(&self, row: usize, slot: usize) -> i64 {
+        match self.positions {
+            CallPositions::Rows(rows) if slot < rows[row].len() => rows[row][slot],
+            CallPositions::Rows(rows) => {
+                let last = rows
+                    .iter()
+                    .filter_map(|r| r.last())
+                    .copied()
+                    .max()
+                    .unwrap_or(-1);
+                last + 1 + (slot - rows[0].len()) as i64
+            }
+            CallPositions::Text { delta } => self.past as i64 + delta + slot as i64,
+        }
+    }
+
+    /// Whether the three rows differ somewhere (an image's tokens): a port of one row cannot carry them.
+    pub fn positions_differ(&self) -> bool {
+        match self.positions {
+            CallPositions::Rows(rows) => rows[1] != rows[0] || rows[2] != rows[0],
+            CallPositions::Text { .. } => false,
+        }
+    }
+
     /// Real tokens.
     pub fn valid(&self) -> usize {
         self.ids.len()

@@ -125,6 +125,7 @@ mod tests {
             tokens: 3,
             past: 2,
             context: Some(6),
+            positions: super::super::CallPositions::TEXT,
         };
         let spec = |shape: &[Axis], out: &[Axis]| StateSpec {
             kind: StateKind::Keys,
