@@ -51,6 +51,25 @@ from transformers.vision_utils import get_vision_interpolation_indices_and_weigh
 
 NAME = "tiny-vl"
 SEED = 5000
+VL_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' -}}"
+    "{%- if message.content is string -%}{{- message.content | trim -}}"
+    "{%- else -%}{%- for part in message.content -%}"
+    "{%- if part.type == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part.type == 'text' -%}{{- part.text | trim -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- else -%}"
+    "{{- '<think>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endif -%}"
+)
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 NUM_GENERATED = 8
 TEXT = dict(
@@ -136,6 +155,9 @@ def build_tokenizer(model_dir: Path) -> Tokenizer:
             "content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
             "special": True,
         }
+    # The chat template takes a message's content as a list of parts, as Qwen3.5's does: an image part writes
+    # the placeholder the processor expands to the image's merged rows.
+    cfg["chat_template"] = VL_CHAT_TEMPLATE
     write_json(model_dir / "tokenizer_config.json", cfg)
     return tok
 

@@ -8,6 +8,7 @@ pub mod commands;
 pub mod compare;
 pub mod device;
 pub mod dump;
+pub mod images;
 pub mod memory;
 pub mod metrics;
 pub mod non_finite;

@@ -2,13 +2,14 @@
 //! or a device, in the dump format every backend shares.
 
 use super::Outcome;
-use super::args::{Backend, DeviceArgs, Dtype, FormArgs, ModelArgs, PromptArgs};
+use super::args::{Backend, DeviceArgs, Dtype, FormArgs, ImageArgs, ModelArgs, PromptArgs};
 use crate::device::own::engine;
-use crate::device::{DeviceSettings, check_context, check_positions, open_reference};
-use crate::dump::{FORMAT, write_dump};
+use crate::device::{DeviceSettings, check_context, check_positions, reference_on};
+use crate::dump::{FORMAT, ImageDump, write_dump, write_image_dump};
+use crate::images::{ImagePrompt, device_images, reference_images, vision_config};
 use crate::memory;
 use crate::outputs::Paths;
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -20,6 +21,8 @@ pub struct DumpArgs {
     model: ModelArgs,
     #[command(flatten)]
     prompt: PromptArgs,
+    #[command(flatten)]
+    images: ImageArgs,
     /// Greedy tokens to generate after the prompt (this many, unless NaN logits stop the generation: `nan_at`).
     #[arg(long, default_value_t = 0, value_name = "N")]
     generate: usize,
@@ -49,6 +52,7 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
         bail!("give the prompt as --prompt TEXT or --token-ids LIST");
     }
     // Validate the backend's options before any work; those of the other backend are refused, not ignored.
+    let image_source = args.images.source()?;
     let plan = match args.device.backend {
         Backend::Reference => {
             args.device.check_reference()?;
@@ -61,11 +65,26 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
                 );
             }
             let device = args.device.device.as_deref().unwrap_or("CPU");
-            Plan::OpenVino(args.device.graph.settings(device, &args.form)?)
+            let mut settings = args.device.graph.settings(device, &args.form)?;
+            // The image tokens' rows come from the vision graph: the decoder graphs take embeddings.
+            settings.graph.embeddings_input = image_source.is_some();
+            Plan::OpenVino(settings)
         }
     };
     let (dir, config, store) = args.model.open()?;
-    let (ids, prompt) = args.prompt.ids(&dir, &config)?;
+    let images = match &image_source {
+        Some(source) => {
+            let vc = vision_config(&dir)?;
+            let pixels = source.load(&dir, &vc)?;
+            let ids = args.prompt.image_ids(&dir, &config, &vc, &pixels.grids)?;
+            Some((vc, pixels, ids))
+        }
+        None => None,
+    };
+    let (ids, prompt) = match &images {
+        Some((_, _, ids)) => (ids.clone(), args.prompt.prompt.clone()),
+        None => args.prompt.ids(&dir, &config)?,
+    };
     check_positions(ids.len(), args.generate, &config, "--generate")?;
     let format = store.format();
     let dtype = args.model.dtype.dtype();
@@ -99,10 +118,55 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
     if let Some(p) = prompt {
         metadata.insert("prompt".into(), p);
     }
+    if let Some((_, pixels, _)) = &images {
+        metadata.insert("images".into(), pixels.source.clone());
+    }
+    // The reference model (the OpenVINO path needs it for a prompt with images only: its embedding table).
+    let model = match (&plan, &images) {
+        (Plan::OpenVino(_), None) => None,
+        _ => Some(reference::model::Model::from_weights(
+            config.clone(),
+            &store,
+        )?),
+    };
+    let image_prompt = |device: Option<&DeviceSettings>| -> Result<Option<ImagePrompt>> {
+        let (Some((vc, pixels, ids)), Some(model)) = (&images, &model) else {
+            return Ok(None);
+        };
+        Ok(Some(match device {
+            None => reference_images(model, &store, vc, ids.clone(), pixels)?,
+            Some(s) => device_images(
+                model,
+                &store,
+                vc,
+                ids.clone(),
+                pixels,
+                &s.device,
+                &s.compile,
+            )?,
+        }))
+    };
+    let write = |backend: &mut dyn reference::backend::Backend,
+                 images: Option<ImagePrompt>,
+                 metadata| match &images {
+        Some(i) => write_image_dump(
+            backend,
+            ImageDump {
+                prompt: &i.prompt,
+                vision: &i.taps,
+            },
+            args.generate,
+            metadata,
+            &args.out,
+        ),
+        None => write_dump(backend, &ids, args.generate, metadata, &args.out),
+    };
     let d = match &plan {
         Plan::Reference(opts) => {
-            let mut backend = open_reference(&config, &store, *opts, true)?;
-            write_dump(&mut backend, &ids, args.generate, metadata, &args.out)?
+            let images = image_prompt(None)?;
+            let model = model.clone().context("the reference model")?;
+            let mut backend = reference_on(model, &store, *opts, true)?;
+            write(&mut backend, images, metadata)?
         }
         Plan::OpenVino(settings) => {
             check_context(
@@ -111,8 +175,12 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
                 settings.graph.context,
                 "--context",
             )?;
+            let images = image_prompt(Some(settings))?;
             let mut backend = engine(&config, &store, settings, true)?;
-            write_dump(&mut backend, &ids, args.generate, metadata, &args.out)?
+            if let (Some(_), Some(model)) = (&images, &model) {
+                backend.set_host_embeddings(model.clone());
+            }
+            write(&mut backend, images, metadata)?
         }
     };
     eprintln!(

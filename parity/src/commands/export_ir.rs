@@ -114,6 +114,7 @@ pub fn exec(args: ExportArgs) -> Result<Outcome> {
         output_scale: args.form.output_scale(PORT_OUTPUT_SCALE)? as f32,
         context: args.context,
         taps: !args.no_taps,
+        embeddings_input: false,
     };
     let builder = Builder::new(&config, &store, opts)?;
     // Written into a sibling and moved into place whole: an error or an interruption leaves no partial set behind.
@@ -170,7 +171,7 @@ pub fn exec(args: ExportArgs) -> Result<Outcome> {
         context: Some(args.context),
         decoder: decoder.then(|| Part {
             key: "decoder".into(),
-            interface: own::decoder(&config, opts.taps),
+            interface: own::decoder(&config, opts.taps, opts.embeddings_input),
             graphs: decoder_files,
         }),
         layers: layers.then(|| Part {

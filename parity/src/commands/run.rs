@@ -1,12 +1,14 @@
 //! `qwen35 run`: greedy chat generation on the reference decoder, the text printed as it comes.
 
 use super::Outcome;
-use super::args::{FormArgs, ModelArgs};
-use crate::device::{check_positions, open_reference};
+use super::args::{FormArgs, ImageArgs, ModelArgs};
+use crate::device::{check_positions, reference_on};
+use crate::images::{image_ids, reference_images, vision_config};
 use crate::non_finite::explain_reference;
 use crate::prompts::ChatPrompt;
 use anyhow::Result;
-use reference::backend::greedy;
+use reference::backend::{greedy, greedy_embedded};
+use reference::model::Model;
 use reference::tokenizer::ChatTokenizer;
 use std::io::Write;
 
@@ -28,6 +30,8 @@ pub struct RunArgs {
     #[arg(long)]
     think: bool,
     #[command(flatten)]
+    images: ImageArgs,
+    #[command(flatten)]
     form: FormArgs,
 }
 
@@ -41,15 +45,30 @@ pub fn exec(args: RunArgs) -> Result<Outcome> {
         system: args.system.clone(),
         think: args.think,
     };
-    let ids = tok.encode_chat(&chat.messages(), chat.think)?;
+    let model = Model::from_weights(config.clone(), &store)?;
+    // With images: the vision tower first, its rows at the image tokens of the prompt.
+    let images = match args.images.source()? {
+        Some(source) => {
+            let vc = vision_config(&dir)?;
+            let pixels = source.load(&dir, &vc)?;
+            let ids = image_ids(None, Some(&chat), &dir, &config, &vc, &pixels.grids)?;
+            check_positions(ids.len(), args.max_tokens, &config, "--max-tokens")?;
+            Some(reference_images(&model, &store, &vc, ids, &pixels)?.prompt)
+        }
+        None => None,
+    };
+    let ids = match &images {
+        Some(p) => p.ids.clone(),
+        None => tok.encode_chat(&chat.messages(), chat.think)?,
+    };
     check_positions(ids.len(), args.max_tokens, &config, "--max-tokens")?;
-    let mut backend = open_reference(&config, &store, opts, false)?;
+    let mut backend = reference_on(model, &store, opts, false)?;
     let mut stop = tok.stop_ids();
     stop.extend(config.eos_token_ids.iter().copied());
     let mut generated = Vec::new();
     let mut printed = 0;
     let mut out = std::io::stdout().lock();
-    let generation = greedy(&mut backend, &ids, args.max_tokens, &stop, false, |id| {
+    let on_token = |id| {
         generated.push(id);
         if stop.contains(&id) {
             return Ok(());
@@ -62,7 +81,18 @@ pub fn exec(args: RunArgs) -> Result<Outcome> {
             printed = text.len();
         }
         Ok(())
-    })?;
+    };
+    let generation = match &images {
+        Some(prompt) => greedy_embedded(
+            &mut backend,
+            prompt,
+            args.max_tokens,
+            &stop,
+            false,
+            on_token,
+        )?,
+        None => greedy(&mut backend, &ids, args.max_tokens, &stop, false, on_token)?,
+    };
     let text = tok.decode(&generated, true)?;
     if text.len() > printed {
         write!(out, "{}", &text[printed..])?;

@@ -7,6 +7,7 @@ use npu::devices::CompileOptions;
 use npu::engine::{HostLayerState, LayerRunner};
 use npu::graphs::Builder;
 use npu::graphset::GraphSet;
+use npu::graphset::layout::CallPositions;
 use reference::backend::{Precision, RunRecord};
 use reference::config::Config;
 use std::collections::BTreeMap;
@@ -143,7 +144,7 @@ impl LayerDevice for DeviceLayers {
             .runners
             .get_mut(&layer)
             .with_context(|| format!("layer {layer} was not compiled"))?;
-        Ok(runner.run(hidden, start, state)?)
+        Ok(runner.run(hidden, start, CallPositions::TEXT, state)?)
     }
 
     fn block(&self) -> usize {
@@ -234,7 +235,7 @@ impl LayerDevice for OneLayerAtATime<'_> {
             self.current = Some((layer, runner));
         }
         let (_, runner) = self.current.as_mut().context("a layer is compiled")?;
-        Ok(runner.run(hidden, start, state)?)
+        Ok(runner.run(hidden, start, CallPositions::TEXT, state)?)
     }
 
     fn block(&self) -> usize {

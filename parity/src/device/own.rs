@@ -37,7 +37,7 @@ impl<'a> OwnGraphs<'a> {
         settings: DeviceSettings,
         fault: Option<Fault>,
     ) -> Result<Self> {
-        let interface = npu::graphset::own::decoder(config, false);
+        let interface = npu::graphset::own::decoder(config, false, false);
         let mut blocks = vec![1, settings.block];
         blocks.dedup();
         let caps = Capabilities {

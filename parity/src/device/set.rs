@@ -242,12 +242,7 @@ fn open_graphs(
     let at = || format!("--ir {}", source.dir.display());
     let graphs = match &set.decoder {
         Some(part) => {
-            let embeddings = if part.interface.has("embeddings") {
-                let all: Vec<u32> = (0..source.config.vocab_size as u32).collect();
-                Some(host.embed(&all)?)
-            } else {
-                None
-            };
+            let embeddings = part.interface.has("embeddings").then(|| host.clone());
             Graphs::Decoder(
                 DecoderEngine::open(set, source.config.clone(), device, compile, embeddings)
                     .with_context(at)?,

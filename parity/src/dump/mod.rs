@@ -10,7 +10,7 @@ pub mod layout;
 mod run;
 pub mod stream;
 
-pub use run::{Written, run_dump, write_dump};
+pub use run::{ImageDump, POSITIONS, Written, run_dump, write_dump, write_image_dump};
 
 /// The tensors of a dump and what they hold (`T` prompt tokens, `H` hidden size, `V` vocabulary, `N` generated
 /// tokens, `C = 2·Hk·Dk + Hv·Dv` conv channels, `K` conv width). Floats are in the run's dtype (f32, or f64 for a

@@ -1,17 +1,20 @@
 //! A dump's run: the prompt with taps on a backend, then a greedy continuation, written to its file as the run goes
 //! ([`write_dump`], what `qwen35 dump` does) or collected in memory ([`run_dump`]).
 
-use super::layout::planned;
+use super::layout::{Planned, planned};
 use super::stream::{GENERATED, StreamWriter};
 use super::{Dump, id_tensor};
 use crate::non_finite::NonFinite;
 use anyhow::{Context, Result, anyhow, bail};
-use candle_core::DType;
-use reference::backend::{Backend, Generation, greedy};
+use candle_core::{DType, Tensor};
+use reference::backend::{Backend, EmbeddedPrompt, Generation, greedy, greedy_embedded};
 use reference::taps::{SharedTapSink, names};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
+
+/// The dump's name for a prompt's MRoPE positions `[3, T]` (written for a prompt with images).
+pub const POSITIONS: &str = "positions";
 
 /// What [`write_dump`] wrote.
 #[derive(Debug, Clone)]
@@ -41,6 +44,46 @@ pub fn write_dump(
     metadata: BTreeMap<String, String>,
     out: &Path,
 ) -> Result<Written> {
+    write(backend, ids, None, generate, metadata, out)
+}
+
+/// A prompt with images as a dump records it: the prompt the decoder runs, and the vision tower's taps that made
+/// its image rows.
+#[derive(Debug, Clone, Copy)]
+pub struct ImageDump<'a> {
+    /// The decoder's prompt (ids, embeddings, positions).
+    pub prompt: &'a EmbeddedPrompt,
+    /// `vision.*` taps.
+    pub vision: &'a BTreeMap<String, Tensor>,
+}
+
+/// [`write_dump`] of a prompt with images: the vision taps and the prompt's `positions` `[3, T]` (i64) are written
+/// beside the decoder's tensors.
+pub fn write_image_dump(
+    backend: &mut dyn Backend,
+    images: ImageDump,
+    generate: usize,
+    metadata: BTreeMap<String, String>,
+    out: &Path,
+) -> Result<Written> {
+    write(
+        backend,
+        &images.prompt.ids,
+        Some(images),
+        generate,
+        metadata,
+        out,
+    )
+}
+
+fn write(
+    backend: &mut dyn Backend,
+    ids: &[u32],
+    images: Option<ImageDump>,
+    generate: usize,
+    metadata: BTreeMap<String, String>,
+    out: &Path,
+) -> Result<Written> {
     let dtype = match backend.record().dtype.as_str() {
         "f32" => DType::F32,
         "f64" => DType::F64,
@@ -53,7 +96,23 @@ pub fn write_dump(
         .into_iter()
         .chain(metadata)
         .collect();
-    let layout = planned(backend.config(), ids.len(), dtype, backend.exposes_state());
+    let mut layout = planned(backend.config(), ids.len(), dtype, backend.exposes_state());
+    let mut extra: Vec<(String, Tensor)> = Vec::new();
+    if let Some(images) = images {
+        for (name, t) in images.vision {
+            extra.push((name.clone(), t.to_dtype(dtype)?));
+        }
+        let rows: Vec<i64> = images.prompt.positions.0.concat();
+        extra.push((
+            POSITIONS.to_string(),
+            Tensor::from_vec(rows, (3, ids.len()), &candle_core::Device::Cpu)?,
+        ));
+    }
+    layout.extend(extra.iter().map(|(name, t)| Planned {
+        name: name.clone(),
+        dtype: t.dtype(),
+        shape: t.dims().to_vec(),
+    }));
     let writer = Arc::new(Mutex::new(StreamWriter::create(
         out, layout, generate, &metadata,
     )?));
@@ -62,10 +121,19 @@ pub fn write_dump(
             .lock()
             .map_err(|_| anyhow!("writing the dump {}: poisoned", out.display()))
     };
-    lock()?.write("token_ids", &id_tensor(ids)?)?;
+    {
+        let mut w = lock()?;
+        w.write("token_ids", &id_tensor(ids)?)?;
+        for (name, t) in &extra {
+            w.write(name, t)?;
+        }
+    }
     let sink: SharedTapSink = writer.clone();
     let streaming = backend.stream_taps(Some(sink));
-    let generation = greedy(backend, ids, generate, &[], true, |_| Ok(()));
+    let generation = match images {
+        Some(images) => greedy_embedded(backend, images.prompt, generate, &[], true, |_| Ok(())),
+        None => greedy(backend, ids, generate, &[], true, |_| Ok(())),
+    };
     backend.stream_taps(None);
     let generation = generation.with_context(|| format!("running the dump {}", out.display()))?;
     {

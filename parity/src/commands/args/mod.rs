@@ -3,7 +3,7 @@
 
 mod prompt;
 
-pub use prompt::PromptArgs;
+pub use prompt::{ImageArgs, PromptArgs};
 
 use crate::compare::ThresholdOverrides;
 use crate::device::DeviceSettings;
@@ -361,6 +361,7 @@ impl GraphArgs {
                 output_scale: form.output_scale(PORT_OUTPUT_SCALE)? as f32,
                 context,
                 taps: true,
+                embeddings_input: false,
             },
             compile: self.compile(device)?,
         })

@@ -1,10 +1,11 @@
 //! The prompt options several commands share (`--token-ids`, `--prompt`, `--system`, `--think`).
 
+use crate::images::ImageSource;
 use crate::prompts::{ChatPrompt, PromptSource, parse_token_ids};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use reference::config::Config;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// The prompt of a run: token ids, or a chat message formatted with the checkpoint's template.
 #[derive(Debug, Clone, Args)]
@@ -63,7 +64,26 @@ impl PromptArgs {
         Ok((ids, text))
     }
 
-    fn chat(&self) -> ChatPrompt {
+    /// The ids of a prompt with images of `grids` (see [`crate::images::image_ids`]).
+    pub fn image_ids(
+        &self,
+        dir: &Path,
+        config: &Config,
+        vc: &reference::vision::VisionConfig,
+        grids: &[reference::vision::Grid],
+    ) -> Result<Vec<u32>> {
+        self.check_chat_options(None)?;
+        let ids = self
+            .token_ids
+            .as_deref()
+            .map(|t| parse_token_ids(t, "--token-ids"))
+            .transpose()?;
+        let chat = self.prompt.as_ref().map(|_| self.chat());
+        crate::images::image_ids(ids.as_deref(), chat.as_ref(), dir, config, vc, grids)
+    }
+
+    /// The chat message of --prompt.
+    pub fn chat(&self) -> ChatPrompt {
         ChatPrompt {
             prompt: self.prompt.clone().unwrap_or_default(),
             system: self.system.clone(),
@@ -80,5 +100,48 @@ impl PromptArgs {
             (None, None, Some(f)) => PromptSource::File(f.to_path_buf()),
             (None, None, None) => PromptSource::Default,
         })
+    }
+}
+
+/// The images of a prompt (`--image`, `--image-size`, `--pixel-values`).
+#[derive(Debug, Clone, Args)]
+pub struct ImageArgs {
+    /// An image (PNG or JPEG) shown before the prompt's text, preprocessed as the checkpoint's
+    /// preprocessor_config.json says; repeat for several. With --token-ids, the ids hold each image's vision_start,
+    /// image tokens (one per merged row) and vision_end.
+    #[arg(long = "image", value_name = "FILE")]
+    pub images: Vec<PathBuf>,
+    /// Resize every --image to WIDTHxHEIGHT (whole merge blocks) instead, as the NPU port does (512x512).
+    #[arg(long, value_name = "WxH", requires = "images")]
+    pub image_size: Option<String>,
+    /// Pixel values computed elsewhere: a safetensors file holding transformers' `pixel_values` and
+    /// `image_grid_thw`, fed to the vision tower as they are.
+    #[arg(long, value_name = "FILE.safetensors", conflicts_with = "images")]
+    pub pixel_values: Option<PathBuf>,
+}
+
+impl ImageArgs {
+    /// Where the images come from, `None` for a prompt of text.
+    pub fn source(&self) -> Result<Option<ImageSource>> {
+        if let Some(p) = &self.pixel_values {
+            return Ok(Some(ImageSource::PixelValues(p.clone())));
+        }
+        if self.images.is_empty() {
+            return Ok(None);
+        }
+        let size = match &self.image_size {
+            None => None,
+            Some(s) => {
+                let parse = |x: &str| x.trim().parse::<usize>().ok().filter(|&n| n > 0);
+                match s.split_once(['x', 'X']).map(|(w, h)| (parse(w), parse(h))) {
+                    Some((Some(w), Some(h))) => Some((w, h)),
+                    _ => bail!("--image-size {s}: expected WIDTHxHEIGHT in pixels, e.g. 512x512"),
+                }
+            }
+        };
+        Ok(Some(ImageSource::Files {
+            paths: self.images.clone(),
+            size,
+        }))
     }
 }

@@ -1,0 +1,189 @@
+//! Prompts with images through the command line, on `tiny-vl` against transformers' goldens
+//! (scripts/make_vision_goldens.py): `dump --pixel-values` with the goldens' own pixel values and token ids, on the
+//! reference and on OpenVINO's CPU device (the static vision graph, then decoder graphs fed embeddings), must give
+//! transformers' greedy tokens, positions, vision taps and logits; `run --image` preprocesses the committed images
+//! itself; and a prompt whose image tokens do not fit its images is refused, naming the image.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use common::{expect_error, qwen35, stderr, testdata};
+use parity::dump::Dump;
+use reference::compare::diff;
+use std::collections::HashMap;
+use std::path::Path;
+
+/// The decoder's logits with images against transformers' at f32 (the tolerance of the text goldens).
+const LOGITS_ATOL: f64 = 1e-3;
+/// Vision taps, relative to each tensor's largest magnitude (the target).
+const VISION_RTOL: f64 = 1e-5;
+
+fn golden() -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(testdata().join("goldens/tiny-vl.safetensors"), &Device::Cpu)
+        .unwrap()
+}
+
+/// The goldens' `images` case as transformers' processor returns it: `pixel_values` and `image_grid_thw`.
+fn write_pixel_values(g: &HashMap<String, Tensor>, path: &Path) {
+    let t: HashMap<String, Tensor> = [
+        ("pixel_values".to_string(), g["images.pixel_values"].clone()),
+        (
+            "image_grid_thw".to_string(),
+            g["images.image_grid_thw"].clone(),
+        ),
+    ]
+    .into();
+    candle_core::safetensors::save(&t, path).unwrap();
+}
+
+fn ids_text(t: &Tensor) -> String {
+    let ids: Vec<i64> = t.to_dtype(DType::I64).unwrap().to_vec1().unwrap();
+    ids.iter().map(i64::to_string).collect::<Vec<_>>().join(",")
+}
+
+fn check_dump(path: &Path, g: &HashMap<String, Tensor>, label: &str) {
+    let d = Dump::read(path).unwrap();
+    let ids = |t: &Tensor| -> Vec<i64> { t.to_dtype(DType::I64).unwrap().to_vec1().unwrap() };
+    assert_eq!(
+        ids(d.get("generated").unwrap()),
+        ids(&g["images.generated"]),
+        "{label}: greedy tokens with images differ from transformers'"
+    );
+    let positions: Vec<Vec<i64>> = d.get("positions").unwrap().to_vec2().unwrap();
+    let expected: Vec<Vec<i64>> = g["images.positions"].to_vec2().unwrap();
+    assert_eq!(positions, expected, "{label}: positions");
+    for tap in [
+        "vision.patch_embed",
+        "vision.blocks.1.output",
+        "vision.merger",
+    ] {
+        let e = diff(d.get(tap).unwrap(), &g[&format!("images.{tap}")]).unwrap();
+        println!("{label} {tap}: {e}");
+        assert!(e.within(0.0, VISION_RTOL), "{label} {tap}: {e}");
+    }
+    let e = diff(d.get("logits").unwrap(), &g["images.logits"]).unwrap();
+    println!("{label} logits: {e}");
+    assert!(e.within(LOGITS_ATOL, 0.0), "{label} logits: {e}");
+    assert!(d.metadata["images"].contains("--pixel-values"));
+}
+
+#[test]
+fn a_dump_with_images_matches_transformers_on_the_reference_and_on_the_cpu_device() {
+    let g = golden();
+    let dir = tempfile::tempdir().unwrap();
+    let pixels = dir.path().join("pixels.safetensors");
+    write_pixel_values(&g, &pixels);
+    let model = testdata().join("models/tiny-vl");
+    let ids = ids_text(&g["images.token_ids"]);
+    let generate = g["images.generated"].dim(0).unwrap().to_string();
+    for (label, backend) in [("reference", "reference"), ("CPU", "openvino")] {
+        let out = dir.path().join(format!("{label}.safetensors"));
+        let o = qwen35(&[
+            "dump",
+            "--model",
+            model.to_str().unwrap(),
+            "--pixel-values",
+            pixels.to_str().unwrap(),
+            "--token-ids",
+            &ids,
+            "--generate",
+            &generate,
+            "--backend",
+            backend,
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{label}: {}", stderr(&o));
+        check_dump(&out, &g, label);
+    }
+}
+
+#[test]
+fn run_takes_image_files_and_refuses_prompts_that_do_not_fit_them() {
+    let model = testdata().join("models/tiny-vl");
+    let (m, wide, small) = (
+        model.to_str().unwrap().to_string(),
+        testdata().join("images/wide.png"),
+        testdata().join("images/small.png"),
+    );
+    let (wide, small) = (wide.to_str().unwrap(), small.to_str().unwrap());
+    let o = qwen35(&[
+        "run",
+        "--model",
+        &m,
+        "--prompt",
+        "What is in the pictures?",
+        "--image",
+        wide,
+        "--image",
+        small,
+        "--max-tokens",
+        "4",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // Two images of 8x10 and 4x4 patches merge 2x2 into 20 and 4 rows: ids with 3 image tokens for the first
+    // image are refused, naming it.
+    let g = golden();
+    let mut ids: Vec<i64> = g["images.token_ids"].to_vec1().unwrap();
+    let first = ids.iter().position(|&i| i == 514).unwrap();
+    ids.drain(first..first + 17);
+    let ids: Vec<String> = ids.iter().map(i64::to_string).collect();
+    expect_error(
+        &[
+            "dump",
+            "--model",
+            &m,
+            "--image",
+            wide,
+            "--image",
+            small,
+            "--token-ids",
+            &ids.join(","),
+            "--out",
+            "unused.safetensors",
+        ],
+        &["image 1", "3 image token", "20"],
+    );
+    // A text-only checkpoint takes no images; a fixed size must be whole merge blocks (8 pixels here).
+    let tiny = testdata().join("models/tiny");
+    expect_error(
+        &[
+            "run",
+            "--model",
+            tiny.to_str().unwrap(),
+            "--prompt",
+            "hi",
+            "--image",
+            wide,
+        ],
+        &["vision_config"],
+    );
+    expect_error(
+        &[
+            "run",
+            "--model",
+            &m,
+            "--prompt",
+            "hi",
+            "--image",
+            wide,
+            "--image-size",
+            "12x16",
+        ],
+        &["--image-size 12x16", "multiples of 8"],
+    );
+    expect_error(
+        &[
+            "run",
+            "--model",
+            &m,
+            "--prompt",
+            "hi",
+            "--image",
+            wide,
+            "--image-size",
+            "512",
+        ],
+        &["WIDTHxHEIGHT"],
+    );
+}
