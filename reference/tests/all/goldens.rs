@@ -393,7 +393,8 @@ fn positions_far_and_multimodal_match_transformers() {
             .unwrap();
         let next = rows.iter().flatten().max().unwrap() + 1;
         assert_eq!(
-            state.next_position() as i64, next,
+            state.next_position() as i64,
+            next,
             "{case}: text continues after the largest position"
         );
         for (name, expected) in &g.tensors {
