@@ -4,7 +4,10 @@
 
 use anyhow::{Context, Result, bail};
 use candle_core::{DType, Device, Tensor};
-use reference::backend::EmbeddedPrompt;
+use reference::backend::{
+    Backend, EmbeddedPrompt, Forced, Generation, greedy, greedy_embedded, teacher_forced,
+    teacher_forced_embedded,
+};
 use reference::config::Config;
 use reference::model::Model;
 use reference::taps::Taps;
@@ -215,4 +218,82 @@ pub fn device_images(
         .context("the vision graph gave no merger output")?;
     let prompt = embedded_prompt(model, vc, ids, &pixels.grids, rows)?;
     Ok(ImagePrompt { prompt, taps })
+}
+
+/// What a run feeds a backend: token ids, or a prompt with images (its embeddings made by one vision tower).
+#[derive(Debug, Clone)]
+pub enum PromptInput {
+    /// Token ids.
+    Ids(Vec<u32>),
+    /// A prompt with images.
+    Images(EmbeddedPrompt),
+}
+
+impl PromptInput {
+    /// The prompt's token ids.
+    pub fn ids(&self) -> &[u32] {
+        match self {
+            PromptInput::Ids(ids) => ids,
+            PromptInput::Images(p) => &p.ids,
+        }
+    }
+
+    /// [`greedy`] or [`greedy_embedded`] from a fresh state.
+    pub fn greedy(
+        &self,
+        backend: &mut dyn Backend,
+        max_new: usize,
+        all_logits: bool,
+    ) -> reference::Result<Generation> {
+        match self {
+            PromptInput::Ids(ids) => greedy(backend, ids, max_new, &[], all_logits, |_| Ok(())),
+            PromptInput::Images(p) => {
+                greedy_embedded(backend, p, max_new, &[], all_logits, |_| Ok(()))
+            }
+        }
+    }
+
+    /// [`teacher_forced`] or [`teacher_forced_embedded`] from a fresh state.
+    pub fn forced(
+        &self,
+        backend: &mut dyn Backend,
+        continuation: &[u32],
+    ) -> reference::Result<Forced> {
+        match self {
+            PromptInput::Ids(ids) => teacher_forced(backend, ids, continuation),
+            PromptInput::Images(p) => teacher_forced_embedded(backend, p, continuation),
+        }
+    }
+}
+
+/// The device's vision taps against the reference's, in the tower's order (`vision.merger` last).
+pub fn vision_rows(
+    device: &BTreeMap<String, Tensor>,
+    reference: &BTreeMap<String, Tensor>,
+) -> Result<Vec<crate::compare::Row>> {
+    let mut rows = Vec::new();
+    for (name, t) in device {
+        let Some(expected) = reference.get(name) else {
+            continue;
+        };
+        rows.push(crate::compare::Row {
+            name: name.clone(),
+            layer: None,
+            error: crate::metrics::TensorError::of(t, expected)?,
+        });
+    }
+    let order = |n: &str| -> usize {
+        match n {
+            reference::vision::names::PATCH_EMBED => 0,
+            reference::vision::names::POS_EMBED => 1,
+            reference::vision::names::MERGER => usize::MAX,
+            other => other
+                .strip_prefix("vision.blocks.")
+                .and_then(|r| r.split('.').next())
+                .and_then(|i| i.parse::<usize>().ok())
+                .map_or(usize::MAX - 1, |i| i + 2),
+        }
+    };
+    rows.sort_by_key(|r| order(&r.name));
+    Ok(rows)
 }

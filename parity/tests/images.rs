@@ -187,3 +187,51 @@ fn run_takes_image_files_and_refuses_prompts_that_do_not_fit_them() {
         &["WIDTHxHEIGHT"],
     );
 }
+
+#[test]
+fn compare_devices_with_images_reports_the_image_embeddings_and_passes_on_the_cpu_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("compare.json");
+    let model = testdata().join("models/tiny-vl");
+    let (wide, small) = (
+        testdata().join("images/wide.png"),
+        testdata().join("images/small.png"),
+    );
+    let o = qwen35(&[
+        "compare-devices",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "What is in the pictures?",
+        "--image",
+        wide.to_str().unwrap(),
+        "--image",
+        small.to_str().unwrap(),
+        "--devices",
+        "CPU",
+        "--tokens",
+        "6",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        stdout.contains("image embeddings (vision.merger"),
+        "{stdout}"
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let device = &report["devices"][0];
+    assert_eq!(device["greedy_matched"], device["greedy_total"]);
+    let vision = device["vision"]
+        .as_array()
+        .expect("the vision taps' errors");
+    let names: Vec<&str> = vision.iter().map(|r| r["name"].as_str().unwrap()).collect();
+    assert_eq!(names.first(), Some(&"vision.patch_embed"));
+    assert_eq!(names.last(), Some(&"vision.merger"));
+    let merger = &vision[vision.len() - 1]["error"];
+    assert!(merger["nrmse"].as_f64().unwrap() < 1e-5, "{merger}");
+    assert!(merger["cosine"].as_f64().unwrap() > 0.99999, "{merger}");
+}

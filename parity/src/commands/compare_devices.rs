@@ -2,16 +2,21 @@
 //! by layer and state by state, with a verdict against thresholds.
 
 use super::Outcome;
-use super::args::{FormArgs, GraphArgs, ModelArgs, PromptArgs, ReportArgs, ThresholdArgs};
+use super::args::{
+    FormArgs, GraphArgs, ImageArgs, ModelArgs, PromptArgs, ReportArgs, ThresholdArgs,
+};
 use super::target::Target;
-use crate::compare::run::{compare_device, quantization_error, reference_runs};
+use crate::compare::ReferenceRun;
+use crate::compare::run::{compare_device_on, quantization_error, reference_runs};
 use crate::device::{
     available_devices, check_context, check_device, check_positions, open_reference, split_devices,
     warn_precision,
 };
+use crate::images::{PromptInput, device_images, reference_images, vision_config, vision_rows};
 use crate::memory::{self, Plan};
 use crate::outputs::Paths;
 use crate::progress::Progress;
+use crate::prompts::LabelledPrompt;
 use crate::prompts::eos_ids;
 use crate::report::{CompareReport, Inputs, Machine};
 use anyhow::{Context, Result, bail};
@@ -40,6 +45,8 @@ pub struct CompareArgs {
     ir: Option<PathBuf>,
     #[command(flatten)]
     prompt: PromptArgs,
+    #[command(flatten)]
+    images: ImageArgs,
     /// A prompt set, one JSON object per line: {"prompt": …, "system"?: …, "think"?: bool, "label"?: …} or
     /// {"token_ids": [...], "label"?: …}. Default (no prompt given): the set shipped with the project.
     #[arg(long, value_name = "FILE.jsonl", conflicts_with_all = ["token_ids", "prompt"])]
@@ -151,6 +158,18 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
     let target = Target::open(&args.model, args.ir.as_deref(), &args.form, &args.graph)?;
     let (dir, config, store) = target.checkpoint();
     let devices = devices(args.devices.as_deref())?;
+    let image_source = args.images.source()?;
+    if image_source.is_some() && target.set().is_some() {
+        bail!(
+            "--image with --ir: a graph set's vision graph is not read yet; compare this project's graphs \
+             (without --ir), whose vision graph is built from the checkpoint"
+        );
+    }
+    if image_source.is_some() && args.prompts.is_some() {
+        bail!(
+            "--image applies to one prompt (--prompt or --token-ids), not to a prompt set (--prompts)"
+        );
+    }
     let settings = devices
         .iter()
         .map(|d| {
@@ -159,13 +178,31 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
             } else {
                 args.graph.clone()
             };
-            graph.settings(d, &args.form)
+            let mut s = graph.settings(d, &args.form)?;
+            // The image rows come from the device's vision graph: its decoder graphs take embeddings.
+            s.graph.embeddings_input = image_source.is_some();
+            Ok(s)
         })
         .collect::<Result<Vec<_>>>()?;
-    let set = args
-        .prompt
-        .source(args.prompts.as_deref())?
-        .load(dir, config)?;
+    let images = match &image_source {
+        Some(source) => {
+            let vc = vision_config(dir)?;
+            let pixels = source.load(dir, &vc)?;
+            let ids = args.prompt.image_ids(dir, config, &vc, &pixels.grids)?;
+            Some((vc, pixels, ids))
+        }
+        None => None,
+    };
+    let set = match &images {
+        Some((_, pixels, ids)) => vec![LabelledPrompt {
+            label: format!("with {} image(s)", pixels.grids.len()),
+            ids: ids.clone(),
+        }],
+        None => args
+            .prompt
+            .source(args.prompts.as_deref())?
+            .load(dir, config)?,
+    };
     for p in &set {
         check_positions(p.ids.len(), args.tokens, config, "--tokens")
             .with_context(|| format!("prompt `{}`", p.label))?;
@@ -197,7 +234,26 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
 
     let progress = Progress::new(set.len() * (1 + devices.len()));
     let mut reference = open_reference(config, store, RunOptions::default(), true)?;
-    let runs = reference_runs(&mut reference, &set, args.tokens, &progress)?;
+    // With images: the reference's tower makes its image rows; each device's vision graph makes its own below.
+    let (runs, reference_vision, host) = match &images {
+        Some((vc, pixels, ids)) => {
+            let host = reference.model().clone();
+            let r = reference_images(&host, store, vc, ids.clone(), pixels)?;
+            progress.step(&format!("reference: {}", set[0].label));
+            let run = ReferenceRun::of_input(
+                &mut reference,
+                &set[0].label,
+                PromptInput::Images(r.prompt),
+                args.tokens,
+            )?;
+            (vec![run], r.taps, Some(host))
+        }
+        None => (
+            reference_runs(&mut reference, &set, args.tokens, &progress)?,
+            Default::default(),
+            None,
+        ),
+    };
     // Its runs are all the comparisons need: its weights are handed back before any graph is built.
     let reference_record = reference.record().clone();
     drop(reference);
@@ -211,15 +267,38 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
     let mut reports = Vec::with_capacity(devices.len());
     for (device, settings) in devices.iter().zip(settings) {
         progress.message(&format!("{device}: compiling"));
+        let vision = match (&images, &host) {
+            (Some((vc, pixels, ids)), Some(host)) => {
+                progress.message(&format!("{device}: the vision graph"));
+                Some(device_images(
+                    host,
+                    store,
+                    vc,
+                    ids.clone(),
+                    pixels,
+                    &settings.device,
+                    &settings.compile,
+                )?)
+            }
+            _ => None,
+        };
         let mut dut = target.device(settings, &args.graph, None)?;
         warn_precision(dut.as_mut())?;
-        reports.push(compare_device(
+        let inputs = vision
+            .as_ref()
+            .map(|v| vec![PromptInput::Images(v.prompt.clone())]);
+        let mut report = compare_device_on(
             dut.as_mut(),
             &runs,
+            inputs.as_deref(),
             &eos,
             &thresholds,
             &progress,
-        )?);
+        )?;
+        if let Some(v) = &vision {
+            report.vision = vision_rows(&v.taps, &reference_vision)?;
+        }
+        reports.push(report);
     }
     progress.finish();
     let report = CompareReport {

@@ -177,9 +177,6 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
             )?;
             let images = image_prompt(Some(settings))?;
             let mut backend = engine(&config, &store, settings, true)?;
-            if let (Some(_), Some(model)) = (&images, &model) {
-                backend.set_host_embeddings(model.clone());
-            }
             write(&mut backend, images, metadata)?
         }
     };

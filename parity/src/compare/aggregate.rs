@@ -155,6 +155,10 @@ pub struct DeviceReport {
     /// `diff` only: tensors only the reference dump holds.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub only_in_reference: Vec<String>,
+    /// A prompt with images: the device's vision tower (its static vision graph) against the reference's, per tap
+    /// (`vision.merger` is the image embeddings the decoder runs on).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub vision: Vec<Row>,
     /// Every prompt.
     pub prompts: Vec<PromptComparison>,
 }
@@ -266,6 +270,7 @@ impl DeviceReport {
             tensors: vec![],
             only_in_actual: vec![],
             only_in_reference: vec![],
+            vision: Vec::new(),
             prompts,
         };
         report.failures = report.check();

@@ -14,11 +14,12 @@ pub mod run;
 pub use aggregate::{DeviceReport, Distribution, FirstDivergence, FirstNonFinite};
 
 use crate::device::{Capabilities, DeviceUnderTest};
+use crate::images::PromptInput;
 use crate::metrics::{TensorError, TokenAgreement, max_abs_diff, per_slice, values};
 use crate::non_finite::{NonFinite, scan_all};
 use anyhow::{Context, Result, bail};
 use candle_core::Tensor;
-use reference::backend::{Backend, Forced, Generation, Precision, greedy, teacher_forced};
+use reference::backend::{Backend, Forced, Generation, Precision};
 use reference::config::LayerKind;
 use reference::taps::names;
 use serde::Serialize;
@@ -129,6 +130,8 @@ pub struct ReferenceRun {
     pub label: String,
     /// The prompt's tokens.
     pub prompt: Vec<u32>,
+    /// What the reference ran (its ids, or the prompt with its own vision tower's image rows).
+    pub input: PromptInput,
     /// The reference's greedy tokens.
     pub tokens: Vec<u32>,
     /// Teacher-forced over the prompt and its own tokens (but the last), with every tap.
@@ -143,17 +146,29 @@ impl ReferenceRun {
         prompt: &[u32],
         generate: usize,
     ) -> Result<Self> {
-        let g = greedy(backend, prompt, generate, &[], false, |_| Ok(()))?;
+        Self::of_input(backend, label, PromptInput::Ids(prompt.to_vec()), generate)
+    }
+
+    /// [`ReferenceRun::new`] of any prompt (one with images too).
+    pub fn of_input(
+        backend: &mut dyn Backend,
+        label: &str,
+        input: PromptInput,
+        generate: usize,
+    ) -> Result<Self> {
+        let prompt = input.ids().to_vec();
+        let g = input.greedy(backend, generate, false)?;
         if let Some(i) = g.nan_at {
             bail!(
                 "the reference's logits hold a NaN at generated token {i}: the checkpoint is broken"
             );
         }
         let tokens = g.tokens;
-        let forced = teacher_forced(backend, prompt, continuation(&tokens))?;
+        let forced = input.forced(backend, continuation(&tokens))?;
         Ok(ReferenceRun {
             label: label.to_string(),
-            prompt: prompt.to_vec(),
+            prompt,
+            input,
             tokens,
             forced,
         })
@@ -310,26 +325,16 @@ pub struct DeployedRun {
     pub forced: Forced,
 }
 
-/// Runs the deployed graphs on one reference run's prompt: free-running greedy for as many tokens as the reference
-/// made, then teacher-forced on the reference's tokens.
+/// Runs the deployed graphs on `input` (one reference run's prompt, with the device's own image rows if any):
+/// free-running greedy for as many tokens as the reference made, then teacher-forced on the reference's tokens.
 pub fn deployed_run(
     reference: &ReferenceRun,
+    input: &PromptInput,
     dut: &mut dyn DeviceUnderTest,
 ) -> Result<DeployedRun> {
     let n = reference.tokens.len();
-    let free = greedy(
-        dut.deployed()?,
-        &reference.prompt,
-        n,
-        &[],
-        false,
-        |_| Ok(()),
-    )?;
-    let forced = teacher_forced(
-        dut.deployed()?,
-        &reference.prompt,
-        continuation(&reference.tokens),
-    )?;
+    let free = input.greedy(dut.deployed()?, n, false)?;
+    let forced = input.forced(dut.deployed()?, continuation(&reference.tokens))?;
     Ok(DeployedRun { free, forced })
 }
 
@@ -337,14 +342,11 @@ pub fn deployed_run(
 /// (`None` otherwise: the deployed run carries whatever hidden outputs there are).
 pub fn tapped_run(
     reference: &ReferenceRun,
+    input: &PromptInput,
     dut: &mut dyn DeviceUnderTest,
 ) -> Result<Option<Forced>> {
     match dut.tapped()? {
-        Some(tapped) => Ok(Some(teacher_forced(
-            tapped,
-            &reference.prompt,
-            continuation(&reference.tokens),
-        )?)),
+        Some(tapped) => Ok(Some(input.forced(tapped, continuation(&reference.tokens))?)),
         None => Ok(None),
     }
 }

@@ -6,6 +6,7 @@ use super::{
     continuation, deployed_run, rows, tapped_run,
 };
 use crate::device::{DeviceUnderTest, open_reference};
+use crate::images::PromptInput;
 use crate::metrics::TensorError;
 use crate::progress::Progress;
 use crate::prompts::LabelledPrompt;
@@ -42,11 +43,25 @@ pub fn compare_device(
     thresholds: &ThresholdOverrides,
     progress: &Progress,
 ) -> Result<DeviceReport> {
+    compare_device_on(dut, runs, None, eos, thresholds, progress)
+}
+
+/// [`compare_device`] with the device's own inputs, one per run (a prompt with images: the rows of the device's
+/// vision graph); `None` feeds the device what the reference ran.
+pub fn compare_device_on(
+    dut: &mut dyn DeviceUnderTest,
+    runs: &[ReferenceRun],
+    inputs: Option<&[PromptInput]>,
+    eos: &[u32],
+    thresholds: &ThresholdOverrides,
+    progress: &Progress,
+) -> Result<DeviceReport> {
+    let input = |i: usize| inputs.map_or(&runs[i].input, |x| &x[i]);
     // The deployed graphs on every prompt, then (released) the tapped ones: one set compiled at a time.
     let mut deployed = Vec::with_capacity(runs.len());
-    for run in runs {
+    for (i, run) in runs.iter().enumerate() {
         progress.step(&format!("{}: {}", dut.label(), run.label));
-        deployed.push(deployed_run(run, dut)?);
+        deployed.push(deployed_run(run, input(i), dut)?);
     }
     let record = dut.record()?;
     let kinds: Vec<Option<LayerKind>> = dut
@@ -58,9 +73,9 @@ pub fn compare_device(
         .collect();
     dut.release();
     let mut tapped = Vec::with_capacity(runs.len());
-    for run in runs {
+    for (i, run) in runs.iter().enumerate() {
         progress.message(&format!("{}: {} (hidden states)", dut.label(), run.label));
-        tapped.push(tapped_run(run, dut)?);
+        tapped.push(tapped_run(run, input(i), dut)?);
     }
     dut.release();
     let caps = dut.capabilities().clone();

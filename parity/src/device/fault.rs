@@ -13,7 +13,7 @@ use super::layers::LayerDevice;
 use anyhow::{Result, bail};
 use candle_core::Tensor;
 use npu::engine::HostLayerState;
-use reference::backend::{Backend, Forward, RunRecord, Snapshot};
+use reference::backend::{Backend, EmbeddedPrompt, Forward, RunRecord, Snapshot};
 use reference::config::Config;
 use reference::taps::names;
 use std::collections::BTreeMap;
@@ -186,6 +186,17 @@ impl<B: Backend> Backend for Faulty<B> {
             }
         }
         self.inner.restore(&fresh)
+    }
+
+    /// A prompt with images goes through untouched: the faults act on calls of token ids.
+    fn forward_embedded(
+        &mut self,
+        prompt: &EmbeddedPrompt,
+        all_logits: bool,
+    ) -> reference::Result<Forward> {
+        let out = self.inner.forward_embedded(prompt, all_logits)?;
+        self.position += prompt.ids.len();
+        Ok(out)
     }
 
     fn forward(&mut self, ids: &[u32], all_logits: bool) -> reference::Result<Forward> {

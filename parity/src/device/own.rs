@@ -169,11 +169,18 @@ fn compile(
     };
     let builder = Builder::new(config, store, graph)?;
     let (device, opts) = (&settings.device, &settings.compile);
-    let engine = match graphs {
+    let mut engine = match graphs {
         Graphs::Deployed => DecoderEngine::new(&builder, block, device, opts),
         Graphs::Tapped => DecoderEngine::padded_only(&builder, block, device, opts),
     }
     .with_context(|| format!("compiling the graphs with --block {block}"))?;
+    // Graphs taking embeddings (a prompt with images) look the text tokens' rows up in the reference's table.
+    if graph.embeddings_input {
+        engine.set_host_embeddings(reference::model::Model::from_weights(
+            config.clone(),
+            store,
+        )?);
+    }
     log.add(purpose, engine.infos());
     Ok(engine)
 }

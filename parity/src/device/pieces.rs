@@ -2,8 +2,9 @@
 //! any number of tokens per call) is driven at another block size without compiling anything.
 
 use candle_core::Tensor;
-use reference::backend::{Backend, Forward, RunRecord, Snapshot};
+use reference::backend::{Backend, EmbeddedPrompt, Forward, RunRecord, Snapshot};
 use reference::config::Config;
+use reference::rope::Positions;
 use std::collections::BTreeMap;
 
 /// `inner` with every call cut into pieces of at most `block` tokens.
@@ -35,6 +36,44 @@ impl Backend for Pieces<'_> {
             let last = i + 1 == pieces.len();
             let f = self.inner.forward(piece, all_logits)?;
             if all_logits || last {
+                logits.push(f.logits);
+            }
+            for (k, v) in f.taps {
+                taps.entry(k).or_default().push(v);
+            }
+        }
+        Ok(Forward {
+            logits: Tensor::cat(&logits, 0)?,
+            taps: taps
+                .into_iter()
+                .map(|(k, v)| Ok((k, Tensor::cat(&v, 0)?)))
+                .collect::<reference::Result<_>>()?,
+        })
+    }
+
+    fn forward_embedded(
+        &mut self,
+        prompt: &EmbeddedPrompt,
+        all_logits: bool,
+    ) -> reference::Result<Forward> {
+        let (n, block) = (prompt.ids.len(), self.block.max(1));
+        let mut logits = Vec::new();
+        let mut taps: BTreeMap<String, Vec<Tensor>> = BTreeMap::new();
+        for from in (0..n).step_by(block) {
+            let len = block.min(n - from);
+            let piece = EmbeddedPrompt {
+                ids: prompt.ids[from..from + len].to_vec(),
+                embeddings: prompt.embeddings.narrow(0, from, len)?,
+                positions: Positions(
+                    prompt
+                        .positions
+                        .0
+                        .each_ref()
+                        .map(|r| r[from..from + len].to_vec()),
+                ),
+            };
+            let f = self.inner.forward_embedded(&piece, all_logits)?;
+            if all_logits || from + len == n {
                 logits.push(f.logits);
             }
             for (k, v) in f.taps {

@@ -9,7 +9,7 @@ use npu::devices::CompileOptions;
 use npu::engine::{DecoderEngine, LayerChain};
 use npu::graphset::{GraphSet, PromptRule};
 use npu::sim::NumericModel;
-use reference::backend::{Backend, Forward, RunRecord, Snapshot};
+use reference::backend::{Backend, EmbeddedPrompt, Forward, RunRecord, Snapshot};
 use reference::config::Config;
 use reference::model::Model;
 use reference::quant::WeightFormat;
@@ -122,6 +122,14 @@ impl Backend for Graphs {
 
     fn forward(&mut self, ids: &[u32], all_logits: bool) -> reference::Result<Forward> {
         self.backend_mut().forward(ids, all_logits)
+    }
+
+    fn forward_embedded(
+        &mut self,
+        prompt: &EmbeddedPrompt,
+        all_logits: bool,
+    ) -> reference::Result<Forward> {
+        self.backend_mut().forward_embedded(prompt, all_logits)
     }
 
     fn exposes_state(&self) -> bool {

@@ -200,6 +200,9 @@ impl CompareReport {
         }
         for d in &self.devices {
             let _ = writeln!(s, "{}: {}", d.device, first_divergence_line(d));
+            if let Some(line) = vision_line(d) {
+                let _ = writeln!(s, "  {line}");
+            }
             if let Some(why) = &d.not_available {
                 let _ = writeln!(s, "  not compared: {why}");
             }
@@ -319,6 +322,9 @@ impl CompareReport {
                 if d.passed() { "PASS" } else { "FAIL" }
             );
             let _ = writeln!(s, "{}\n", first_divergence_line(d));
+            if let Some(line) = vision_line(d) {
+                let _ = writeln!(s, "{line}\n");
+            }
             for f in &d.failures {
                 let _ = writeln!(s, "- ✗ {f}");
             }
@@ -513,4 +519,28 @@ impl CompareReport {
         );
         s
     }
+}
+
+/// The image embeddings' line of a prompt with images: the merger's error, and the vision block that moved most.
+fn vision_line(d: &crate::compare::DeviceReport) -> Option<String> {
+    let merger = d
+        .vision
+        .iter()
+        .find(|r| r.name == reference::vision::names::MERGER)?;
+    let worst = d
+        .vision
+        .iter()
+        .filter(|r| r.name.starts_with("vision.blocks."))
+        .max_by(|a, b| a.error.nrmse.total_cmp(&b.error.nrmse));
+    let mut line = format!(
+        "image embeddings (vision.merger, the device's vision graph): NRMSE {:.2e}, max |diff| {:.2e}, cosine {:.6}",
+        merger.error.nrmse, merger.error.max_abs, merger.error.cosine
+    );
+    if let Some(w) = worst {
+        line.push_str(&format!(
+            "; worst block {} NRMSE {:.2e}",
+            w.name, w.error.nrmse
+        ));
+    }
+    Some(line)
 }

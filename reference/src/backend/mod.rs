@@ -317,9 +317,30 @@ pub fn teacher_forced(
         return Err(Error::Input("the prompt is empty".into()));
     }
     backend.config().check_token_ids(prompt)?;
+    forced_from(backend, |b| b.forward(prompt, true), continuation)
+}
+
+/// [`teacher_forced`] from a prompt with images: from a fresh state, `prompt` in one call, then each token of
+/// `continuation` in a single-token call.
+pub fn teacher_forced_embedded(
+    backend: &mut dyn Backend,
+    prompt: &EmbeddedPrompt,
+    continuation: &[u32],
+) -> Result<Forced> {
+    prompt.check(backend.config().hidden_size)?;
+    backend.config().check_token_ids(&prompt.ids)?;
+    forced_from(backend, |b| b.forward_embedded(prompt, true), continuation)
+}
+
+/// The teacher-forcing loop from a fresh state: `first` runs the prompt with every row's logits.
+fn forced_from(
+    backend: &mut dyn Backend,
+    first: impl FnOnce(&mut dyn Backend) -> Result<Forward>,
+    continuation: &[u32],
+) -> Result<Forced> {
     backend.config().check_token_ids(continuation)?;
     backend.reset()?;
-    let first = backend.forward(prompt, true)?;
+    let first = first(backend)?;
     let after_prompt = state_after(backend)?;
     let mut logits = vec![first.logits];
     let mut taps: BTreeMap<String, Vec<Tensor>> =
