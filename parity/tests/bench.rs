@@ -191,3 +191,51 @@ fn synth_is_deterministic_through_the_command_line() {
         );
     }
 }
+
+#[test]
+fn bench_times_the_vision_tower_on_both_backends() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = common::testdata().join("models/tiny-vl");
+    let m = model.to_str().unwrap();
+    for backend in ["reference", "openvino"] {
+        let json = tmp.path().join(format!("{backend}.json"));
+        let o = qwen35(&[
+            "bench",
+            "--model",
+            m,
+            "--image-grid",
+            "8x10",
+            "--image-runs",
+            "2",
+            "--backend",
+            backend,
+            "--json",
+            json.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{backend}: {}", stderr(&o));
+        let r = read_json(&json);
+        assert_eq!(r["patches"], 80, "{r}");
+        assert_eq!(r["rows"], 20, "{r}");
+        assert_eq!(r["run_seconds"].as_array().unwrap().len(), 2, "{r}");
+        assert!(r["flops"].as_u64().unwrap() > 0, "{r}");
+    }
+    expect_error(
+        &["bench", "--model", m, "--image-grid", "8"],
+        &["--image-grid 8", "HxW"],
+    );
+    expect_error(
+        &["bench", "--model", m, "--image-grid", "7x8"],
+        &["merge size 2"],
+    );
+    let tiny = common::testdata().join("models/tiny");
+    expect_error(
+        &[
+            "bench",
+            "--model",
+            tiny.to_str().unwrap(),
+            "--image-grid",
+            "8x8",
+        ],
+        &["vision_config"],
+    );
+}

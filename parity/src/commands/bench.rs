@@ -43,6 +43,13 @@ pub struct BenchArgs {
     /// Skip measuring the machine's matrix-product rate and memory bandwidth.
     #[arg(long)]
     no_machine: bool,
+    /// Time the vision tower instead of the decoder: one image of HxW patches (seeded pixels; the NPU port's
+    /// 32x32), on the reference or as the static vision graph on --device.
+    #[arg(long, value_name = "HxW")]
+    image_grid: Option<String>,
+    /// Timed runs of the vision tower (the median is reported).
+    #[arg(long, default_value_t = 3, value_name = "N", requires = "image_grid")]
+    image_runs: usize,
     #[command(flatten)]
     form: FormArgs,
     #[command(flatten)]
@@ -158,6 +165,9 @@ pub fn exec(args: BenchArgs) -> Result<Outcome> {
         .with(&args.device)
         .file("--json", args.json.as_ref())
         .check()?;
+    if let Some(grid) = &args.image_grid {
+        return bench_vision(&args, grid);
+    }
     if args.prompt_tokens == 0 {
         bail!("--prompt-tokens must be at least 1");
     }
@@ -385,4 +395,62 @@ pub fn terminal(r: &BenchReport) -> String {
         out += "\n";
     }
     out
+}
+
+/// `bench --image-grid HxW`: the vision tower on one image of that grid.
+fn bench_vision(args: &BenchArgs, grid: &str) -> Result<Outcome> {
+    let parse = |x: &str| x.trim().parse::<usize>().ok().filter(|&n| n > 0);
+    let (h, w) = match grid
+        .split_once(['x', 'X'])
+        .map(|(h, w)| (parse(h), parse(w)))
+    {
+        Some((Some(h), Some(w))) => (h, w),
+        _ => bail!("--image-grid {grid}: expected HxW in patches, e.g. 32x32"),
+    };
+    if args.image_runs == 0 {
+        bail!("--image-runs must be at least 1");
+    }
+    let device = match args.device.backend {
+        Backend::Reference => {
+            args.device.check_reference()?;
+            None
+        }
+        Backend::Openvino => {
+            let device = args.device.device.as_deref().unwrap_or("CPU");
+            Some(args.device.graph.settings(device, &args.form)?)
+        }
+    };
+    let (dir, _config, store) = args.model.open()?;
+    let vc = crate::images::vision_config(&dir)?;
+    if !h.is_multiple_of(vc.spatial_merge_size) || !w.is_multiple_of(vc.spatial_merge_size) {
+        bail!(
+            "--image-grid {grid}: both sides must be multiples of the merge size {}",
+            vc.spatial_merge_size
+        );
+    }
+    let g = reference::vision::Grid { t: 1, h, w };
+    let r = crate::perf::vision::bench(
+        &dir.display().to_string(),
+        &vc,
+        &store,
+        g,
+        device.as_ref().map(|s| (s.device.as_str(), &s.compile)),
+        args.image_runs,
+    )?;
+    println!(
+        "vision tower on {}: one image of {h}x{w} patches ({} patches -> {} rows) in {:.3} s (median of {}; {:.1} \
+         GFLOP/s), loaded in {:.2} s, peak anonymous memory {:.2} GiB",
+        r.backend,
+        r.patches,
+        r.rows,
+        r.median_seconds,
+        r.run_seconds.len(),
+        r.gflops_per_s,
+        r.load_seconds,
+        r.peak_anon_bytes as f64 / (1u64 << 30) as f64
+    );
+    if let Some(path) = &args.json {
+        crate::outputs::write(path, serde_json::to_string_pretty(&r)?.as_bytes())?;
+    }
+    Ok(Outcome::Pass)
 }

@@ -3,3 +3,4 @@
 pub mod flops;
 pub mod machine;
 pub mod memory;
+pub mod vision;
