@@ -235,3 +235,61 @@ fn compare_devices_with_images_reports_the_image_embeddings_and_passes_on_the_cp
     assert!(merger["nrmse"].as_f64().unwrap() < 1e-5, "{merger}");
     assert!(merger["cosine"].as_f64().unwrap() > 0.99999, "{merger}");
 }
+
+#[test]
+fn export_ir_writes_the_vision_graph_that_compiles_back_to_the_reference_tower() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("set");
+    let model = testdata().join("models/tiny-vl");
+    let o = qwen35(&[
+        "export-ir",
+        "--model",
+        model.to_str().unwrap(),
+        "--blocks",
+        "4",
+        "--image-grid",
+        "8x10",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(manifest["vision"]["graph"], "vision_h8_w10.xml");
+    assert_eq!(
+        manifest["vision"]["grid_thw"],
+        serde_json::json!([[1, 8, 10]])
+    );
+    // The set still reads back as a set, the vision entry known.
+    npu::graphset::manifest::open(&out).unwrap();
+    // The written graph, compiled from its files on CPU, against the reference tower on the goldens' first image.
+    let g = golden();
+    let pixels = g["images.pixel_values"].narrow(0, 0, 80).unwrap();
+    let xml = out.join("vision_h8_w10.xml");
+    let mut core = npu::runtime::core().unwrap();
+    let compiled = npu::devices::compile_ir(
+        &mut core,
+        &xml,
+        &xml.with_extension("bin"),
+        "vision",
+        "CPU",
+        &npu::devices::CompileOptions::default(),
+    )
+    .unwrap();
+    let mut session = npu::infer::Session::new(compiled).unwrap();
+    use npu::infer::Executor;
+    let got = session
+        .run(&[(npu::graphs::vision::PIXELS, &pixels)])
+        .unwrap();
+    let vc = reference::vision::VisionConfig::from_file(&model.join("config.json"))
+        .unwrap()
+        .unwrap();
+    let store = reference::weights::WeightStore::open(&model, DType::F32).unwrap();
+    let tower = reference::vision::VisionTower::load(vc, &store).unwrap();
+    let grid = reference::vision::Grid { t: 1, h: 8, w: 10 };
+    let expected = tower
+        .forward(&pixels, &[grid], &mut reference::taps::Taps::off())
+        .unwrap();
+    let e = diff(&got["vision.merger"], &expected).unwrap();
+    assert!(e.within(0.0, VISION_RTOL), "{e}");
+}

@@ -50,6 +50,11 @@ pub struct ExportArgs {
     /// Static KV context.
     #[arg(long, default_value_t = DEFAULT_CONTEXT, value_name = "N")]
     context: usize,
+    /// Also write the static vision graph for one image of HxW patches (the NPU port's 32x32), beside the decoder
+    /// graphs: `vision_h{H}_w{W}.xml` with its own `.bin`, `pixel_values` in and `vision.merger` out, listed under
+    /// `vision` in the manifest.
+    #[arg(long, value_name = "HxW")]
+    image_grid: Option<String>,
     #[command(flatten)]
     form: FormArgs,
 }
@@ -161,7 +166,35 @@ pub fn exec(args: ExportArgs) -> Result<Outcome> {
         }
     }
     bin.flush()?;
-    let count = decoder_files.len() + layer_files.len();
+    let mut count = decoder_files.len() + layer_files.len();
+    let vision = match &args.image_grid {
+        Some(grid) => {
+            let parse = |x: &str| x.trim().parse::<usize>().ok().filter(|&n| n > 0);
+            let (h, w) = match grid
+                .split_once(['x', 'X'])
+                .map(|(h, w)| (parse(h), parse(w)))
+            {
+                Some((Some(h), Some(w))) => (h, w),
+                _ => bail!("--image-grid {grid}: expected HxW in patches, e.g. 32x32"),
+            };
+            let vc = crate::images::vision_config(&dir)?;
+            let g = reference::vision::Grid { t: 1, h, w };
+            let graph =
+                npu::graphs::vision::vision_graph(&vc, &store, std::slice::from_ref(&g), opts.taps)
+                    .map_err(|e| anyhow::anyhow!("--image-grid {grid}: {e}"))?;
+            let name = format!("vision_h{h}_w{w}.xml");
+            graph.save(&out.join(&name))?;
+            count += 1;
+            Some(serde_json::json!({
+                "graph": name,
+                "grid_thw": [[1, h, w]],
+                "input": npu::graphs::vision::PIXELS,
+                "output": reference::vision::names::MERGER,
+                "taps": opts.taps,
+            }))
+        }
+        None => None,
+    };
     let set = GraphSet {
         source: args.out.join(manifest::MANIFEST).display().to_string(),
         dir: out.clone(),
@@ -191,6 +224,9 @@ pub fn exec(args: ExportArgs) -> Result<Outcome> {
             "blocks": sizes,
         }),
     );
+    if let Some(v) = vision {
+        extra.insert("vision".into(), v);
+    }
     let text = serde_json::to_string_pretty(&manifest::to_json(&set, extra))? + "\n";
     crate::report::write(&out.join(manifest::MANIFEST), &text)?;
     staged.commit()?;

@@ -93,6 +93,7 @@ pub fn parse(text: &str, dir: &Path, source: &str) -> Result<GraphSet> {
             "decoder",
             "layers",
             "export",
+            "vision",
             "holds",
             "check",
             "meaning",
