@@ -267,6 +267,36 @@ impl RangeScan {
         }
     }
 
+    /// Tracks the vision tower's `depth` blocks too, ahead of the decoder (computed first): the patch embedding, the
+    /// position table, per block the attention scores, the GELU's input and the output (whose squares the next
+    /// LayerNorm sums), and the merger.
+    pub fn with_vision(mut self, depth: usize) -> Self {
+        use reference::vision::names as v;
+        let row = |name: String, norm_input: bool| Tracked {
+            name,
+            layer: None,
+            scale: 1.0,
+            norm_input,
+            state: false,
+            values: RangeSum::default(),
+            squares: RangeSum::default(),
+            seen: false,
+        };
+        let mut vision = vec![
+            row(v::PATCH_EMBED.into(), false),
+            row(v::POS_EMBED.into(), false),
+        ];
+        for i in 0..depth {
+            vision.push(row(v::attention_scores(i), false));
+            vision.push(row(v::gelu_input(i), false));
+            vision.push(row(v::block(i), true));
+        }
+        vision.push(row(v::MERGER.into(), false));
+        vision.append(&mut self.tracked);
+        self.tracked = vision;
+        self
+    }
+
     /// Adds the taps (and logits) of one forward call whose first token is at `position`.
     pub fn add_taps(&mut self, taps: &BTreeMap<String, Tensor>, position: usize) -> Result<()> {
         self.add(taps, false, position)

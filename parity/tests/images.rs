@@ -293,3 +293,46 @@ fn export_ir_writes_the_vision_graph_that_compiles_back_to_the_reference_tower()
     let e = diff(&got["vision.merger"], &expected).unwrap();
     assert!(e.within(0.0, VISION_RTOL), "{e}");
 }
+
+#[test]
+fn ranges_cover_the_vision_tower_ahead_of_the_decoder() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("ranges.json");
+    let model = testdata().join("models/tiny-vl");
+    let wide = testdata().join("images/wide.png");
+    let o = qwen35(&[
+        "ranges",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--image",
+        wide.to_str().unwrap(),
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let names: Vec<&str> = r["activations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["name"].as_str().unwrap())
+        .collect();
+    // The tower's taps come first, in the order it computes them, then the decoder's.
+    assert_eq!(names[0], "vision.patch_embed");
+    let at = |n: &str| {
+        names
+            .iter()
+            .position(|x| *x == n)
+            .unwrap_or_else(|| panic!("no {n}"))
+    };
+    assert!(at("vision.blocks.0.attention_scores") < at("vision.blocks.0.gelu_input"));
+    assert!(at("vision.blocks.1.output") < at("vision.merger"));
+    assert!(at("vision.merger") < at("embeddings"));
+    let scores = &r["activations"][at("vision.blocks.0.attention_scores")]["values"];
+    assert!(scores["max_abs"].as_f64().unwrap() > 0.0, "{scores}");
+    // A block's output feeds a LayerNorm: its squares are scanned too.
+    assert!(r["activations"][at("vision.blocks.0.output")]["squares"].is_object());
+}

@@ -1,7 +1,7 @@
 //! `qwen35 ranges`: what of the reference's numbers an fp16 (or bf16) device cannot hold, before any device runs.
 
 use super::Outcome;
-use super::args::{ModelArgs, PromptArgs};
+use super::args::{ImageArgs, ModelArgs, PromptArgs};
 use crate::device::check_positions;
 use crate::device::open_reference;
 use crate::outputs::Paths;
@@ -24,6 +24,8 @@ pub struct RangesArgs {
     model: ModelArgs,
     #[command(flatten)]
     prompt: PromptArgs,
+    #[command(flatten)]
+    images: ImageArgs,
     /// The format the device stores values in: f16 (an NPU) or bf16.
     #[arg(long, default_value = "f16", value_name = "f16|bf16")]
     store: String,
@@ -48,6 +50,25 @@ pub fn exec(args: RangesArgs) -> Result<Outcome> {
     };
     check_output_scale(args.output_scale).context("--output-scale")?;
     let (dir, config, store) = args.model.open()?;
+    // With images: the tower's taps first, then the decoder on the prompt with its rows (in one call: the image's
+    // positions come with it).
+    if let Some(source) = args.images.source()? {
+        let vc = crate::images::vision_config(&dir)?;
+        let pixels = source.load(&dir, &vc)?;
+        let ids = args.prompt.image_ids(&dir, &config, &vc, &pixels.grids)?;
+        check_positions(ids.len(), 0, &config, "the prompt")?;
+        let mut reference = open_reference(&config, &store, RunOptions::default(), true)?;
+        let images = crate::images::reference_images(reference.model(), &store, &vc, ids, &pixels)?;
+        let mut scan = RangeScan::new(&config, storage, args.output_scale).with_vision(vc.depth);
+        scan.add_taps(&images.taps, 0)?;
+        reference.reset()?;
+        let run = reference.forward_embedded(&images.prompt, true)?;
+        let mut taps = run.taps;
+        taps.insert(reference::taps::names::LOGITS.into(), run.logits);
+        scan.add_taps(&taps, 0)?;
+        scan.add_states(&reference.snapshot()?.tensors)?;
+        return finish(scan, &config, &store, &args, &pixels.source);
+    }
     let prompt = args
         .prompt
         .source(None)?
@@ -68,7 +89,18 @@ pub fn exec(args: RangesArgs) -> Result<Outcome> {
         scan.add_taps(&taps, i * BLOCK)?;
     }
     scan.add_states(&reference.snapshot()?.tensors)?;
-    let report = scan.finish(&config, &store)?;
+    finish(scan, &config, &store, &args, &prompt.label)
+}
+
+/// Prints the report, writes its JSON, and says whether a value was not finite.
+fn finish(
+    scan: RangeScan,
+    config: &reference::config::Config,
+    store: &reference::weights::WeightStore,
+    args: &RangesArgs,
+    label: &str,
+) -> Result<Outcome> {
+    let report = scan.finish(config, store)?;
     print!("{}", report.terminal());
     if let Some(p) = &args.json {
         let mut v = serde_json::to_value(&report)?;
@@ -77,7 +109,7 @@ pub fn exec(args: RangesArgs) -> Result<Outcome> {
                 "schema_version".into(),
                 crate::report::SCHEMA_VERSION.into(),
             );
-            o.insert("prompt".into(), prompt.label.into());
+            o.insert("prompt".into(), label.into());
         }
         crate::report::write(p, &serde_json::to_string_pretty(&v)?)?;
     }

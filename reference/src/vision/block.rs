@@ -6,7 +6,9 @@ use crate::error::Result;
 use crate::linear::Linear;
 use crate::ops::softmax_last_dim;
 use crate::schema::vision::{VisionSchema, VisionTensor};
+use crate::taps::Taps;
 use crate::vision::VisionConfig;
+use crate::vision::names;
 use crate::weights::WeightStore;
 use candle_core::{D, Tensor};
 
@@ -109,17 +111,20 @@ impl VisionBlock {
         })
     }
 
-    /// The block's output for `x` `[S, Hv]`; attention stays within each of `spans`.
+    /// The block's output for `x` `[S, Hv]`; attention stays within each of `spans`. Records block `index`'s
+    /// attention scores and GELU input when `taps` are on.
     pub fn forward(
         &self,
         x: &Tensor,
         rotary: &(Tensor, Tensor),
         spans: &[(usize, usize)],
+        taps: &mut Taps,
+        index: usize,
     ) -> Result<Tensor> {
-        let h = (x + self.attention(&self.norm1.forward(x)?, rotary, spans)?)?;
-        let m = self
-            .fc2
-            .forward(&self.fc1.forward(&self.norm2.forward(&h)?)?.gelu()?)?;
+        let h = (x + self.attention(&self.norm1.forward(x)?, rotary, spans, taps, index)?)?;
+        let up = self.fc1.forward(&self.norm2.forward(&h)?)?;
+        taps.record(|| names::gelu_input(index), &up)?;
+        let m = self.fc2.forward(&up.gelu()?)?;
         Ok((h + m)?)
     }
 
@@ -128,6 +133,8 @@ impl VisionBlock {
         x: &Tensor,
         (cos, sin): &(Tensor, Tensor),
         spans: &[(usize, usize)],
+        taps: &mut Taps,
+        index: usize,
     ) -> Result<Tensor> {
         let (s, width) = x.dims2()?;
         let d = width / self.heads;
@@ -137,6 +144,7 @@ impl VisionBlock {
         let v = qkv.narrow(1, 2, 1)?.squeeze(1)?;
         let scale = (d as f64).powf(-0.5);
         let mut outs = Vec::with_capacity(spans.len());
+        let mut all_scores = Vec::new();
         for &(start, len) in spans {
             // [heads, L, D]
             let q = q.narrow(0, start, len)?.transpose(0, 1)?.contiguous()?;
@@ -145,6 +153,15 @@ impl VisionBlock {
             let scores = (q.matmul(&k.t()?)? * scale)?;
             let o = softmax_last_dim(&scores)?.matmul(&v)?;
             outs.push(o.transpose(0, 1)?.reshape((len, width))?);
+            if taps.enabled() {
+                all_scores.push(scores.reshape((self.heads, len * len))?);
+            }
+        }
+        if !all_scores.is_empty() {
+            taps.record(
+                || names::attention_scores(index),
+                &Tensor::cat(&all_scores, 1)?,
+            )?;
         }
         self.proj.forward(&Tensor::cat(&outs, 0)?)
     }

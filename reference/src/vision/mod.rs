@@ -41,6 +41,17 @@ pub mod names {
     pub fn block(i: usize) -> String {
         format!("vision.blocks.{i}.output")
     }
+
+    /// Block `i`'s scaled attention scores before the softmax, each image's (or frame's) `[heads, L, L]` flattened
+    /// and the images side by side: `[heads, Σ L²]` (recorded for the range report).
+    pub fn attention_scores(i: usize) -> String {
+        format!("vision.blocks.{i}.attention_scores")
+    }
+
+    /// Block `i`'s MLP input to its GELU (`fc1`'s output) `[N, I]`.
+    pub fn gelu_input(i: usize) -> String {
+        format!("vision.blocks.{i}.gelu_input")
+    }
 }
 
 /// The vision tower with its weights.
@@ -116,7 +127,7 @@ impl VisionTower {
         let rotary = grid::rotary(grids, merge, c.head_dim(), c.rope_theta, self.dtype)?;
         let spans = grid::attention_spans(grids);
         for (i, block) in self.blocks.iter().enumerate() {
-            h = block.forward(&h, &rotary, &spans)?;
+            h = block.forward(&h, &rotary, &spans, taps, i)?;
             taps.record(|| names::block(i), &h)?;
         }
         let merged = self.merger.forward(&h)?;
