@@ -336,3 +336,55 @@ fn ranges_cover_the_vision_tower_ahead_of_the_decoder() {
     // A block's output feeds a LayerNorm: its squares are scanned too.
     assert!(r["activations"][at("vision.blocks.0.output")]["squares"].is_object());
 }
+
+#[test]
+fn probe_takes_the_vision_blocks_as_units() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("probe.json");
+    let model = testdata().join("models/tiny-vl");
+    let wide = testdata().join("images/wide.png");
+    let args = |max: &str| {
+        vec![
+            "probe".to_string(),
+            "--model".into(),
+            model.to_str().unwrap().into(),
+            "--prompt".into(),
+            "hi".into(),
+            "--image".into(),
+            wide.to_str().unwrap().into(),
+            "--device".into(),
+            "CPU".into(),
+            "--max-nrmse".into(),
+            max.into(),
+            "--json".into(),
+            json.to_str().unwrap().into(),
+        ]
+    };
+    let run = |max: &str| {
+        let a = args(max);
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        let o = qwen35(&a);
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        (o, r)
+    };
+    let (o, r) = run("1e-4");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let vision = r["vision"].as_array().expect("the vision blocks");
+    assert_eq!(vision.len(), 2);
+    for v in vision {
+        assert!(v["isolated"]["nrmse"].as_f64().unwrap() < 1e-6, "{v}");
+        assert!(v["chained"]["nrmse"].as_f64().unwrap() < 1e-6, "{v}");
+        assert_eq!(v["over"], false);
+    }
+    // A threshold no f32 graph meets puts the blocks over it, and the run fails.
+    let (o, r) = run("1e-12");
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(
+        r["vision"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|v| v["over"] == true)
+    );
+}

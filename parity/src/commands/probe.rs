@@ -3,7 +3,7 @@
 //! whole-decoder set's states (`--ir DIR`).
 
 use super::Outcome;
-use super::args::{FormArgs, GraphArgs, ModeArg, ModelArgs, PromptArgs, ReportArgs};
+use super::args::{FormArgs, GraphArgs, ImageArgs, ModeArg, ModelArgs, PromptArgs, ReportArgs};
 use super::target::Target;
 use crate::device::own::OwnGraphs;
 use crate::device::{DeviceUnderTest, check_device};
@@ -31,6 +31,10 @@ pub struct ProbeArgs {
     mode: ModeArg,
     #[command(flatten)]
     prompt: PromptArgs,
+    /// Probe the vision tower's blocks too, on these images (each block's own graph on the device, isolated and
+    /// chained); the decoder's layers are probed on the prompt's tokens as text.
+    #[command(flatten)]
+    images: ImageArgs,
     /// Layers to probe, comma separated (default: all). Chained mode runs every layer up to the last one listed.
     #[arg(long, value_delimiter = ',', value_name = "0,1,2")]
     layers: Vec<usize>,
@@ -172,6 +176,12 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
         None => None,
     };
     let (dir, config, store) = target.checkpoint();
+    let image_source = args.images.source()?;
+    if image_source.is_some() && args.ir.is_some() {
+        bail!(
+            "--image with --ir: a graph set's vision graph is not read yet; probe this project's graphs"
+        );
+    }
     let set = args.prompt.source(None)?.load(dir, config)?;
     let prompt = set.into_iter().next().context("no prompt")?;
     let outputs = args.report.outputs()?;
@@ -238,6 +248,19 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
             .as_mut()
             .map(|b| (b as &mut dyn DeviceUnderTest, args.factor)),
     )?;
+    if let Some(source) = &image_source {
+        let vc = crate::images::vision_config(dir)?;
+        let pixels = source.load(dir, &vc)?;
+        let compile = args.graph.compile(&device)?;
+        report.vision = crate::probe::vision::probe_vision(
+            &vc,
+            store,
+            &pixels,
+            &device,
+            &compile,
+            report.thresholds.max_nrmse,
+        )?;
+    }
     report.memory = Some(memory.measured());
     report.emit(&outputs)?;
     Ok(if report.passed() {

@@ -20,6 +20,7 @@
 
 pub mod decoder;
 pub mod run;
+pub mod vision;
 
 pub use crate::device::LayerDevice;
 

@@ -199,6 +199,7 @@ pub fn run(
             block,
             via: via.to_string(),
         },
+        vision: Vec::new(),
         record,
         thresholds,
         baseline,

@@ -68,6 +68,9 @@ pub struct ProbeReport {
     pub baseline: Option<Baseline>,
     /// Every probed layer.
     pub layers: Vec<LayerProbe>,
+    /// With images: every vision block on the device (its own graph), isolated and chained.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub vision: Vec<crate::probe::vision::VisionBlockProbe>,
     /// Where the error starts in the first layer over threshold.
     pub drill_down: Option<DrillDown>,
     /// The memory estimated before work, beside the peak measured.
@@ -78,7 +81,7 @@ pub struct ProbeReport {
 impl ProbeReport {
     /// Whether every layer held.
     pub fn passed(&self) -> bool {
-        self.layers.iter().all(|l| !l.over)
+        self.layers.iter().all(|l| !l.over) && self.vision.iter().all(|v| !v.over)
     }
 
     /// The JSON document (see the module docs).
@@ -184,6 +187,25 @@ impl ProbeReport {
                 }
             );
         }
+        if !self.vision.is_empty() {
+            let _ = writeln!(
+                s,
+                "{:>12} {:>10} {:>10} {:>10}   (the vision tower: each block's own graph)",
+                "vision block", "isolated", "chained", "max |diff|"
+            );
+            for v in &self.vision {
+                let mark = if v.over {
+                    paint("✗", "31", color)
+                } else {
+                    paint("✓", "32", color)
+                };
+                let _ = writeln!(
+                    s,
+                    "{:>12} {:>10.2e} {:>10.2e} {:>10.2e} {mark}",
+                    v.block, v.isolated.nrmse, v.chained.nrmse, v.isolated.max_abs
+                );
+            }
+        }
         let _ = writeln!(s, "{}", self.verdict_line());
         let _ = writeln!(
             s,
@@ -205,6 +227,18 @@ impl ProbeReport {
                 t.max_nrmse, t.max_state_nrmse
             ),
         };
+        let vision_over: Vec<String> = self
+            .vision
+            .iter()
+            .filter(|v| v.over)
+            .map(|v| v.block.to_string())
+            .collect();
+        if !vision_over.is_empty() {
+            return format!(
+                "vision blocks over threshold (isolated, {within}): {}",
+                vision_over.join(", ")
+            );
+        }
         match &self.drill_down {
             None => format!("every layer {within}"),
             Some(d) => {

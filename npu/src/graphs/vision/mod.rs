@@ -51,7 +51,6 @@ pub fn vision_graph(
     }
     let taps = GraphTaps { enabled: taps };
     let s: usize = grids.iter().map(Grid::patches).sum();
-    let d = config.head_dim();
     let schema = VisionSchema::new(config);
     let mut graph = Graph::new("vision");
     let pixels = graph.parameter(PIXELS, ElemType::F32, &[s, config.patch_dim()]);
@@ -70,6 +69,24 @@ pub fn vision_graph(
     )?;
     let mut h = graph.add(embedded, resampled)?;
 
+    let shared = shared(&mut graph, config, grids)?;
+    for i in 0..config.depth {
+        let block = VisionBlock::load(&mut graph, w, config, i)?;
+        h = block.forward(&mut graph, h, &shared)?;
+        taps.record(&mut graph, || names::block(i), h)?;
+    }
+    let merger = Merger::load(&mut graph, w, config)?;
+    let merged = merger.forward(&mut graph, h)?;
+    graph.result(merged, names::MERGER)?;
+    Ok(graph)
+}
+
+/// What every block of a graph for `grids` reads: the axial rotary tables and, for several images or frames, the
+/// block mask.
+fn shared(graph: &mut Graph, config: &VisionConfig, grids: &[Grid]) -> Result<Shared> {
+    let merge = config.spatial_merge_size;
+    let s: usize = grids.iter().map(Grid::patches).sum();
+    let d = config.head_dim();
     let (cos, sin) = rotary(grids, merge, d, config.rope_theta, candle_core::DType::F32)?;
     let cos = graph.const_f32(&cos.flatten_all()?.to_vec1::<f32>()?, &[s, 1, d])?;
     let sin = graph.const_f32(&sin.flatten_all()?.to_vec1::<f32>()?, &[s, 1, d])?;
@@ -79,18 +96,40 @@ pub fn vision_graph(
     } else {
         None
     };
-    let shared = Shared {
+    Ok(Shared {
         rotary: (cos, sin),
         mask,
-    };
-    for i in 0..config.depth {
-        let block = VisionBlock::load(&mut graph, w, config, i)?;
-        h = block.forward(&mut graph, h, &shared)?;
-        taps.record(&mut graph, || names::block(i), h)?;
+    })
+}
+
+/// The input of a one-block graph: the block's input rows `[N, Hv]`.
+pub const BLOCK_INPUT: &str = "hidden";
+
+/// Block `index` of the tower alone for `grids` (the probe's unit): `hidden` `[N, Hv]` in,
+/// `vision.blocks.{index}.output` out.
+pub fn vision_block_graph(
+    config: &VisionConfig,
+    w: &WeightStore,
+    grids: &[Grid],
+    index: usize,
+) -> Result<Graph> {
+    if grids.is_empty() || index >= config.depth {
+        return Err(Error::Config(format!(
+            "vision block {index} of a tower of {} for {} grid(s)",
+            config.depth,
+            grids.len()
+        )));
     }
-    let merger = Merger::load(&mut graph, w, config)?;
-    let merged = merger.forward(&mut graph, h)?;
-    graph.result(merged, names::MERGER)?;
+    for g in grids {
+        g.check(config.spatial_merge_size)?;
+    }
+    let s: usize = grids.iter().map(Grid::patches).sum();
+    let mut graph = Graph::new(&format!("vision_block{index}"));
+    let h = graph.parameter(BLOCK_INPUT, ElemType::F32, &[s, config.hidden_size]);
+    let shared = shared(&mut graph, config, grids)?;
+    let block = VisionBlock::load(&mut graph, w, config, index)?;
+    let out = block.forward(&mut graph, h, &shared)?;
+    graph.result(out, &names::block(index))?;
     Ok(graph)
 }
 
