@@ -399,14 +399,7 @@ pub fn terminal(r: &BenchReport) -> String {
 
 /// `bench --image-grid HxW`: the vision tower on one image of that grid.
 fn bench_vision(args: &BenchArgs, grid: &str) -> Result<Outcome> {
-    let parse = |x: &str| x.trim().parse::<usize>().ok().filter(|&n| n > 0);
-    let (h, w) = match grid
-        .split_once(['x', 'X'])
-        .map(|(h, w)| (parse(h), parse(w)))
-    {
-        Some((Some(h), Some(w))) => (h, w),
-        _ => bail!("--image-grid {grid}: expected HxW in patches, e.g. 32x32"),
-    };
+    let (h, w) = super::args::parse_pair("--image-grid", grid, "HxW in patches, e.g. 32x32")?;
     if args.image_runs == 0 {
         bail!("--image-runs must be at least 1");
     }

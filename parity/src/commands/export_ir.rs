@@ -169,14 +169,8 @@ pub fn exec(args: ExportArgs) -> Result<Outcome> {
     let mut count = decoder_files.len() + layer_files.len();
     let vision = match &args.image_grid {
         Some(grid) => {
-            let parse = |x: &str| x.trim().parse::<usize>().ok().filter(|&n| n > 0);
-            let (h, w) = match grid
-                .split_once(['x', 'X'])
-                .map(|(h, w)| (parse(h), parse(w)))
-            {
-                Some((Some(h), Some(w))) => (h, w),
-                _ => bail!("--image-grid {grid}: expected HxW in patches, e.g. 32x32"),
-            };
+            let (h, w) =
+                super::args::parse_pair("--image-grid", grid, "HxW in patches, e.g. 32x32")?;
             let vc = crate::images::vision_config(&dir)?;
             let g = reference::vision::Grid { t: 1, h, w };
             let graph =

@@ -29,25 +29,9 @@ impl Backend for Pieces<'_> {
     }
 
     fn forward(&mut self, ids: &[u32], all_logits: bool) -> reference::Result<Forward> {
-        let pieces: Vec<&[u32]> = ids.chunks(self.block.max(1)).collect();
-        let mut logits = Vec::with_capacity(pieces.len());
-        let mut taps: BTreeMap<String, Vec<Tensor>> = BTreeMap::new();
-        for (i, piece) in pieces.iter().enumerate() {
-            let last = i + 1 == pieces.len();
-            let f = self.inner.forward(piece, all_logits)?;
-            if all_logits || last {
-                logits.push(f.logits);
-            }
-            for (k, v) in f.taps {
-                taps.entry(k).or_default().push(v);
-            }
-        }
-        Ok(Forward {
-            logits: Tensor::cat(&logits, 0)?,
-            taps: taps
-                .into_iter()
-                .map(|(k, v)| Ok((k, Tensor::cat(&v, 0)?)))
-                .collect::<reference::Result<_>>()?,
+        let inner = &mut *self.inner;
+        in_pieces(ids.len(), self.block, all_logits, |from, len| {
+            inner.forward(&ids[from..from + len], all_logits)
         })
     }
 
@@ -56,11 +40,8 @@ impl Backend for Pieces<'_> {
         prompt: &EmbeddedPrompt,
         all_logits: bool,
     ) -> reference::Result<Forward> {
-        let (n, block) = (prompt.ids.len(), self.block.max(1));
-        let mut logits = Vec::new();
-        let mut taps: BTreeMap<String, Vec<Tensor>> = BTreeMap::new();
-        for from in (0..n).step_by(block) {
-            let len = block.min(n - from);
+        let inner = &mut *self.inner;
+        in_pieces(prompt.ids.len(), self.block, all_logits, |from, len| {
             let piece = EmbeddedPrompt {
                 ids: prompt.ids[from..from + len].to_vec(),
                 embeddings: prompt.embeddings.narrow(0, from, len)?,
@@ -72,20 +53,7 @@ impl Backend for Pieces<'_> {
                         .map(|r| r[from..from + len].to_vec()),
                 ),
             };
-            let f = self.inner.forward_embedded(&piece, all_logits)?;
-            if all_logits || from + len == n {
-                logits.push(f.logits);
-            }
-            for (k, v) in f.taps {
-                taps.entry(k).or_default().push(v);
-            }
-        }
-        Ok(Forward {
-            logits: Tensor::cat(&logits, 0)?,
-            taps: taps
-                .into_iter()
-                .map(|(k, v)| Ok((k, Tensor::cat(&v, 0)?)))
-                .collect::<reference::Result<_>>()?,
+            inner.forward_embedded(&piece, all_logits)
         })
     }
 
@@ -104,4 +72,34 @@ impl Backend for Pieces<'_> {
     fn restore(&mut self, snapshot: &Snapshot) -> reference::Result<()> {
         self.inner.restore(snapshot)
     }
+}
+
+/// `n` tokens in calls of at most `block` (`call(from, len)`), their logits (every row's when `all_logits`, else
+/// the last call's) and taps concatenated.
+fn in_pieces(
+    n: usize,
+    block: usize,
+    all_logits: bool,
+    mut call: impl FnMut(usize, usize) -> reference::Result<Forward>,
+) -> reference::Result<Forward> {
+    let block = block.max(1);
+    let mut logits = Vec::new();
+    let mut taps: BTreeMap<String, Vec<Tensor>> = BTreeMap::new();
+    for from in (0..n).step_by(block) {
+        let len = block.min(n - from);
+        let f = call(from, len)?;
+        if all_logits || from + len == n {
+            logits.push(f.logits);
+        }
+        for (k, v) in f.taps {
+            taps.entry(k).or_default().push(v);
+        }
+    }
+    Ok(Forward {
+        logits: Tensor::cat(&logits, 0)?,
+        taps: taps
+            .into_iter()
+            .map(|(k, v)| Ok((k, Tensor::cat(&v, 0)?)))
+            .collect::<reference::Result<_>>()?,
+    })
 }

@@ -562,3 +562,16 @@ impl From<ModeArg> for Mode {
         }
     }
 }
+
+/// Two positive sizes written `AxB` (`x` or `X` between), as `flag` takes them; `example` shows the form in the
+/// error (`HxW in patches, e.g. 32x32`).
+pub fn parse_pair(flag: &str, text: &str, example: &str) -> Result<(usize, usize)> {
+    let parse = |x: &str| x.trim().parse::<usize>().ok().filter(|&n| n > 0);
+    match text
+        .split_once(['x', 'X'])
+        .map(|(a, b)| (parse(a), parse(b)))
+    {
+        Some((Some(a), Some(b))) => Ok((a, b)),
+        _ => bail!("{flag} {text}: expected {example}"),
+    }
+}

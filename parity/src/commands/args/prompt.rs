@@ -129,16 +129,11 @@ impl ImageArgs {
         if self.images.is_empty() {
             return Ok(None);
         }
-        let size = match &self.image_size {
-            None => None,
-            Some(s) => {
-                let parse = |x: &str| x.trim().parse::<usize>().ok().filter(|&n| n > 0);
-                match s.split_once(['x', 'X']).map(|(w, h)| (parse(w), parse(h))) {
-                    Some((Some(w), Some(h))) => Some((w, h)),
-                    _ => bail!("--image-size {s}: expected WIDTHxHEIGHT in pixels, e.g. 512x512"),
-                }
-            }
-        };
+        let size = self
+            .image_size
+            .as_deref()
+            .map(|s| super::parse_pair("--image-size", s, "WIDTHxHEIGHT in pixels, e.g. 512x512"))
+            .transpose()?;
         Ok(Some(ImageSource::Files {
             paths: self.images.clone(),
             size,
