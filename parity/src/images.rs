@@ -265,35 +265,3 @@ impl PromptInput {
         }
     }
 }
-
-/// The device's vision taps against the reference's, in the tower's order (`vision.merger` last).
-pub fn vision_rows(
-    device: &BTreeMap<String, Tensor>,
-    reference: &BTreeMap<String, Tensor>,
-) -> Result<Vec<crate::compare::Row>> {
-    let mut rows = Vec::new();
-    for (name, t) in device {
-        let Some(expected) = reference.get(name) else {
-            continue;
-        };
-        rows.push(crate::compare::Row {
-            name: name.clone(),
-            layer: None,
-            error: crate::metrics::TensorError::of(t, expected)?,
-        });
-    }
-    let order = |n: &str| -> usize {
-        match n {
-            reference::vision::names::PATCH_EMBED => 0,
-            reference::vision::names::POS_EMBED => 1,
-            reference::vision::names::MERGER => usize::MAX,
-            other => other
-                .strip_prefix("vision.blocks.")
-                .and_then(|r| r.split('.').next())
-                .and_then(|i| i.parse::<usize>().ok())
-                .map_or(usize::MAX - 1, |i| i + 2),
-        }
-    };
-    rows.sort_by_key(|r| order(&r.name));
-    Ok(rows)
-}

@@ -7,12 +7,12 @@ use super::args::{
 };
 use super::target::Target;
 use crate::compare::ReferenceRun;
-use crate::compare::run::{compare_device_on, quantization_error, reference_runs};
+use crate::compare::run::{compare_device_on, quantization_error, reference_runs, vision_rows};
 use crate::device::{
     available_devices, check_context, check_device, check_positions, open_reference, split_devices,
     warn_precision,
 };
-use crate::images::{PromptInput, device_images, reference_images, vision_config, vision_rows};
+use crate::images::{PromptInput, device_images, reference_images, vision_config};
 use crate::memory::{self, Plan};
 use crate::outputs::Paths;
 use crate::progress::Progress;

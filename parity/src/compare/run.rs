@@ -2,7 +2,7 @@
 //! against it, and the compression's own error.
 
 use super::{
-    DeviceReport, Distribution, Position, ReferenceRun, ThresholdOverrides, compare_prompt,
+    DeviceReport, Distribution, Position, ReferenceRun, Row, ThresholdOverrides, compare_prompt,
     continuation, deployed_run, rows, tapped_run,
 };
 use crate::device::{DeviceUnderTest, open_reference};
@@ -12,11 +12,13 @@ use crate::progress::Progress;
 use crate::prompts::LabelledPrompt;
 use crate::report::QuantizationError;
 use anyhow::{Context, Result};
+use candle_core::Tensor;
 use reference::backend::{Backend, teacher_forced};
 use reference::config::Config;
 use reference::config::LayerKind;
 use reference::model::RunOptions;
 use reference::weights::WeightStore;
+use std::collections::BTreeMap;
 
 /// The reference's side of every prompt of `set` (a backend recording taps): its greedy tokens, then
 /// teacher-forced on them with every tap.
@@ -116,4 +118,36 @@ pub fn quantization_error(
         logits: worst,
         distribution: Distribution::of(&positions),
     })
+}
+
+/// The device's vision taps against the reference's, in the tower's order (`vision.merger` last).
+pub fn vision_rows(
+    device: &BTreeMap<String, Tensor>,
+    reference: &BTreeMap<String, Tensor>,
+) -> Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    for (name, t) in device {
+        let Some(expected) = reference.get(name) else {
+            continue;
+        };
+        rows.push(Row {
+            name: name.clone(),
+            layer: None,
+            error: TensorError::of(t, expected)?,
+        });
+    }
+    let order = |n: &str| -> usize {
+        match n {
+            reference::vision::names::PATCH_EMBED => 0,
+            reference::vision::names::POS_EMBED => 1,
+            reference::vision::names::MERGER => usize::MAX,
+            other => other
+                .strip_prefix("vision.blocks.")
+                .and_then(|r| r.split('.').next())
+                .and_then(|i| i.parse::<usize>().ok())
+                .map_or(usize::MAX - 1, |i| i + 2),
+        }
+    };
+    rows.sort_by_key(|r| order(&r.name));
+    Ok(rows)
 }
