@@ -15,7 +15,7 @@
 //! | `merger.linear_fc1.weight`, `.bias` | `[4·Hv, 4·Hv]`, `[4·Hv]` | projection, bias |
 //! | `merger.linear_fc2.weight`, `.bias` | `[H, 4·Hv]`, `[H]` | projection to the text width, bias |
 
-use crate::vision::VisionConfig;
+use crate::vision::config::VisionConfig;
 
 /// The checkpoint prefix of the vision tower.
 pub const VISION_PREFIX: &str = "model.visual.";
