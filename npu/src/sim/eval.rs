@@ -6,6 +6,7 @@
 //! (subnormals flushed when the model flushes) before summing; sums and reductions accumulate in f32 or in the
 //! storage format; element-wise functions and the softmax compute in f32 from stored inputs and round their result.
 
+use super::Kernels;
 use super::norms::find_norms;
 use super::numeric::{Accumulation, NumericModel};
 use super::ops::{
@@ -138,26 +139,6 @@ pub struct Evaluator {
     norm_inner: HashSet<(usize, usize)>,
     /// Under fused normalizations: the eps constants, exact (unrounded) f32.
     norm_eps: HashMap<(usize, usize), V>,
-}
-
-/// How the evaluator computes: every op as written (the specification), or with the products tiled and
-/// vectorised and the checkpoint matrices read where they lie (the same numbers to the last bit, the default).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kernels {
-    /// Every op as written, one term at a time.
-    Plain,
-    /// Tiled, vectorised and parallel products; checkpoint matrices decoded a tile at a time by their reader.
-    Tiled,
-}
-
-impl Kernels {
-    /// The `kernels=` option's value.
-    pub fn name(self) -> &'static str {
-        match self {
-            Kernels::Plain => "plain",
-            Kernels::Tiled => "tiled",
-        }
-    }
 }
 
 impl Evaluator {

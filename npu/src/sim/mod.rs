@@ -18,10 +18,29 @@ mod ops;
 mod products;
 mod weights;
 
-pub use eval::Kernels;
 pub use numeric::{DEVICE, NumericModel};
 
 use crate::error::{Error, Result};
+
+/// How the evaluator computes: every op as written (the specification), or with the products tiled and
+/// vectorised and the checkpoint matrices read where they lie (the same numbers to the last bit, the default).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernels {
+    /// Every op as written, one term at a time.
+    Plain,
+    /// Tiled, vectorised and parallel products; checkpoint matrices decoded a tile at a time by their reader.
+    Tiled,
+}
+
+impl Kernels {
+    /// The `kernels=` option's value.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernels::Plain => "plain",
+            Kernels::Tiled => "tiled",
+        }
+    }
+}
 
 /// The numeric model and the kernels a device name (`FP16SIM[:options]`) and its device config ask for: the
 /// `kernels=tiled|plain` option read here, every other one by [`NumericModel::parse`].

@@ -2,7 +2,8 @@
 //! ([`super::kernel`], the same sums to the last bit), and the products and gathers that read a checkpoint matrix
 //! where it lies ([`super::weights`]).
 
-use super::eval::{Evaluator, Kernels, V, Val, broadcast, broadcast_index};
+use super::Kernels;
+use super::eval::{Evaluator, V, Val, broadcast, broadcast_index};
 use super::kernel::{Dense, Rows, products};
 use super::numeric::Accumulation;
 use super::ops::transpose;

@@ -1,9 +1,8 @@
 //! Checkpoint weights: safetensors files (single or sharded), memory mapped, converted to the run's dtype.
 //!
-//! Tensors are asked for by their [`TensorSpec`] (see [`crate::schema`]), which gives the name and the shape the
-//! config implies; names are resolved under the decoder prefix of the checkpoint (`model.` for a text-only export,
-//! `model.language_model.` for a full multimodal checkpoint); the vision tower's (`model.visual.*`) are read by their
-//! own specs ([`crate::schema::vision`]), multi-token-prediction (`mtp.*`) tensors never.
+//! Tensors are asked for by their [`TensorSpec`] ([`crate::schema`]: the name, and the shape the config implies),
+//! resolved under the checkpoint's decoder prefix (`model.` text-only, `model.language_model.` multimodal); the
+//! vision tower's (`model.visual.*`) by their own specs ([`crate::schema::vision`]); `mtp.*` tensors never.
 //!
 //! A store opened with a [`WeightFormat`] other than f32 hands out the weights the compressed export runs: each
 //! tensor the format selects is quantised from its checkpoint value (converted to f32, exactly for bf16/f16/f32) and
