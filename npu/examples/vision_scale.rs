@@ -38,7 +38,7 @@ fn grid(s: &str) -> Grid {
 }
 
 fn pixels(vc: &VisionConfig, g: &Grid) -> Tensor {
-    let dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size * vc.patch_size;
+    let dim = vc.patch_dim();
     // Normalised pixels lie in about [-1.8, 2.1]; a seeded uniform draw over [-1, 1] stands in for an image.
     Tensor::rand(-1f32, 1f32, (g.patches(), dim), &Device::Cpu).unwrap()
 }

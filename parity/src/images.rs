@@ -79,7 +79,7 @@ impl ImageSource {
             }
             ImageSource::PixelValues(path) => read_pixel_values(path)?,
         };
-        let dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size * vc.patch_size;
+        let dim = vc.patch_dim();
         let (rows, width) = pixels.values.dims2()?;
         let patches: usize = pixels.grids.iter().map(Grid::patches).sum();
         if width != dim || rows != patches {

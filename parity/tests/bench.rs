@@ -225,7 +225,7 @@ fn bench_times_the_vision_tower_on_both_backends() {
     );
     expect_error(
         &["bench", "--model", m, "--image-grid", "7x8"],
-        &["merge size 2"],
+        &["--image-grid 7x8", "2 x 2 merge blocks"],
     );
     let tiny = common::testdata().join("models/tiny");
     expect_error(

@@ -402,15 +402,12 @@ impl DecoderEngine {
         let at = |key: &str| format!("{graph_name} `{key}`");
         let mut inputs: Vec<(String, Tensor)> = Vec::new();
         for (role, port) in &graph.ports.inputs {
-            let t = match role {
-                InputRole::Embeddings if rows.is_some() => layout::rows(
-                    config,
-                    &port.spec(),
-                    rows.as_ref().unwrap_or_else(|| unreachable!()),
-                    &call,
-                    &at(&port.key),
-                )?,
-                InputRole::Embeddings => {
+            let t = match (role, &rows) {
+                // A prompt with images brings its rows; text looks them up in the host's table.
+                (InputRole::Embeddings, Some(given)) => {
+                    layout::rows(config, &port.spec(), given, &call, &at(&port.key))?
+                }
+                (InputRole::Embeddings, None) => {
                     let host = self.embeddings.as_ref().ok_or_else(|| {
                         Error::Interface("the set takes embeddings, and none were given".into())
                     })?;
@@ -419,7 +416,7 @@ impl DecoderEngine {
                     let rows = host.embed(&padded)?.to_dtype(DType::F32)?;
                     layout::rows(config, &port.spec(), &rows, &call, &at(&port.key))?
                 }
-                other => layout::fill(config, *other, &port.spec(), &call, &at(&port.key))?,
+                (other, _) => layout::fill(config, *other, &port.spec(), &call, &at(&port.key))?,
             };
             inputs.push((port.name.clone(), t));
         }

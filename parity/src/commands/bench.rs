@@ -10,7 +10,7 @@ use crate::outputs::Paths;
 use crate::perf::flops::{self, Flops, RunShape};
 use crate::perf::machine::{self, Machine};
 use crate::perf::memory::{self, Sampler};
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use npu::graphs::DeltaNetGraphForm;
 use reference::backend::{RunRecord, greedy};
 use reference::config::Config;
@@ -415,13 +415,9 @@ fn bench_vision(args: &BenchArgs, grid: &str) -> Result<Outcome> {
     };
     let (dir, _config, store) = args.model.open()?;
     let vc = crate::images::vision_config(&dir)?;
-    if !h.is_multiple_of(vc.spatial_merge_size) || !w.is_multiple_of(vc.spatial_merge_size) {
-        bail!(
-            "--image-grid {grid}: both sides must be multiples of the merge size {}",
-            vc.spatial_merge_size
-        );
-    }
     let g = reference::vision::Grid { t: 1, h, w };
+    g.check(vc.spatial_merge_size)
+        .with_context(|| format!("--image-grid {grid}"))?;
     let r = crate::perf::vision::bench(
         &dir.display().to_string(),
         &vc,

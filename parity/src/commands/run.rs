@@ -52,7 +52,6 @@ pub fn exec(args: RunArgs) -> Result<Outcome> {
             let vc = vision_config(&dir)?;
             let pixels = source.load(&dir, &vc)?;
             let ids = image_ids(None, Some(&chat), &dir, &config, &vc, &pixels.grids)?;
-            check_positions(ids.len(), args.max_tokens, &config, "--max-tokens")?;
             Some(reference_images(&model, &store, &vc, ids, &pixels)?.prompt)
         }
         None => None,

@@ -4,10 +4,11 @@
 use super::layout::{Planned, planned};
 use super::stream::{GENERATED, StreamWriter};
 use super::{Dump, id_tensor};
+use crate::images::PromptInput;
 use crate::non_finite::NonFinite;
 use anyhow::{Context, Result, anyhow, bail};
 use candle_core::{DType, Tensor};
-use reference::backend::{Backend, EmbeddedPrompt, Generation, greedy, greedy_embedded};
+use reference::backend::{Backend, EmbeddedPrompt, Generation, greedy};
 use reference::taps::{SharedTapSink, names};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -130,10 +131,11 @@ fn write(
     }
     let sink: SharedTapSink = writer.clone();
     let streaming = backend.stream_taps(Some(sink));
-    let generation = match images {
-        Some(images) => greedy_embedded(backend, images.prompt, generate, &[], true, |_| Ok(())),
-        None => greedy(backend, ids, generate, &[], true, |_| Ok(())),
+    let input = match images {
+        Some(images) => PromptInput::Images(images.prompt.clone()),
+        None => PromptInput::Ids(ids.to_vec()),
     };
+    let generation = input.greedy(backend, generate, true);
     backend.stream_taps(None);
     let generation = generation.with_context(|| format!("running the dump {}", out.display()))?;
     {

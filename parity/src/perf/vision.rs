@@ -44,7 +44,7 @@ pub struct VisionBench {
 pub fn tower_flops(vc: &VisionConfig, grid: &Grid) -> u64 {
     let n = grid.patches() as u64;
     let (h, i) = (vc.hidden_size as u64, vc.intermediate_size as u64);
-    let dim = (vc.in_channels * vc.temporal_patch_size * vc.patch_size * vc.patch_size) as u64;
+    let dim = vc.patch_dim() as u64;
     let m = vc.merge_unit() as u64;
     let frame = (grid.h * grid.w) as u64;
     let block = 2 * n * h * 3 * h + 2 * n * h * h + 2 * 2 * n * h * i + 2 * 2 * n * frame * h;
@@ -55,7 +55,7 @@ pub fn tower_flops(vc: &VisionConfig, grid: &Grid) -> u64 {
 
 /// Seeded pixels for `grid`, uniform in [−1, 1] (normalised pixels lie in about [−1.8, 2.1]).
 pub fn pixels(vc: &VisionConfig, grid: &Grid) -> Result<Tensor> {
-    let dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size * vc.patch_size;
+    let dim = vc.patch_dim();
     let mut rng = reference::synthetic::Rng::new(0);
     let values: Vec<f32> = (0..grid.patches() * dim)
         .map(|_| (rng.next_u64() as f64 / u64::MAX as f64 * 2.0 - 1.0) as f32)
