@@ -176,15 +176,20 @@ pub struct ImagePrompt {
     pub taps: BTreeMap<String, Tensor>,
 }
 
-/// Runs the reference's vision tower on `pixels` (from `store`) and builds `ids`' prompt on `model`.
+/// Runs the reference's vision tower on `pixels` (from `store`) and builds `ids`' prompt on `model`; `scores`
+/// records the blocks' attention scores too (for the range report: they hold the square of the patches).
 pub fn reference_images(
     model: &Model,
     store: &WeightStore,
     vc: &VisionConfig,
     ids: Vec<u32>,
     pixels: &Pixels,
+    scores: bool,
 ) -> Result<ImagePrompt> {
-    let tower = VisionTower::load(vc.clone(), store)?;
+    let mut tower = VisionTower::load(vc.clone(), store)?;
+    if scores {
+        tower = tower.with_attention_scores();
+    }
     let mut taps = Taps::on();
     let rows = tower.forward(
         &pixels.values.to_dtype(model.dtype())?,

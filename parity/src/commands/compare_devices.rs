@@ -238,7 +238,7 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
     let (runs, reference_vision, host) = match &images {
         Some((vc, pixels, ids)) => {
             let host = reference.model().clone();
-            let r = reference_images(&host, store, vc, ids.clone(), pixels)?;
+            let r = reference_images(&host, store, vc, ids.clone(), pixels, false)?;
             progress.step(&format!("reference: {}", set[0].label));
             let run = ReferenceRun::of_input(
                 &mut reference,

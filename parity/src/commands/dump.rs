@@ -134,7 +134,7 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
             return Ok(None);
         };
         Ok(Some(match device {
-            None => reference_images(model, &store, vc, ids.clone(), pixels)?,
+            None => reference_images(model, &store, vc, ids.clone(), pixels, false)?,
             Some(s) => device_images(
                 model,
                 &store,

@@ -58,7 +58,8 @@ pub fn exec(args: RangesArgs) -> Result<Outcome> {
         let ids = args.prompt.image_ids(&dir, &config, &vc, &pixels.grids)?;
         check_positions(ids.len(), 0, &config, "the prompt")?;
         let mut reference = open_reference(&config, &store, RunOptions::default(), true)?;
-        let images = crate::images::reference_images(reference.model(), &store, &vc, ids, &pixels)?;
+        let images =
+            crate::images::reference_images(reference.model(), &store, &vc, ids, &pixels, true)?;
         let mut scan = RangeScan::new(&config, storage, args.output_scale).with_vision(vc.depth);
         scan.add_taps(&images.taps, 0)?;
         reference.reset()?;

@@ -52,7 +52,7 @@ pub fn exec(args: RunArgs) -> Result<Outcome> {
             let vc = vision_config(&dir)?;
             let pixels = source.load(&dir, &vc)?;
             let ids = image_ids(None, Some(&chat), &dir, &config, &vc, &pixels.grids)?;
-            Some(reference_images(&model, &store, &vc, ids, &pixels)?.prompt)
+            Some(reference_images(&model, &store, &vc, ids, &pixels, false)?.prompt)
         }
         None => None,
     };

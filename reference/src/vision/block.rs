@@ -111,8 +111,8 @@ impl VisionBlock {
         })
     }
 
-    /// The block's output for `x` `[S, Hv]`; attention stays within each of `spans`. Records block `index`'s
-    /// attention scores and GELU input when `taps` are on.
+    /// The block's output for `x` `[S, Hv]`; attention stays within each of `spans`. Records block `index`'s GELU
+    /// input when `taps` are on, and its attention scores too with `scores`.
     pub fn forward(
         &self,
         x: &Tensor,
@@ -120,8 +120,11 @@ impl VisionBlock {
         spans: &[(usize, usize)],
         taps: &mut Taps,
         index: usize,
+        scores: bool,
     ) -> Result<Tensor> {
-        let h = (x + self.attention(&self.norm1.forward(x)?, rotary, spans, taps, index)?)?;
+        let scores = scores && taps.enabled();
+        let h =
+            (x + self.attention(&self.norm1.forward(x)?, rotary, spans, taps, index, scores)?)?;
         let up = self.fc1.forward(&self.norm2.forward(&h)?)?;
         taps.record(|| names::gelu_input(index), &up)?;
         let m = self.fc2.forward(&up.gelu()?)?;
@@ -135,6 +138,7 @@ impl VisionBlock {
         spans: &[(usize, usize)],
         taps: &mut Taps,
         index: usize,
+        record_scores: bool,
     ) -> Result<Tensor> {
         let (s, width) = x.dims2()?;
         let d = width / self.heads;
@@ -153,7 +157,7 @@ impl VisionBlock {
             let scores = (q.matmul(&k.t()?)? * scale)?;
             let o = softmax_last_dim(&scores)?.matmul(&v)?;
             outs.push(o.transpose(0, 1)?.reshape((len, width))?);
-            if taps.enabled() {
+            if record_scores {
                 all_scores.push(scores.reshape((self.heads, len * len))?);
             }
         }

@@ -43,7 +43,7 @@ pub mod names {
     }
 
     /// Block `i`'s scaled attention scores before the softmax, each image's (or frame's) `[heads, L, L]` flattened
-    /// and the images side by side: `[heads, Σ L²]` (recorded for the range report).
+    /// and the images side by side: `[heads, Σ L²]` (recorded by [`super::VisionTower::with_attention_scores`]).
     pub fn attention_scores(i: usize) -> String {
         format!("vision.blocks.{i}.attention_scores")
     }
@@ -63,6 +63,7 @@ pub struct VisionTower {
     blocks: Vec<VisionBlock>,
     merger: Merger,
     dtype: DType,
+    scores: bool,
 }
 
 impl VisionTower {
@@ -82,7 +83,15 @@ impl VisionTower {
             blocks,
             merger,
             dtype: w.dtype(),
+            scores: false,
         })
+    }
+
+    /// The tower recording each block's attention scores too when its taps are on
+    /// ([`names::attention_scores`]: `[heads, Σ L²]`, the square of the patches, so only the range report asks).
+    pub fn with_attention_scores(mut self) -> Self {
+        self.scores = true;
+        self
     }
 
     /// The configuration.
@@ -127,7 +136,7 @@ impl VisionTower {
         let rotary = grid::rotary(grids, merge, c.head_dim(), c.rope_theta, self.dtype)?;
         let spans = grid::attention_spans(grids);
         for (i, block) in self.blocks.iter().enumerate() {
-            h = block.forward(&h, &rotary, &spans, taps, i)?;
+            h = block.forward(&h, &rotary, &spans, taps, i, self.scores)?;
             taps.record(|| names::block(i), &h)?;
         }
         let merged = self.merger.forward(&h)?;
