@@ -187,15 +187,15 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
     let images = match &image_source {
         Some(source) => {
             let vc = vision_config(dir)?;
-            let pixels = source.load(dir, &vc)?;
-            let ids = args.prompt.image_ids(dir, config, &vc, &pixels.grids)?;
+            let pixels = source.load_with_videos(dir, &vc)?;
+            let ids = args.prompt.vision_ids(dir, config, &vc, &pixels)?;
             Some((vc, pixels, ids))
         }
         None => None,
     };
     let set = match &images {
         Some((_, pixels, ids)) => vec![LabelledPrompt {
-            label: format!("with {} image(s)", pixels.grids.len()),
+            label: pixels.label(),
             ids: ids.clone(),
         }],
         None => args

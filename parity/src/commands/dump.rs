@@ -75,8 +75,8 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
     let images = match &image_source {
         Some(source) => {
             let vc = vision_config(&dir)?;
-            let pixels = source.load(&dir, &vc)?;
-            let ids = args.prompt.image_ids(&dir, &config, &vc, &pixels.grids)?;
+            let pixels = source.load_with_videos(&dir, &vc)?;
+            let ids = args.prompt.vision_ids(&dir, &config, &vc, &pixels)?;
             Some((vc, pixels, ids))
         }
         None => None,
@@ -120,6 +120,14 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
     }
     if let Some((_, pixels, _)) = &images {
         metadata.insert("images".into(), pixels.source.clone());
+        if let Some(v) = &pixels.videos {
+            let grids: Vec<String> = v
+                .grids
+                .iter()
+                .map(|g| format!("{}x{}x{}", g.t, g.h, g.w))
+                .collect();
+            metadata.insert("videos".into(), grids.join(", "));
+        }
     }
     // The reference model (the OpenVINO path needs it for a prompt with images only: its embedding table).
     let model = match (&plan, &images) {

@@ -1,12 +1,13 @@
-//! `qwen35 run`: greedy chat generation on the reference decoder, the text printed as it comes.
+//! `qwen35 run`: greedy chat generation on the reference decoder (a chat message, or token ids as they are), the
+//! text printed as it comes.
 
 use super::Outcome;
 use super::args::{FormArgs, ImageArgs, ModelArgs};
 use crate::device::{check_positions, reference_on};
 use crate::images::{image_ids, reference_images, vision_config};
 use crate::non_finite::explain_reference;
-use crate::prompts::ChatPrompt;
-use anyhow::Result;
+use crate::prompts::{ChatPrompt, parse_token_ids};
+use anyhow::{Context, Result};
 use reference::backend::{greedy, greedy_embedded};
 use reference::model::Model;
 use reference::tokenizer::ChatTokenizer;
@@ -18,8 +19,12 @@ pub struct RunArgs {
     #[command(flatten)]
     model: ModelArgs,
     /// The user message.
-    #[arg(long)]
-    prompt: String,
+    #[arg(long, required_unless_present = "token_ids")]
+    prompt: Option<String>,
+    /// The prompt as token ids, comma separated, fed as they are (a prompt with videos comes so: each frame's
+    /// timestamp, vision_start, video tokens and vision_end as the processor wrote them).
+    #[arg(long, value_name = "1,2,3", conflicts_with_all = ["prompt", "system", "think"])]
+    token_ids: Option<String>,
     /// An optional system message.
     #[arg(long)]
     system: Option<String>,
@@ -40,8 +45,13 @@ pub fn exec(args: RunArgs) -> Result<Outcome> {
     let opts = args.form.run_options()?;
     let (dir, config, store) = args.model.open()?;
     let tok = ChatTokenizer::load(&dir)?;
+    let given = args
+        .token_ids
+        .as_deref()
+        .map(|t| parse_token_ids(t, "--token-ids"))
+        .transpose()?;
     let chat = ChatPrompt {
-        prompt: args.prompt.clone(),
+        prompt: args.prompt.clone().unwrap_or_default(),
         system: args.system.clone(),
         think: args.think,
     };
@@ -50,15 +60,28 @@ pub fn exec(args: RunArgs) -> Result<Outcome> {
     let images = match args.images.source()? {
         Some(source) => {
             let vc = vision_config(&dir)?;
-            let pixels = source.load(&dir, &vc)?;
-            let ids = image_ids(None, Some(&chat), &dir, &config, &vc, &pixels.grids)?;
+            let pixels = source.load_with_videos(&dir, &vc)?;
+            let chat = given.is_none().then_some(&chat);
+            let ids = image_ids(
+                given.as_deref(),
+                chat,
+                &dir,
+                &config,
+                &vc,
+                &pixels.grids,
+                pixels.video_grids(),
+            )?;
             Some(reference_images(&model, &store, &vc, ids, &pixels, false)?.prompt)
         }
         None => None,
     };
-    let ids = match &images {
-        Some(p) => p.ids.clone(),
-        None => tok.encode_chat(&chat.messages(), chat.think)?,
+    let ids = match (&images, given) {
+        (Some(p), _) => p.ids.clone(),
+        (None, Some(ids)) => {
+            config.check_token_ids(&ids).context("--token-ids")?;
+            ids
+        }
+        (None, None) => tok.encode_chat(&chat.messages(), chat.think)?,
     };
     check_positions(ids.len(), args.max_tokens, &config, "--max-tokens")?;
     let mut backend = reference_on(model, &store, opts, false)?;

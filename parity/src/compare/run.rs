@@ -136,8 +136,13 @@ pub fn vision_rows(
             error: TensorError::of(t, expected)?,
         });
     }
-    let order = |n: &str| -> usize {
-        match n {
+    // The tower's order, the images' run before the videos' (`video.vision.*`).
+    let order = |n: &str| -> (bool, usize) {
+        let (video, n) = match n.strip_prefix("video.") {
+            Some(rest) => (true, rest),
+            None => (false, n),
+        };
+        let step = match n {
             reference::vision::names::PATCH_EMBED => 0,
             reference::vision::names::POS_EMBED => 1,
             reference::vision::names::MERGER => usize::MAX,
@@ -146,7 +151,8 @@ pub fn vision_rows(
                 .and_then(|r| r.split('.').next())
                 .and_then(|i| i.parse::<usize>().ok())
                 .map_or(usize::MAX - 1, |i| i + 2),
-        }
+        };
+        (video, step)
     };
     rows.sort_by_key(|r| order(&r.name));
     Ok(rows)

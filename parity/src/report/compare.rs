@@ -200,7 +200,7 @@ impl CompareReport {
         }
         for d in &self.devices {
             let _ = writeln!(s, "{}: {}", d.device, first_divergence_line(d));
-            if let Some(line) = vision_line(d) {
+            for line in vision_lines(d) {
                 let _ = writeln!(s, "  {line}");
             }
             if let Some(why) = &d.not_available {
@@ -322,7 +322,7 @@ impl CompareReport {
                 if d.passed() { "PASS" } else { "FAIL" }
             );
             let _ = writeln!(s, "{}\n", first_divergence_line(d));
-            if let Some(line) = vision_line(d) {
+            for line in vision_lines(d) {
                 let _ = writeln!(s, "{line}\n");
             }
             for f in &d.failures {
@@ -521,26 +521,32 @@ impl CompareReport {
     }
 }
 
-/// The image embeddings' line of a prompt with images: the merger's error, and the vision block that moved most.
-fn vision_line(d: &crate::compare::DeviceReport) -> Option<String> {
-    let merger = d
-        .vision
-        .iter()
-        .find(|r| r.name == reference::vision::names::MERGER)?;
-    let worst = d
-        .vision
-        .iter()
-        .filter(|r| r.name.starts_with("vision.blocks."))
-        .max_by(|a, b| a.error.nrmse.total_cmp(&b.error.nrmse));
-    let mut line = format!(
-        "image embeddings (vision.merger, the device's vision graph): NRMSE {:.2e}, max |diff| {:.2e}, cosine {:.6}",
-        merger.error.nrmse, merger.error.max_abs, merger.error.cosine
-    );
-    if let Some(w) = worst {
-        line.push_str(&format!(
-            "; worst block {} NRMSE {:.2e}",
-            w.name, w.error.nrmse
-        ));
+/// The image (video) embeddings' lines of a prompt with images or videos: each tower run's merger error (the
+/// images' `vision.merger`, the videos' `video.vision.merger`), and its vision block that moved most.
+fn vision_lines(d: &crate::compare::DeviceReport) -> Vec<String> {
+    let mut lines = Vec::new();
+    for (what, prefix) in [("image", ""), ("video", "video.")] {
+        let merger = format!("{prefix}{}", reference::vision::names::MERGER);
+        let Some(row) = d.vision.iter().find(|r| r.name == merger) else {
+            continue;
+        };
+        let blocks = format!("{prefix}vision.blocks.");
+        let worst = d
+            .vision
+            .iter()
+            .filter(|r| r.name.starts_with(&blocks))
+            .max_by(|a, b| a.error.nrmse.total_cmp(&b.error.nrmse));
+        let mut line = format!(
+            "{what} embeddings ({merger}, the device's vision graph): NRMSE {:.2e}, max |diff| {:.2e}, cosine {:.6}",
+            row.error.nrmse, row.error.max_abs, row.error.cosine
+        );
+        if let Some(w) = worst {
+            line.push_str(&format!(
+                "; worst block {} NRMSE {:.2e}",
+                w.name, w.error.nrmse
+            ));
+        }
+        lines.push(line);
     }
-    Some(line)
+    lines
 }

@@ -10,7 +10,7 @@ use reference::compare::diff;
 use reference::model::{Model, RunOptions, argmax};
 use reference::rope::Positions;
 use reference::taps::Taps;
-use reference::vision::positions::{rope_index, scatter_rows};
+use reference::vision::prompt::{TowerRows, check_video_runs, embedded_prompt};
 use reference::vision::{Grid, VisionConfig, VisionTower, names};
 use reference::weights::WeightStore;
 
@@ -86,14 +86,20 @@ fn check(dtype: DType) {
             assert!(d.within(0.0, vision_rtol), "{} {tap}: {d}", case.name);
         }
 
+        // The prompt as the decoder takes it: positions from get_rope_index's layout, the tower's rows at the image
+        // (video) tokens.
         let ids = ids_of(&t("token_ids"));
-        let (images, videos, token) = if case.name == "video" {
-            (vec![], grid.clone(), vc.tokens.video)
+        let rows = Some(TowerRows {
+            grids: &grid,
+            rows: &merged,
+        });
+        let (images, videos) = if case.name == "video" {
+            (None, rows)
         } else {
-            (grid.clone(), vec![], vc.tokens.image)
+            (rows, None)
         };
-        let positions =
-            rope_index(&ids, &vc.tokens, &images, &videos, vc.spatial_merge_size).unwrap();
+        let prompt = embedded_prompt(&model, &vc, ids, images, videos).unwrap();
+        let positions = prompt.positions.clone();
         let expected: Vec<Vec<i64>> = t("positions").to_vec2().unwrap();
         assert_eq!(
             positions,
@@ -106,7 +112,7 @@ fn check(dtype: DType) {
             case.name
         );
 
-        let embeddings = scatter_rows(&model.embed(&ids).unwrap(), &ids, token, &merged).unwrap();
+        let embeddings = prompt.embeddings;
         let mut state = model.new_state().unwrap();
         let opts = RunOptions::default();
         let mut taps = Taps::on();
@@ -155,6 +161,34 @@ fn the_vision_tower_and_a_prompt_with_images_match_transformers_f32() {
 #[test]
 fn the_vision_tower_and_a_prompt_with_images_match_transformers_f64() {
     check(DType::F64);
+}
+
+/// The video's ids hold each frame's run (after its timestamp, between vision_start and vision_end): a frame one
+/// token short, or a frame missing, is refused naming the video and the frame, or the frames' count.
+#[test]
+fn a_video_frames_runs_are_held_to_its_grid() {
+    let dir = testdata().join("models/tiny-vl");
+    let g = load_golden(&testdata().join("goldens/tiny-vl.safetensors"));
+    let vc = VisionConfig::from_file(&dir.join("config.json"))
+        .unwrap()
+        .unwrap();
+    let grid = grids(&g.tensors["video.video_grid_thw"]);
+    let ids = ids_of(&g.tensors["video.token_ids"]);
+    check_video_runs(&ids, &vc, &grid).unwrap();
+    // Frame 2 of 4x6 patches merges into 6 tokens; drop one of them.
+    let last = ids.iter().rposition(|&i| i == vc.tokens.video).unwrap();
+    let mut short = ids.clone();
+    short.remove(last);
+    let e = check_video_runs(&short, &vc, &grid)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("video 1, frame 2: 5 video token(s)"), "{e}");
+    assert!(e.contains("merges into 6"), "{e}");
+    // A grid of three frames for ids of two.
+    let three = [Grid { t: 3, ..grid[0] }];
+    let e = check_video_runs(&ids, &vc, &three).unwrap_err().to_string();
+    assert!(e.contains("2 run(s) of video tokens"), "{e}");
+    assert!(e.contains("1 video(s) of 3 frame(s)"), "{e}");
 }
 
 #[test]

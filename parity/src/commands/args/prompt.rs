@@ -79,7 +79,34 @@ impl PromptArgs {
             .map(|t| parse_token_ids(t, "--token-ids"))
             .transpose()?;
         let chat = self.prompt.as_ref().map(|_| self.chat());
-        crate::images::image_ids(ids.as_deref(), chat.as_ref(), dir, config, vc, grids)
+        crate::images::image_ids(ids.as_deref(), chat.as_ref(), dir, config, vc, grids, &[])
+    }
+
+    /// The ids of a prompt with `pixels`' images and videos (see [`crate::images::image_ids`]; with videos the ids
+    /// are given as --token-ids).
+    pub fn vision_ids(
+        &self,
+        dir: &Path,
+        config: &Config,
+        vc: &reference::vision::VisionConfig,
+        pixels: &crate::images::Pixels,
+    ) -> Result<Vec<u32>> {
+        self.check_chat_options(None)?;
+        let ids = self
+            .token_ids
+            .as_deref()
+            .map(|t| parse_token_ids(t, "--token-ids"))
+            .transpose()?;
+        let chat = self.prompt.as_ref().map(|_| self.chat());
+        crate::images::image_ids(
+            ids.as_deref(),
+            chat.as_ref(),
+            dir,
+            config,
+            vc,
+            &pixels.grids,
+            pixels.video_grids(),
+        )
     }
 
     /// The chat message of --prompt.
@@ -115,7 +142,9 @@ pub struct ImageArgs {
     #[arg(long, value_name = "WxH", requires = "images")]
     pub image_size: Option<String>,
     /// Pixel values computed elsewhere: a safetensors file holding transformers' `pixel_values` and
-    /// `image_grid_thw`, fed to the vision tower as they are.
+    /// `image_grid_thw`, or its videos' `pixel_values_videos` and `video_grid_thw` (run, dump, compare-devices), or
+    /// both, fed to the vision tower as they are. With videos, --token-ids holds each frame's run as the processor
+    /// wrote it (its timestamp, vision_start, one video token per merged row, vision_end).
     #[arg(long, value_name = "FILE.safetensors", conflicts_with = "images")]
     pub pixel_values: Option<PathBuf>,
 }
