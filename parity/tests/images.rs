@@ -557,13 +557,20 @@ fn export_ir_writes_the_vision_graph_that_compiles_back_to_the_reference_tower()
     assert!(o.status.success(), "{}", stderr(&o));
     let manifest: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("manifest.json")).unwrap()).unwrap();
-    assert_eq!(manifest["vision"]["graph"], "vision_h8_w10.xml");
+    assert_eq!(manifest["vision"][0]["xml"], "vision_h8_w10.xml");
     assert_eq!(
-        manifest["vision"]["grid_thw"],
+        manifest["vision"][0]["grid_thw"],
         serde_json::json!([[1, 8, 10]])
     );
-    // The set still reads back as a set, the vision entry known.
-    npu::graphset::manifest::open(&out).unwrap();
+    // The decoder graphs take embeddings (the vision graph's rows for the image tokens), and the set reads back
+    // with its vision graph.
+    assert!(manifest["decoder"]["inputs"]["embeddings"].is_object());
+    let set = npu::graphset::manifest::open(&out).unwrap();
+    assert_eq!(set.vision.len(), 1);
+    assert_eq!(
+        set.vision[0].grids,
+        [reference::vision::Grid { t: 1, h: 8, w: 10 }]
+    );
     // The written graph, compiled from its files on CPU, against the reference tower on the goldens' first image.
     let g = golden();
     let pixels = g["images.pixel_values"].narrow(0, 0, 80).unwrap();

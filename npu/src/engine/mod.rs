@@ -10,12 +10,14 @@ mod layer;
 mod own;
 mod record;
 mod state;
+mod vision;
 
 pub use chain::LayerChain;
 pub use decoder::{DecoderEngine, SET_BACKEND, STATE_NOT_EXPOSED};
 pub use layer::LayerRunner;
 pub use record::record_of;
 pub use state::HostLayerState;
+pub use vision::SetVision;
 
 use crate::error::{Error, Result};
 use crate::graphset::check::LayerState;

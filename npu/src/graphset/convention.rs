@@ -197,5 +197,6 @@ pub fn detect(dir: &Path) -> Result<GraphSet> {
             }],
         }),
         layers: None,
+        vision: Vec::new(),
     })
 }

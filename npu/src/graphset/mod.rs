@@ -15,7 +15,8 @@
 //! The description comes from a `manifest.json` ([`manifest`], documented with a worked example in
 //! `docs/graph-sets.md`), or, without one, from the port names of two interfaces worth knowing ([`convention`]):
 //! optimum-intel's stateful export, and what `stateful_to_stateless_transformation` makes of it. This project's own
-//! graphs are described by [`own`]. [`layout`] converts between a port's layout and the dump's (the states the
+//! graphs are described by [`own`]. A set may bring its own static vision graphs ([`vision`]), whose rows feed a
+//! decoder that takes embeddings. [`layout`] converts between a port's layout and the dump's (the states the
 //! reference keeps), and [`check`] holds a description against the ports an IR really has.
 
 pub mod check;
@@ -24,6 +25,7 @@ pub mod layout;
 pub mod manifest;
 pub mod own;
 mod port;
+pub mod vision;
 
 pub use port::{Axis, CallSizes, ElemKind, Names, PortSpec, kind_index};
 
@@ -318,6 +320,8 @@ pub struct GraphSet {
     pub decoder: Option<Part>,
     /// One graph per layer (and block size).
     pub layers: Option<Part>,
+    /// Static vision graphs, one per fixed set of image grids (the manifest's `vision`; [`vision`]).
+    pub vision: Vec<vision::VisionGraph>,
 }
 
 impl GraphSet {

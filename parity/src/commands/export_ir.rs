@@ -5,9 +5,10 @@
 use super::Outcome;
 use super::args::{Dtype, FormArgs, ModelArgs};
 use crate::outputs::{Kind, Paths, StagedDir};
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use npu::graphs::{Builder, DEFAULT_CONTEXT, GraphOptions};
-use npu::graphset::{GraphFile, GraphSet, Part, manifest, own};
+use npu::graphset::vision::{VisionGraph, VisionPort};
+use npu::graphset::{GraphFile, GraphSet, Part, Taps, manifest, own};
 use npu::ir::SharedBin;
 use reference::linear_attn::PORT_OUTPUT_SCALE;
 use std::path::{Component, Path, PathBuf};
@@ -52,9 +53,11 @@ pub struct ExportArgs {
     context: usize,
     /// Also write the static vision graph for one image of HxW patches (the NPU port's 32x32), beside the decoder
     /// graphs: `vision_h{H}_w{W}.xml` with its own `.bin`, `pixel_values` in and `vision.merger` out, listed under
-    /// `vision` in the manifest.
+    /// `vision` in the manifest. Repeat it for one graph per grid. The decoder graphs then take embeddings (the
+    /// port's form), so that the set runs prompts with images: the vision graph's rows for the image tokens, the
+    /// host's lookup for the text.
     #[arg(long, value_name = "HxW")]
-    image_grid: Option<String>,
+    image_grid: Vec<String>,
     #[command(flatten)]
     form: FormArgs,
 }
@@ -113,13 +116,38 @@ pub fn exec(args: ExportArgs) -> Result<Outcome> {
             args.context
         );
     }
+    let grids = args
+        .image_grid
+        .iter()
+        .map(|g| {
+            let (h, w) = super::args::parse_pair("--image-grid", g, "HxW in patches, e.g. 32x32")?;
+            Ok(reference::vision::Grid { t: 1, h, w })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if let Some(i) = (0..grids.len()).find(|&i| grids[..i].contains(&grids[i])) {
+        bail!(
+            "--image-grid {} is given twice (one graph per grid)",
+            args.image_grid[i]
+        );
+    }
     let (dir, config, store) = args.model.open()?;
+    let vc = if grids.is_empty() {
+        None
+    } else {
+        let vc = crate::images::vision_config(&dir)?;
+        for (g, text) in grids.iter().zip(&args.image_grid) {
+            g.check(vc.spatial_merge_size)
+                .with_context(|| format!("--image-grid {text}"))?;
+        }
+        Some(vc)
+    };
     let opts = GraphOptions {
         form,
         output_scale: args.form.output_scale(PORT_OUTPUT_SCALE)? as f32,
         context: args.context,
         taps: !args.no_taps,
-        embeddings_input: false,
+        // A set that runs images: its decoder takes the image rows with the text's.
+        embeddings_input: !grids.is_empty(),
     };
     let builder = Builder::new(&config, &store, opts)?;
     // Written into a sibling and moved into place whole: an error or an interruption leaves no partial set behind.
@@ -167,28 +195,34 @@ pub fn exec(args: ExportArgs) -> Result<Outcome> {
     }
     bin.flush()?;
     let mut count = decoder_files.len() + layer_files.len();
-    let vision = match &args.image_grid {
-        Some(grid) => {
-            let (h, w) =
-                super::args::parse_pair("--image-grid", grid, "HxW in patches, e.g. 32x32")?;
-            let vc = crate::images::vision_config(&dir)?;
-            let g = reference::vision::Grid { t: 1, h, w };
-            let graph =
-                npu::graphs::vision::vision_graph(&vc, &store, std::slice::from_ref(&g), opts.taps)
-                    .map_err(|e| anyhow::anyhow!("--image-grid {grid}: {e}"))?;
-            let name = format!("vision_h{h}_w{w}.xml");
-            graph.save(&out.join(&name))?;
-            count += 1;
-            Some(serde_json::json!({
-                "graph": name,
-                "grid_thw": [[1, h, w]],
-                "input": npu::graphs::vision::PIXELS,
-                "output": reference::vision::names::MERGER,
-                "taps": opts.taps,
-            }))
-        }
-        None => None,
-    };
+    let mut vision = Vec::new();
+    for (g, text) in grids.iter().zip(&args.image_grid) {
+        let vc = vc.as_ref().context("the checkpoint's vision config")?;
+        let graph =
+            npu::graphs::vision::vision_graph(vc, &store, std::slice::from_ref(g), opts.taps)
+                .map_err(|e| anyhow::anyhow!("--image-grid {text}: {e}"))?;
+        let xml = out.join(format!("vision_h{}_w{}.xml", g.h, g.w));
+        graph.save(&xml)?;
+        count += 1;
+        let port = |name: &str| VisionPort {
+            name: name.to_string(),
+            ty: npu::graphset::ElemKind::F32,
+            batch: false,
+        };
+        vision.push(VisionGraph {
+            key: format!("vision[{}]", vision.len()),
+            grids: vec![*g],
+            bin: xml.with_extension("bin"),
+            xml,
+            input: port(npu::graphs::vision::PIXELS),
+            output: port(reference::vision::names::MERGER),
+            taps: if opts.taps {
+                Taps::DumpNames
+            } else {
+                Taps::None
+            },
+        });
+    }
     let set = GraphSet {
         source: args.out.join(manifest::MANIFEST).display().to_string(),
         dir: out.clone(),
@@ -206,6 +240,7 @@ pub fn exec(args: ExportArgs) -> Result<Outcome> {
             interface: own::layer(&config),
             graphs: layer_files,
         }),
+        vision,
     };
     let mut extra = serde_json::Map::new();
     extra.insert(
@@ -218,9 +253,6 @@ pub fn exec(args: ExportArgs) -> Result<Outcome> {
             "blocks": sizes,
         }),
     );
-    if let Some(v) = vision {
-        extra.insert("vision".into(), v);
-    }
     let text = serde_json::to_string_pretty(&manifest::to_json(&set, extra))? + "\n";
     crate::report::write(&out.join(manifest::MANIFEST), &text)?;
     staged.commit()?;

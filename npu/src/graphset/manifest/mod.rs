@@ -29,10 +29,13 @@
 //! ```
 //!
 //! The first form of this manifest (`"format": "qwen35-external-ir"`, `"version": 1`: one stateful IR, its
-//! `inputs` and `outputs` at the top) is still read, as a stateful decoder. Keys this module does not know are for
-//! people (the export's command, versions, what the IR holds) and are not read.
+//! `inputs` and `outputs` at the top) is still read, as a stateful decoder. `vision` lists the set's static vision
+//! graphs (`{"xml", "grid_thw", "input", "output", "taps"}`, one object or a list; [`crate::graphset::vision`]).
+//! Keys this module does not know are for people (the export's command, versions, what the IR holds) and are not
+//! read.
 
 mod reader;
+mod vision;
 mod write;
 
 use crate::error::{Error, Result};
@@ -127,6 +130,11 @@ pub fn parse(text: &str, dir: &Path, source: &str) -> Result<GraphSet> {
             "per-layer graphs take their states as ports",
         ));
     }
+    let vision = m
+        .get("vision")
+        .map(|v| r.vision(v))
+        .transpose()?
+        .unwrap_or_default();
     let (model, reference_weights) = checkpoint(&r, m)?;
     Ok(GraphSet {
         source: source.to_string(),
@@ -136,6 +144,7 @@ pub fn parse(text: &str, dir: &Path, source: &str) -> Result<GraphSet> {
         context,
         decoder,
         layers,
+        vision,
     })
 }
 
@@ -213,6 +222,7 @@ fn parse_v1(r: &Reader, m: &Map<String, Value>) -> Result<GraphSet> {
         },
         decoder: Some(part),
         layers: None,
+        vision: Vec::new(),
     })
 }
 
@@ -229,13 +239,15 @@ pub fn open(dir: &Path) -> Result<GraphSet> {
     } else {
         super::convention::detect(dir)?
     };
-    for g in set
+    let files = set
         .decoder
         .iter()
         .chain(&set.layers)
         .flat_map(|p| &p.graphs)
-    {
-        for (key, file) in [("xml", &g.xml), ("bin", &g.bin)] {
+        .map(|g| (&g.xml, &g.bin))
+        .chain(set.vision.iter().map(|g| (&g.xml, &g.bin)));
+    for (xml, bin) in files {
+        for (key, file) in [("xml", xml), ("bin", bin)] {
             if !file.is_file() {
                 return Err(Error::Config(format!(
                     "{}: the {key} file {} does not exist",

@@ -1,6 +1,7 @@
 //! Writing a graph set's `manifest.json` (what `qwen35 export-ir` writes; [`super::manifest`] reads it back).
 
 use super::{FORMAT, VERSION};
+use crate::graphset::vision::{VisionGraph, VisionPort, VisionSide};
 use crate::graphset::{
     Axis, GraphSet, InputRole, LogitRows, MaskValues, Names, Part, PortSpec, Taps,
 };
@@ -110,23 +111,62 @@ fn part_json(part: &Part, dir: &Path) -> Value {
     if !states.is_empty() {
         m.insert("states".into(), Value::Object(states));
     }
-    match &i.taps {
-        Taps::None => {}
-        Taps::DumpNames => {
-            m.insert("taps".into(), json!("dump"));
-        }
-        Taps::Map(list) => {
-            m.insert(
-                "taps".into(),
-                Value::Object(
-                    list.iter()
-                        .map(|(d, n)| (d.clone(), names_json(n)))
-                        .collect(),
-                ),
-            );
-        }
+    if let Some(t) = taps_json(&i.taps) {
+        m.insert("taps".into(), t);
     }
     Value::Object(m)
+}
+
+/// A part's or a vision graph's `taps` (none when it has none).
+fn taps_json(taps: &Taps) -> Option<Value> {
+    match taps {
+        Taps::None => None,
+        Taps::DumpNames => Some(json!("dump")),
+        Taps::Map(list) => Some(Value::Object(
+            list.iter()
+                .map(|(d, n)| (d.clone(), names_json(n)))
+                .collect(),
+        )),
+    }
+}
+
+/// A set's vision graphs as the manifest writes them (a list); file paths relative to `dir`.
+fn vision_json(graphs: &[VisionGraph], dir: &Path) -> Value {
+    let rel = |p: &Path| {
+        p.strip_prefix(dir)
+            .unwrap_or(p)
+            .to_string_lossy()
+            .into_owned()
+    };
+    let port = |p: &VisionPort, side: VisionSide| {
+        let [a, b] = side.axes();
+        let shape: Vec<&str> = if p.batch {
+            vec!["batch", a, b]
+        } else {
+            vec![a, b]
+        };
+        json!({"name": p.name, "type": p.ty.name(), "shape": shape})
+    };
+    Value::Array(
+        graphs
+            .iter()
+            .map(|g| {
+                let mut m = Map::new();
+                m.insert("xml".into(), json!(rel(&g.xml)));
+                m.insert("bin".into(), json!(rel(&g.bin)));
+                m.insert(
+                    "grid_thw".into(),
+                    json!(g.grids.iter().map(|g| [g.t, g.h, g.w]).collect::<Vec<_>>()),
+                );
+                m.insert("input".into(), port(&g.input, VisionSide::Input));
+                m.insert("output".into(), port(&g.output, VisionSide::Output));
+                if let Some(t) = taps_json(&g.taps) {
+                    m.insert("taps".into(), t);
+                }
+                Value::Object(m)
+            })
+            .collect(),
+    )
 }
 
 /// The manifest of `set` (paths relative to its directory), with `extra` keys for people (what made it).
@@ -148,6 +188,9 @@ pub fn to_json(set: &GraphSet, extra: Map<String, Value>) -> Value {
     }
     if let Some(l) = &set.layers {
         m.insert("layers".into(), part_json(l, &set.dir));
+    }
+    if !set.vision.is_empty() {
+        m.insert("vision".into(), vision_json(&set.vision, &set.dir));
     }
     m.extend(extra);
     Value::Object(m)
