@@ -25,6 +25,9 @@ use std::path::{Path, PathBuf};
 
 use crate::prompts::ChatPrompt;
 
+mod set_vision;
+pub use set_vision::{image_name, set_images, set_vision_names};
+
 /// Where a run's images come from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ImageSource {

@@ -12,7 +12,10 @@ use crate::device::{
     available_devices, check_context, check_device, check_positions, open_reference, split_devices,
     warn_precision,
 };
-use crate::images::{PromptInput, device_images, reference_images, vision_config};
+use crate::images::{
+    PromptInput, device_images, image_name, reference_images, set_images, set_vision_names,
+    vision_config,
+};
 use crate::memory::{self, Plan};
 use crate::outputs::Paths;
 use crate::progress::Progress;
@@ -159,12 +162,6 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
     let (dir, config, store) = target.checkpoint();
     let devices = devices(args.devices.as_deref())?;
     let image_source = args.images.source()?;
-    if image_source.is_some() && target.set().is_some() {
-        bail!(
-            "--image with --ir: a graph set's vision graph is not read yet; compare this project's graphs \
-             (without --ir), whose vision graph is built from the checkpoint"
-        );
-    }
     if image_source.is_some() && args.prompts.is_some() {
         bail!(
             "--image applies to one prompt (--prompt or --token-ids), not to a prompt set (--prompts)"
@@ -189,6 +186,13 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
             let vc = vision_config(dir)?;
             let pixels = source.load_with_videos(dir, &vc)?;
             let ids = args.prompt.vision_ids(dir, config, &vc, &pixels)?;
+            // A set made elsewhere makes the image rows with its own vision graphs: refused here, before any
+            // work, when it cannot.
+            if let Some(s) = target.set() {
+                s.check_images(&pixels.grids, pixels.video_grids(), |i| {
+                    image_name(source, &pixels, i)
+                })?;
+            }
             Some((vc, pixels, ids))
         }
         None => None,
@@ -270,15 +274,36 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
         let vision = match (&images, &host) {
             (Some((vc, pixels, ids)), Some(host)) => {
                 progress.message(&format!("{device}: the vision graph"));
-                Some(device_images(
-                    host,
-                    store,
-                    vc,
-                    ids.clone(),
-                    pixels,
-                    &settings.device,
-                    &settings.compile,
-                )?)
+                Some(match target.set() {
+                    // The set's own vision graphs, compiled as its decoder is.
+                    Some(s) => (
+                        set_images(
+                            host,
+                            vc,
+                            ids.clone(),
+                            pixels,
+                            &s.set,
+                            &settings.device,
+                            &args.graph.compile(&settings.device)?,
+                        )?,
+                        format!(
+                            "the set's vision graph {}",
+                            set_vision_names(&s.set, &pixels.grids)
+                        ),
+                    ),
+                    None => (
+                        device_images(
+                            host,
+                            store,
+                            vc,
+                            ids.clone(),
+                            pixels,
+                            &settings.device,
+                            &settings.compile,
+                        )?,
+                        "the device's vision graph".to_string(),
+                    ),
+                })
             }
             _ => None,
         };
@@ -286,7 +311,7 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
         warn_precision(dut.as_mut())?;
         let inputs = vision
             .as_ref()
-            .map(|v| vec![PromptInput::Images(v.prompt.clone())]);
+            .map(|(v, _)| vec![PromptInput::Images(v.prompt.clone())]);
         let mut report = compare_device_on(
             dut.as_mut(),
             &runs,
@@ -295,8 +320,9 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
             &thresholds,
             &progress,
         )?;
-        if let Some(v) = &vision {
+        if let Some((v, graph)) = vision {
             report.vision = vision_rows(&v.taps, &reference_vision)?;
+            report.vision_graph = Some(graph);
         }
         reports.push(report);
     }

@@ -2,14 +2,22 @@
 //! or a device, in the dump format every backend shares.
 
 use super::Outcome;
-use super::args::{Backend, DeviceArgs, Dtype, FormArgs, ImageArgs, ModelArgs, PromptArgs};
+use super::args::{
+    Backend, DeviceArgs, Dtype, FormArgs, ImageArgs, ModelArgs, PromptArgs, refuse_graph_flags,
+};
+use crate::device::DeviceUnderTest;
 use crate::device::own::engine;
+use crate::device::set::{SetGraphs, SetSource};
 use crate::device::{DeviceSettings, check_context, check_positions, reference_on};
 use crate::dump::{FORMAT, ImageDump, write_dump, write_image_dump};
-use crate::images::{ImagePrompt, device_images, reference_images, vision_config};
+use crate::images::{
+    ImagePrompt, device_images, image_name, reference_images, set_images, set_vision_names,
+    vision_config,
+};
 use crate::memory;
 use crate::outputs::Paths;
 use anyhow::{Context, Result, bail};
+use npu::graphset::Taps;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -33,6 +41,11 @@ pub struct DumpArgs {
     form: FormArgs,
     #[command(flatten)]
     device: DeviceArgs,
+    /// Dump a graph set made elsewhere (with --backend openvino): DIR holds its IR files and a manifest.json of their
+    /// ports (docs/graph-sets.md), which must expose the dump's hidden outputs (`taps`). With --image, the set's own
+    /// vision graphs (its manifest's `vision`) make the image rows its decoder runs on.
+    #[arg(long, value_name = "DIR")]
+    ir: Option<PathBuf>,
 }
 
 /// What a dump will run, validated before any work.
@@ -41,11 +54,27 @@ enum Plan {
     OpenVino(DeviceSettings),
 }
 
+/// Refuses a set whose decoder exposes no hidden outputs: a dump holds every one.
+fn refuse_untapped(set: &SetSource) -> Result<()> {
+    if let Some(d) = &set.set.decoder
+        && d.interface.taps == Taps::None
+    {
+        bail!(
+            "--ir {}: {}'s decoder exposes no hidden outputs (`decoder.taps`), which a dump holds: compare-devices \
+             --ir compares what a set exposes",
+            set.dir.display(),
+            set.set.source
+        );
+    }
+    Ok(())
+}
+
 /// Runs `qwen35 dump`.
 pub fn exec(args: DumpArgs) -> Result<Outcome> {
     Paths::new()
         .with(&args.model)
         .with(&args.device)
+        .input("--ir", args.ir.as_ref())
         .file("--out", Some(&args.out))
         .check()?;
     if !args.prompt.given() {
@@ -71,12 +100,36 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
             Plan::OpenVino(settings)
         }
     };
-    let (dir, config, store) = args.model.open()?;
+    // A set made elsewhere brings its graphs and names its checkpoint; else this project's graphs of --model's.
+    let set_source = match (&args.ir, &plan) {
+        (Some(ir), Plan::OpenVino(_)) => {
+            refuse_graph_flags(&args.form, &args.device.graph, ir)?;
+            let s = args.model.open_set(ir)?;
+            refuse_untapped(&s)?;
+            Some(s)
+        }
+        (Some(_), Plan::Reference(_)) => bail!("--ir applies to --backend openvino"),
+        (None, _) => None,
+    };
+    let (dir, config, store) = match &set_source {
+        // The checkpoint the set was opened against (--model, else the one its manifest names).
+        Some(s) => ModelArgs {
+            model: Some(s.checkpoint.clone()),
+            ..args.model.clone()
+        }
+        .open()?,
+        None => args.model.open()?,
+    };
     let images = match &image_source {
         Some(source) => {
             let vc = vision_config(&dir)?;
             let pixels = source.load_with_videos(&dir, &vc)?;
             let ids = args.prompt.vision_ids(&dir, &config, &vc, &pixels)?;
+            if let Some(s) = &set_source {
+                s.check_images(&pixels.grids, pixels.video_grids(), |i| {
+                    image_name(source, &pixels, i)
+                })?;
+            }
             Some((vc, pixels, ids))
         }
         None => None,
@@ -106,7 +159,13 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
                 ],
             ),
             Plan::OpenVino(s) => {
-                let mut parts = memory::graph_parts(&config, format, &s.device, 1);
+                let mut parts = match &set_source {
+                    Some(set) => vec![
+                        ("its graphs".into(), memory::set_graph_bytes(&set.set)),
+                        ("the runtime".into(), memory::RUNTIME_BYTES),
+                    ],
+                    None => memory::graph_parts(&config, format, &s.device, 1),
+                };
                 parts.push(run);
                 m.phase(format!("{}: the graphs with taps", s.device), parts)
             }
@@ -143,15 +202,27 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
         };
         Ok(Some(match device {
             None => reference_images(model, &store, vc, ids.clone(), pixels, false)?,
-            Some(s) => device_images(
-                model,
-                &store,
-                vc,
-                ids.clone(),
-                pixels,
-                &s.device,
-                &s.compile,
-            )?,
+            // A set made elsewhere: its own vision graphs, compiled as its decoder is.
+            Some(s) => match &set_source {
+                Some(set) => set_images(
+                    model,
+                    vc,
+                    ids.clone(),
+                    pixels,
+                    &set.set,
+                    &s.device,
+                    &args.device.graph.compile(&s.device)?,
+                )?,
+                None => device_images(
+                    model,
+                    &store,
+                    vc,
+                    ids.clone(),
+                    pixels,
+                    &s.device,
+                    &s.compile,
+                )?,
+            },
         }))
     };
     let write = |backend: &mut dyn reference::backend::Backend,
@@ -176,17 +247,35 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
             let mut backend = reference_on(model, &store, *opts, true)?;
             write(&mut backend, images, metadata)?
         }
-        Plan::OpenVino(settings) => {
-            check_context(
-                ids.len(),
-                args.generate,
-                settings.graph.context,
-                "--context",
-            )?;
-            let images = image_prompt(Some(settings))?;
-            let mut backend = engine(&config, &store, settings, true)?;
-            write(&mut backend, images, metadata)?
-        }
+        Plan::OpenVino(settings) => match &set_source {
+            Some(set) => {
+                if let (Some(context), at) = set.context() {
+                    check_context(ids.len(), args.generate, context, &at)?;
+                }
+                let mut metadata = metadata;
+                if let Some((_, pixels, _)) = &images {
+                    metadata.insert(
+                        "vision_graph".into(),
+                        set_vision_names(&set.set, &pixels.grids),
+                    );
+                }
+                let images = image_prompt(Some(settings))?;
+                let compile = args.device.graph.compile(&settings.device)?;
+                let mut graphs = SetGraphs::open(set, &settings.device, &compile, None)?;
+                write(graphs.deployed()?, images, metadata)?
+            }
+            None => {
+                check_context(
+                    ids.len(),
+                    args.generate,
+                    settings.graph.context,
+                    "--context",
+                )?;
+                let images = image_prompt(Some(settings))?;
+                let mut backend = engine(&config, &store, settings, true)?;
+                write(&mut backend, images, metadata)?
+            }
+        },
     };
     eprintln!(
         "wrote {} tensors ({} prompt tokens, {} generated, {} on {}) to {}",

@@ -159,6 +159,10 @@ pub struct DeviceReport {
     /// (`vision.merger` is the image embeddings the decoder runs on).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub vision: Vec<Row>,
+    /// A prompt with images: which vision graph made the device's image rows (the device's own, built from the
+    /// checkpoint, or a set's, by name).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vision_graph: Option<String>,
     /// Every prompt.
     pub prompts: Vec<PromptComparison>,
 }
@@ -271,6 +275,7 @@ impl DeviceReport {
             only_in_actual: vec![],
             only_in_reference: vec![],
             vision: Vec::new(),
+            vision_graph: None,
             prompts,
         };
         report.failures = report.check();

@@ -7,12 +7,14 @@ use super::{Capabilities, DeviceLayers, DeviceUnderTest, GraphInfo, GraphLog, La
 use anyhow::{Context, Result, bail};
 use npu::devices::CompileOptions;
 use npu::engine::{DecoderEngine, LayerChain};
+use npu::graphset::vision::{VisionGraph, grid_text};
 use npu::graphset::{GraphSet, PromptRule};
 use npu::sim::NumericModel;
 use reference::backend::{Backend, EmbeddedPrompt, Forward, RunRecord, Snapshot};
 use reference::config::Config;
 use reference::model::Model;
 use reference::quant::WeightFormat;
+use reference::vision::Grid;
 use reference::weights::WeightStore;
 use std::path::{Path, PathBuf};
 
@@ -75,6 +77,81 @@ impl SetSource {
             self.set.context,
             format!("the `context` of {}", self.set.source),
         )
+    }
+
+    /// The set's own static vision graphs (its manifest's `vision`).
+    pub fn vision(&self) -> &[VisionGraph] {
+        &self.set.vision
+    }
+
+    /// Checks, before any work, that the set runs a prompt with images of `grids` and videos of `videos` (`name(i)`
+    /// names image `i`): it brings vision graphs, its decoder takes embeddings (the image rows), and each image has a
+    /// graph of its grid. The refusals name the manifest.
+    pub fn check_images(
+        &self,
+        grids: &[Grid],
+        videos: &[Grid],
+        name: impl Fn(usize) -> String,
+    ) -> Result<()> {
+        let set = &self.set;
+        if set.vision.is_empty() {
+            bail!(
+                "--ir {}: {} has no `vision` graph, so the set cannot make the image rows of a prompt with images \
+                 (export-ir --image-grid HxW writes one; without --ir, this project's graphs build theirs from the \
+                 checkpoint)",
+                self.dir.display(),
+                set.source
+            );
+        }
+        if let Some(d) = &set.decoder
+            && !d.interface.has("embeddings")
+        {
+            bail!(
+                "--ir {}: {}'s decoder takes `input_ids`, not `embeddings`: a prompt with images needs decoder \
+                 graphs that take the image rows (export-ir --image-grid writes such a set)",
+                self.dir.display(),
+                set.source
+            );
+        }
+        let refuse = |list: &[Grid], name: &dyn Fn(usize) -> String| -> Result<()> {
+            let Err(i) = npu::graphset::vision::plan(&set.vision, list) else {
+                return Ok(());
+            };
+            let has: Vec<String> = set.vision.iter().map(VisionGraph::grids_text).collect();
+            // The resize that makes an image of the set's first one-image grid.
+            let resize = match (set.vision[0].grids.as_slice(), self.patch_size()) {
+                ([g], Some(p)) if g.t == 1 => format!(
+                    " (its {} patches: --image-size {}x{})",
+                    grid_text(g),
+                    g.w * p,
+                    g.h * p
+                ),
+                _ => String::new(),
+            };
+            bail!(
+                "--ir {}: {} of {} patches has no vision graph in {}, whose graphs take {} {}: give --image-size \
+                 WxH to resize the images to a grid the set has{resize}",
+                self.dir.display(),
+                name(i),
+                grid_text(&list[i]),
+                set.source,
+                if has.len() == 1 {
+                    "the grid"
+                } else {
+                    "the grids"
+                },
+                has.join(", "),
+            );
+        };
+        refuse(grids, &name)?;
+        refuse(videos, &|i| format!("video {}", i + 1))
+    }
+
+    /// The vision tower's patch side in pixels, when the checkpoint has a tower.
+    fn patch_size(&self) -> Option<usize> {
+        crate::images::vision_config(&self.checkpoint)
+            .ok()
+            .map(|vc| vc.patch_size)
     }
 }
 

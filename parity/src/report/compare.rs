@@ -536,8 +536,12 @@ fn vision_lines(d: &crate::compare::DeviceReport) -> Vec<String> {
             .iter()
             .filter(|r| r.name.starts_with(&blocks))
             .max_by(|a, b| a.error.nrmse.total_cmp(&b.error.nrmse));
+        let graph = d
+            .vision_graph
+            .as_deref()
+            .unwrap_or("the device's vision graph");
         let mut line = format!(
-            "{what} embeddings ({merger}, the device's vision graph): NRMSE {:.2e}, max |diff| {:.2e}, cosine {:.6}",
+            "{what} embeddings ({merger}, {graph}): NRMSE {:.2e}, max |diff| {:.2e}, cosine {:.6}",
             row.error.nrmse, row.error.max_abs, row.error.cosine
         );
         if let Some(w) = worst {
