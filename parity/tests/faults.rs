@@ -5,7 +5,9 @@ use candle_core::{DType, Tensor};
 use npu::devices::CompileOptions;
 use npu::engine::HostLayerState;
 use npu::graphs::{Builder, GraphOptions};
+use npu::graphset::layout::CallPositions;
 use parity::device::DeviceLayers;
+use parity::images::PromptInput;
 use parity::probe::{LayerDevice, Mode, ProbeThresholds, ReferenceTrace, drill_down, probe};
 use reference::backend::{ReferenceBackend, RunRecord};
 use reference::config::Config;
@@ -47,7 +49,7 @@ fn reference_trace(config: &Config) -> ReferenceTrace {
     let model = Model::from_weights(config.clone(), &store).unwrap();
     let mut reference = ReferenceBackend::new(model, RunOptions::default(), true, "f32").unwrap();
     let ids: Vec<u32> = (0..40).map(|i| (i * 29 + 3) % 500).collect();
-    ReferenceTrace::new(&mut reference, &ids, 16).unwrap()
+    ReferenceTrace::new(&mut reference, &PromptInput::Ids(ids), 16).unwrap()
 }
 
 /// The per-layer graphs of the checkpoint in `dir`, every layer compiled.
@@ -151,9 +153,10 @@ impl LayerDevice for LeakyState {
         layer: usize,
         hidden: &Tensor,
         start: usize,
+        positions: CallPositions,
         state: &mut HostLayerState,
     ) -> anyhow::Result<BTreeMap<String, Tensor>> {
-        let out = self.0.run(layer, hidden, start, state)?;
+        let out = self.0.run(layer, hidden, start, positions, state)?;
         if let HostLayerState::Linear { recurrent, .. } = state {
             *recurrent = (&*recurrent * 1.01)?;
         }

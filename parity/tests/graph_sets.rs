@@ -118,7 +118,8 @@ fn every_set_agrees_with_the_reference_state_by_state() {
         assert_eq!(code, Some(0), "{name}: {v}");
         for c in v["checks"].as_array().unwrap() {
             let id = c["id"].as_str().unwrap();
-            if skipped.contains(&id) {
+            // The tiny model has no vision tower: the images check is skipped on every set.
+            if skipped.contains(&id) || id == "images" {
                 assert!(c["passed"].is_null(), "{name}: {c}");
             } else {
                 assert_eq!(c["passed"], true, "{name}: {c}");

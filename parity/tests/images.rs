@@ -647,7 +647,7 @@ fn ranges_cover_the_vision_tower_ahead_of_the_decoder() {
 }
 
 #[test]
-fn probe_takes_the_vision_blocks_as_units() {
+fn probe_takes_the_vision_blocks_as_units_and_the_decoder_layers_on_the_image_rows() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("probe.json");
     let model = testdata().join("models/tiny-vl");
@@ -679,6 +679,21 @@ fn probe_takes_the_vision_blocks_as_units() {
     };
     let (o, r) = run("1e-4");
     assert!(o.status.success(), "{}", stderr(&o));
+    // The decoder's layers are probed on the prompt with its image: the image run's tokens, at their MRoPE
+    // positions (text positions there would move every attention layer's output far off the reference's).
+    assert_eq!(r["inputs"]["prompt"], "with 1 image(s)", "{}", r["inputs"]);
+    let tokens = r["inputs"]["prompt_tokens"].as_u64().unwrap();
+    assert!(tokens > 16, "{}", r["inputs"]);
+    let layers = r["layers"].as_array().unwrap();
+    assert_eq!(layers.len(), 4);
+    for l in layers {
+        let e = l["output"]["nrmse"].as_f64().unwrap();
+        println!(
+            "decoder layer {} ({}) on the image prompt: NRMSE {e:.2e}",
+            l["layer"], l["kind"]
+        );
+        assert!(e < 1e-5, "{l}");
+    }
     let vision = r["vision"].as_array().expect("the vision blocks");
     assert_eq!(vision.len(), 2);
     for v in vision {

@@ -337,3 +337,91 @@ fn the_sets_vision_graph_is_what_makes_the_image_rows() {
         "{merger}"
     );
 }
+
+/// `validate --ir --image` and `probe --ir --image` on the set: the images check runs the set's own vision graph
+/// (its taps against the reference tower, the decoder on its rows, the text after the image) and passes; the probe
+/// reaches the decoder's layers through its states, on the prompt with the image, each layer within 1e-5. The
+/// set's tower is one graph, so its blocks are not probed, and the reports say so.
+#[test]
+fn validate_and_probe_of_a_set_run_its_vision_graph_and_its_decoder_on_the_image_rows() {
+    let tmp = tempfile::tempdir().unwrap();
+    let set = tmp.path().join("set");
+    export(&set, &["--image-grid", "8x10"]);
+    let (m, s) = (model(), set.to_str().unwrap().to_string());
+    let prompts = common::two_prompts(tmp.path());
+    let json = tmp.path().join("v.json");
+    let wide = image("wide.png");
+    let o = qwen35(&[
+        "validate",
+        "--ir",
+        &s,
+        "--model",
+        m.to_str().unwrap(),
+        "--device",
+        "CPU",
+        "--tokens",
+        "4",
+        "--lookup-tokens",
+        "8",
+        "--max-length",
+        "40",
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--image",
+        &wide,
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let images = v["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["id"] == "images")
+        .unwrap();
+    assert_eq!(images["passed"], true, "{images}");
+    assert!(
+        images["figure"].as_str().unwrap().contains("not probed"),
+        "{images}"
+    );
+    let merger = images["details"]["vision"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == "vision.merger")
+        .unwrap()
+        .clone();
+    assert!(
+        merger["error"]["nrmse"].as_f64().unwrap() < 1e-6,
+        "{merger}"
+    );
+    assert!(images["details"]["follow_up"]["first_divergence"].is_null());
+    assert_eq!(v["probe"]["inputs"]["prompt"], "with 1 image(s)");
+
+    let pjson = tmp.path().join("p.json");
+    let o = qwen35(&[
+        "probe",
+        "--ir",
+        &s,
+        "--model",
+        m.to_str().unwrap(),
+        "--device",
+        "CPU",
+        "--prompt",
+        "hi",
+        "--image",
+        &wide,
+        "--json",
+        pjson.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("not probed"), "{}", stderr(&o));
+    let p: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&pjson).unwrap()).unwrap();
+    assert_eq!(p["inputs"]["prompt"], "with 1 image(s)");
+    for l in p["layers"].as_array().unwrap() {
+        assert!(l["output"]["nrmse"].as_f64().unwrap() < 1e-5, "{l}");
+    }
+}

@@ -13,10 +13,11 @@ use common::{expect_error, qwen35, stderr};
 mod faults;
 
 /// Every check, in the report's order.
-const CHECKS: [&str; 11] = [
+const CHECKS: [&str; 12] = [
     "execution-devices",
     "precision",
     "compare",
+    "images",
     "probe",
     "blocks",
     "padding",
@@ -113,6 +114,15 @@ fn validate_passes_on_the_cpu_at_f32_with_every_check_in_the_report() {
         .collect();
     assert_eq!(ids, CHECKS);
     for c in v["checks"].as_array().unwrap() {
+        if c["id"] == "images" {
+            // Skipped on a checkpoint without a vision tower, saying so: it neither passes nor fails.
+            assert!(c["passed"].is_null(), "{c}");
+            assert!(
+                c["skipped"].as_str().unwrap().contains("no vision tower"),
+                "{c}"
+            );
+            continue;
+        }
         assert_eq!(c["passed"], true, "{c}");
         assert!(c["skipped"].is_null(), "{c}");
         assert!(!c["figure"].as_str().unwrap().is_empty());
@@ -402,4 +412,64 @@ fn a_second_validate_loads_every_graph_from_the_model_cache() {
     assert_eq!(code, Some(0), "failed: {:?}", failed(&second));
     let second = flags(&second);
     assert!(second.iter().all(|&f| f == Some(true)), "{second:?}");
+}
+
+/// `validate --image` on the tiny model with a vision tower (the small runs, one committed image): the images check
+/// runs the device's vision graph, its text with its own rows and the text after the image, and passes on the CPU;
+/// the probe runs on the prompt with the image. A device that forgets the rope delta an image leaves in the state
+/// (the text after the image at the count of tokens, not at the image's largest position + 1) fails the images check
+/// alone: every text check passes, as does the probe (its layers are given the positions).
+#[test]
+fn validate_with_an_image_checks_the_vision_graph_the_image_rows_and_the_rope_delta() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = common::testdata().join("models/tiny-vl");
+    let image = common::testdata().join("images/wide.png");
+    let mut args = small(tmp.path());
+    args.extend([
+        "--model".to_string(),
+        model.to_str().unwrap().into(),
+        "--image".into(),
+        image.to_str().unwrap().into(),
+    ]);
+    let a: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (code, v) = validate(tmp.path(), "image", &a);
+    assert_eq!(code, Some(0), "failed: {:?}", failed(&v));
+    for c in v["checks"].as_array().unwrap() {
+        assert_eq!(c["passed"], true, "{c}");
+    }
+    let images = &check(&v, "images")["details"];
+    let vision = images["vision"].as_array().unwrap();
+    let merger = vision
+        .iter()
+        .find(|r| r["name"] == "vision.merger")
+        .expect("the merger's row");
+    // Measured 5.1e-8 (the CPU's f32 vision graph against the reference tower).
+    assert!(
+        merger["error"]["nrmse"].as_f64().unwrap() < 1e-6,
+        "{merger}"
+    );
+    assert_eq!(images["blocks"].as_array().unwrap().len(), 2);
+    assert!(
+        images["follow_up"]["first_divergence"].is_null(),
+        "{images}"
+    );
+    assert_eq!(images["after_images"]["logits"]["max_abs"], 0.0);
+    let cmp = &images["compare"];
+    assert_eq!(cmp["greedy_matched"], cmp["greedy_total"]);
+    assert_eq!(v["probe"]["inputs"]["prompt"], "with 1 image(s)");
+    let prompts = v["inputs"]["prompts"].as_array().unwrap();
+    assert_eq!(prompts.last().unwrap()[0], "with 1 image(s)", "{prompts:?}");
+
+    args.extend(["--inject-fault".to_string(), "forget-rope-delta".into()]);
+    let a: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (code, v) = validate(tmp.path(), "image-fault", &a);
+    assert_eq!(failed(&v), ["images"]);
+    assert_eq!(code, Some(1));
+    let f = serde_json::to_string(&check(&v, "images")["failures"]).unwrap();
+    assert!(f.contains("--max-nmse"), "{f}");
+    let follow = &check(&v, "images")["details"]["follow_up"];
+    assert!(
+        follow["logits"]["nmse"].as_f64().unwrap() > 1e-6,
+        "{follow}"
+    );
 }

@@ -10,10 +10,11 @@ mod common;
 use common::{expect_error, qwen35, stderr, testdata};
 
 /// Every check, in the report's order.
-const CHECKS: [&str; 11] = [
+const CHECKS: [&str; 12] = [
     "execution-devices",
     "precision",
     "compare",
+    "images",
     "probe",
     "blocks",
     "padding",
@@ -25,8 +26,8 @@ const CHECKS: [&str; 11] = [
 ];
 
 /// The checks a stateful IR cannot have: it exposes neither per-layer graphs nor its states, and takes any
-/// number of tokens per call (nothing is padded).
-const SKIPPED: [&str; 3] = ["probe", "padding", "prompt-lookup"];
+/// number of tokens per call (nothing is padded); and the images check, the tiny model having no vision tower.
+const SKIPPED: [&str; 4] = ["images", "probe", "padding", "prompt-lookup"];
 
 fn ir(name: &str) -> PathBuf {
     testdata().join("ir").join(name)

@@ -7,9 +7,11 @@ use super::args::{FormArgs, GraphArgs, ImageArgs, ModeArg, ModelArgs, PromptArgs
 use super::target::Target;
 use crate::device::own::OwnGraphs;
 use crate::device::{DeviceUnderTest, check_device};
+use crate::images::reference_images;
 use crate::memory::{self, Plan};
 use crate::outputs::Paths;
 use crate::probe::run::{ProbePlan, run};
+use crate::prompts::LabelledPrompt;
 use anyhow::{Context, Result, bail};
 use std::path::PathBuf;
 
@@ -31,8 +33,9 @@ pub struct ProbeArgs {
     mode: ModeArg,
     #[command(flatten)]
     prompt: PromptArgs,
-    /// Probe the vision tower's blocks too, on these images (each block's own graph on the device, isolated and
-    /// chained); the decoder's layers are probed on the prompt's tokens as text.
+    /// A prompt with images: the decoder's layers are probed on it (the reference tower's rows at the image tokens,
+    /// the image tokens' MRoPE positions), and the vision tower's blocks too (each block's own graph on the device,
+    /// isolated and chained).
     #[command(flatten)]
     images: ImageArgs,
     /// Layers to probe, comma separated (default: all). Chained mode runs every layer up to the last one listed.
@@ -177,13 +180,36 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
     };
     let (dir, config, store) = target.checkpoint();
     let image_source = args.images.source()?;
-    if image_source.is_some() && args.ir.is_some() {
-        bail!(
-            "--image with --ir: a graph set's vision graph is not read yet; probe this project's graphs"
-        );
-    }
-    let set = args.prompt.source(None)?.load(dir, config)?;
-    let prompt = set.into_iter().next().context("no prompt")?;
+    // With images, the decoder's layers are probed on the prompt with them: the reference tower's rows at the image
+    // tokens and get_rope_index's positions, given to both sides (the tower itself is probed block by block below).
+    let images = match &image_source {
+        Some(source) => {
+            let vc = crate::images::vision_config(dir)?;
+            let pixels = source.load(dir, &vc)?;
+            // A set's decoder must take the image rows (its embeddings input).
+            if let Some(s) = target.set() {
+                s.check_images(&pixels.grids, &[], |i| {
+                    crate::images::image_name(source, &pixels, i)
+                })?;
+            }
+            let ids = args.prompt.image_ids(dir, config, &vc, &pixels.grids)?;
+            // The model that makes the prompt's rows is released before the probe builds its own.
+            let model = reference::model::Model::from_weights(config.clone(), store)?;
+            let prompt = reference_images(&model, store, &vc, ids, &pixels, false)?.prompt;
+            Some((vc, pixels, prompt))
+        }
+        None => None,
+    };
+    let prompt = match &images {
+        Some((_, pixels, p)) => LabelledPrompt {
+            label: format!("with {} image(s)", pixels.grids.len()),
+            ids: p.ids.clone(),
+        },
+        None => {
+            let set = args.prompt.source(None)?.load(dir, config)?;
+            set.into_iter().next().context("no prompt")?
+        }
+    };
     let outputs = args.report.outputs()?;
     check_device(&device).context("--device")?;
     let mut dut = target.device(settings, &args.graph, None)?;
@@ -201,6 +227,7 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
         max_nrmse: args.max_nrmse,
         max_state_nrmse: args.max_state_nrmse,
         model: None,
+        images: images.as_ref().map(|(_, _, p)| p),
     };
     let dtype = args.model.dtype.dtype();
     let devices: Vec<&str> = std::iter::once(device.as_str())
@@ -248,14 +275,18 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
             .as_mut()
             .map(|b| (b as &mut dyn DeviceUnderTest, args.factor)),
     )?;
-    if let Some(source) = &image_source {
-        let vc = crate::images::vision_config(dir)?;
-        let pixels = source.load(dir, &vc)?;
+    if let (Some(_), Some(s)) = (&images, target.set()) {
+        eprintln!(
+            "note: the vision graphs of {} are whole towers, not a graph per block: their blocks are not probed \
+             (compare-devices --ir --image and validate --ir --image compare their taps)",
+            s.set.source
+        );
+    } else if let Some((vc, pixels, _)) = &images {
         let compile = args.graph.compile(&device)?;
         report.vision = crate::probe::vision::probe_vision(
-            &vc,
+            vc,
             store,
-            &pixels,
+            pixels,
             &device,
             &compile,
             report.thresholds.max_nrmse,

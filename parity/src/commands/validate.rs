@@ -3,7 +3,9 @@
 //! each check runs where its capabilities allow (the others are reported as skipped, naming what they would need).
 
 use super::Outcome;
-use super::args::{FormArgs, GraphArgs, ModeArg, ModelArgs, PromptArgs, ReportArgs, ThresholdArgs};
+use super::args::{
+    FormArgs, GraphArgs, ImageArgs, ModeArg, ModelArgs, PromptArgs, ReportArgs, ThresholdArgs,
+};
 use super::target::Target;
 use crate::device::check_device;
 use crate::device::fault::Fault;
@@ -11,6 +13,7 @@ use crate::memory::{self, Plan};
 use crate::outputs::Paths;
 use crate::prompts::{eos_ids, repeated_prompt};
 use crate::validate::CheckId;
+use crate::validate::images::ValidateImages;
 use crate::validate::run::{SetInputs, ValidatePlan, run, skip_reason};
 use anyhow::{Context as _, Result, bail};
 use npu::sim::NumericModel;
@@ -21,6 +24,9 @@ use std::time::Instant;
 /// The longest prompt of the length check on a device without a static context (`--max-length`): long enough to
 /// cross several chunks of an export's DeltaNet scan, short enough for CI.
 pub const DEFAULT_MAX_LENGTH: usize = 255;
+
+/// The text of the prompt with images when neither --prompt nor --token-ids gives it.
+pub const DEFAULT_IMAGE_PROMPT: &str = "Describe the image.";
 
 /// Arguments of `qwen35 validate`.
 #[derive(clap::Args)]
@@ -37,6 +43,11 @@ pub struct ValidateArgs {
     ir: Option<PathBuf>,
     #[command(flatten)]
     prompt: PromptArgs,
+    /// A prompt with images, checked beside the prompt set (the images check): the device's own vision graph, its
+    /// text with its own image rows, and the text after the images; the probe then runs on it. --prompt or
+    /// --token-ids give its text (default: "Describe the image."), and the prompt set is --prompts or the shipped one.
+    #[command(flatten)]
+    images: ImageArgs,
     /// A prompt set, one JSON object per line (as compare-devices). Default: the set shipped with the project.
     #[arg(long, value_name = "FILE.jsonl", conflicts_with_all = ["token_ids", "prompt"])]
     prompts: Option<PathBuf>,
@@ -215,8 +226,16 @@ pub fn exec(args: ValidateArgs) -> Result<Outcome> {
             ir.display()
         );
     }
+    let image_source = args.images.source()?;
     let target = Target::open(&args.model, args.ir.as_deref(), &args.form, &args.graph)?;
-    let settings = args.graph.settings(&device, &args.form)?;
+    let mut settings = args.graph.settings(&device, &args.form)?;
+    // With images the decoder graphs take embeddings (the port's form): the vision graph's rows, the host's text rows.
+    settings.graph.embeddings_input = image_source.is_some();
+    // A set's vision graphs compile as its decoder does.
+    let compile = match target.set() {
+        Some(_) => args.graph.compile(&device)?,
+        None => settings.compile.clone(),
+    };
     check_device(&device).context("--device")?;
     let (dir, config, store) = target.checkpoint();
     let context = target.context(&settings).0;
@@ -226,15 +245,54 @@ pub fn exec(args: ValidateArgs) -> Result<Outcome> {
     if max_length == 0 {
         bail!("the static context of 1 holds no prompt and decode step");
     }
-    let set = args
-        .prompt
-        .source(args.prompts.as_deref())?
-        .load(dir, config)?;
+    // With images, --prompt or --token-ids are the prompt with them, and the text checks run the shipped set.
+    let images = match &image_source {
+        Some(source) => {
+            let vc = crate::images::vision_config(dir)?;
+            let pixels = source.load_with_videos(dir, &vc)?;
+            // A set made elsewhere makes the image rows with its own vision graphs: refused before any work when
+            // it cannot.
+            if let Some(s) = target.set() {
+                s.check_images(&pixels.grids, pixels.video_grids(), |i| {
+                    crate::images::image_name(source, &pixels, i)
+                })?;
+            }
+            let ids = if args.prompt.given() {
+                args.prompt.vision_ids(dir, config, &vc, &pixels)?
+            } else {
+                let chat = crate::prompts::ChatPrompt {
+                    prompt: DEFAULT_IMAGE_PROMPT.into(),
+                    system: None,
+                    think: false,
+                };
+                let (images, videos) = (&pixels.grids, pixels.video_grids());
+                crate::images::image_ids(None, Some(&chat), dir, config, &vc, images, videos)?
+            };
+            let prompt = crate::prompts::LabelledPrompt {
+                label: format!("with {} image(s)", pixels.grids.len()),
+                ids,
+            };
+            Some((vc, pixels, prompt))
+        }
+        None => None,
+    };
+    let set = match (&images, &args.prompts) {
+        (Some(_), Some(file)) => crate::prompts::PromptSource::File(file.clone()),
+        (Some(_), None) => crate::prompts::PromptSource::Default,
+        (None, _) => args.prompt.source(args.prompts.as_deref())?,
+    }
+    .load(dir, config)?;
     let repeated = repeated_prompt(dir, &set)?;
     let outputs = args.report.outputs()?;
     let eos = eos_ids(dir, config);
     let fault_kind = fault.as_ref().map(|(f, _)| *f);
-    let positions = set.iter().map(|p| p.ids.len()).max().unwrap_or(0) + args.tokens;
+    let positions = set
+        .iter()
+        .chain(images.as_ref().map(|(_, _, p)| p))
+        .map(|p| p.ids.len())
+        .max()
+        .unwrap_or(0)
+        + args.tokens;
     let dtype = args.model.dtype.dtype();
     let plan_for = |format| {
         memory_plan(
@@ -329,6 +387,13 @@ pub fn exec(args: ValidateArgs) -> Result<Outcome> {
             .into_iter()
             .collect(),
         fault,
+        images: images.as_ref().map(|(vc, pixels, prompt)| ValidateImages {
+            vc,
+            pixels,
+            prompt,
+            compile: &compile,
+            set: target.set().map(|s| &s.set),
+        }),
     };
     let mut report = run(&plan, dut.as_mut(), start)?;
     report.memory = Some(memory.measured());

@@ -13,6 +13,7 @@ use super::layers::LayerDevice;
 use anyhow::{Result, bail};
 use candle_core::Tensor;
 use npu::engine::HostLayerState;
+use npu::graphset::layout::CallPositions;
 use reference::backend::{Backend, EmbeddedPrompt, Forward, RunRecord, Snapshot};
 use reference::config::Config;
 use reference::taps::names;
@@ -47,11 +48,14 @@ pub enum Fault {
     /// A call past the static context is cut to the slots left instead of refused: the tokens that do not fit are
     /// dropped, silently.
     Overflow,
+    /// A prompt with images leaves no rope delta in the state: the text after it continues at the count of tokens
+    /// so far instead of the image's largest position + 1 (the host that forgets `get_rope_index`'s delta).
+    ForgetRopeDelta,
 }
 
 impl Fault {
     /// Parses `leak-state`, `ignore-restore`, `logits-from=P`, `nan-from=P`, `block-graph=N`, `unpadded-tail`,
-    /// `stale-rows`, `taps-scaled`, `layer-graph=L` or `overflow`.
+    /// `stale-rows`, `taps-scaled`, `layer-graph=L`, `overflow` or `forget-rope-delta`.
     pub fn parse(s: &str) -> Result<Self> {
         let n = |prefix: &str| s.strip_prefix(prefix)?.parse::<usize>().ok();
         Ok(match s {
@@ -61,6 +65,7 @@ impl Fault {
             "stale-rows" => Fault::StaleRows,
             "taps-scaled" => Fault::TapsScaled,
             "overflow" => Fault::Overflow,
+            "forget-rope-delta" => Fault::ForgetRopeDelta,
             _ => match (
                 n("logits-from="),
                 n("nan-from="),
@@ -73,8 +78,8 @@ impl Fault {
                 (.., Some(l)) => Fault::LayerGraph(l),
                 _ => bail!(
                     "--inject-fault {s}: expected leak-state, ignore-restore, logits-from=POSITION, \
-                     nan-from=POSITION, block-graph=TOKENS, unpadded-tail, stale-rows, taps-scaled, layer-graph=LAYER \
-                     or overflow"
+                     nan-from=POSITION, block-graph=TOKENS, unpadded-tail, stale-rows, taps-scaled, layer-graph=LAYER, \
+                     overflow or forget-rope-delta"
                 ),
             },
         })
@@ -84,7 +89,7 @@ impl Fault {
     pub fn acts_on_state(self) -> bool {
         matches!(
             self,
-            Fault::LeakState | Fault::IgnoreRestore | Fault::UnpaddedTail
+            Fault::LeakState | Fault::IgnoreRestore | Fault::UnpaddedTail | Fault::ForgetRopeDelta
         )
     }
 
@@ -188,7 +193,8 @@ impl<B: Backend> Backend for Faulty<B> {
         self.inner.restore(&fresh)
     }
 
-    /// A prompt with images goes through untouched: the faults act on calls of token ids.
+    /// A prompt with images goes through untouched but for [`Fault::ForgetRopeDelta`]: the other faults act on
+    /// calls of token ids.
     fn forward_embedded(
         &mut self,
         prompt: &EmbeddedPrompt,
@@ -196,6 +202,11 @@ impl<B: Backend> Backend for Faulty<B> {
     ) -> reference::Result<Forward> {
         let out = self.inner.forward_embedded(prompt, all_logits)?;
         self.position += prompt.ids.len();
+        if self.fault == Some(Fault::ForgetRopeDelta) {
+            let mut s = self.inner.snapshot()?;
+            s.rope_delta = 0;
+            self.inner.restore(&s)?;
+        }
         Ok(out)
     }
 
@@ -285,9 +296,10 @@ impl LayerDevice for FaultyLayers<'_> {
         layer: usize,
         hidden: &Tensor,
         start: usize,
+        positions: CallPositions,
         state: &mut HostLayerState,
     ) -> Result<BTreeMap<String, Tensor>> {
-        let mut out = self.inner.run(layer, hidden, start, state)?;
+        let mut out = self.inner.run(layer, hidden, start, positions, state)?;
         if layer == self.layer
             && let Some(mlp) = out.get(names::MLP_OUTPUT).cloned()
         {

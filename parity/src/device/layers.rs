@@ -14,13 +14,15 @@ use std::collections::BTreeMap;
 
 /// Something that runs one layer over one block: a device's per-layer graphs (or, in tests, a corrupted one).
 pub trait LayerDevice {
-    /// Runs layer `layer` on `hidden` `[T, H]` (`T` at most [`LayerDevice::block`], at positions `start..`),
-    /// updating `state`; returns the outputs under the dump's names less the `layers.{i}.` prefix.
+    /// Runs layer `layer` on `hidden` `[T, H]` (`T` at most [`LayerDevice::block`], after `start` tokens, at
+    /// `positions`: text, or an image's MRoPE rows), updating `state`; returns the outputs under the dump's names
+    /// less the `layers.{i}.` prefix.
     fn run(
         &mut self,
         layer: usize,
         hidden: &Tensor,
         start: usize,
+        positions: CallPositions,
         state: &mut HostLayerState,
     ) -> Result<BTreeMap<String, Tensor>>;
 
@@ -138,13 +140,14 @@ impl LayerDevice for DeviceLayers {
         layer: usize,
         hidden: &Tensor,
         start: usize,
+        positions: CallPositions,
         state: &mut HostLayerState,
     ) -> Result<BTreeMap<String, Tensor>> {
         let runner = self
             .runners
             .get_mut(&layer)
             .with_context(|| format!("layer {layer} was not compiled"))?;
-        Ok(runner.run(hidden, start, CallPositions::TEXT, state)?)
+        Ok(runner.run(hidden, start, positions, state)?)
     }
 
     fn block(&self) -> usize {
@@ -213,6 +216,7 @@ impl LayerDevice for OneLayerAtATime<'_> {
         layer: usize,
         hidden: &Tensor,
         start: usize,
+        positions: CallPositions,
         state: &mut HostLayerState,
     ) -> Result<BTreeMap<String, Tensor>> {
         if !self.layers.contains(&layer) {
@@ -235,7 +239,7 @@ impl LayerDevice for OneLayerAtATime<'_> {
             self.current = Some((layer, runner));
         }
         let (_, runner) = self.current.as_mut().context("a layer is compiled")?;
-        Ok(runner.run(hidden, start, CallPositions::TEXT, state)?)
+        Ok(runner.run(hidden, start, positions, state)?)
     }
 
     fn block(&self) -> usize {

@@ -4,7 +4,6 @@
 use candle_core::Tensor;
 use reference::backend::{Backend, EmbeddedPrompt, Forward, RunRecord, Snapshot};
 use reference::config::Config;
-use reference::rope::Positions;
 use std::collections::BTreeMap;
 
 /// `inner` with every call cut into pieces of at most `block` tokens.
@@ -42,17 +41,7 @@ impl Backend for Pieces<'_> {
     ) -> reference::Result<Forward> {
         let inner = &mut *self.inner;
         in_pieces(prompt.ids.len(), self.block, all_logits, |from, len| {
-            let piece = EmbeddedPrompt {
-                ids: prompt.ids[from..from + len].to_vec(),
-                embeddings: prompt.embeddings.narrow(0, from, len)?,
-                positions: Positions(
-                    prompt
-                        .positions
-                        .0
-                        .each_ref()
-                        .map(|r| r[from..from + len].to_vec()),
-                ),
-            };
+            let piece = prompt.slice(from, len)?;
             inner.forward_embedded(&piece, all_logits)
         })
     }

@@ -26,13 +26,13 @@ pub fn probe_decoder(
     device.reset()?;
     let mut pieces: BTreeMap<String, Vec<Tensor>> = BTreeMap::new();
     let mut drift: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
-    for (b, &(start, end)) in trace.blocks.iter().enumerate() {
+    for b in 0..trace.blocks.len() {
         if mode == Mode::Isolated {
             device
                 .restore(&trace.states[b])
                 .context("giving the device the reference's state before a block")?;
         }
-        let f = device.forward(&trace.ids[start..end], true)?;
+        let f = trace.forward_block(device, b)?;
         for (k, v) in f.taps {
             pieces.entry(k).or_default().push(v);
         }

@@ -24,11 +24,13 @@ pub mod vision;
 
 pub use crate::device::LayerDevice;
 
+use crate::images::PromptInput;
 use crate::metrics::{Magnitude, TensorError, exceeds, magnitudes, nan_max, values};
 use anyhow::{Context, Result, bail};
 use candle_core::Tensor;
 use npu::engine::HostLayerState;
-use reference::backend::{Backend, Precision, Snapshot};
+use npu::graphset::layout::CallPositions;
+use reference::backend::{Backend, Forward, Precision, Snapshot};
 use reference::config::{Config, LayerKind};
 use reference::model::state_names;
 use reference::taps::names;
@@ -58,8 +60,9 @@ impl Mode {
 /// The reference's run of a prompt in the device's blocks: the taps of every position and the state before and
 /// after every block.
 pub struct ReferenceTrace {
-    /// The prompt.
-    pub ids: Vec<u32>,
+    /// The prompt: token ids, or one with images (its image tokens carrying the reference tower's rows, its
+    /// positions `get_rope_index`'s).
+    pub input: PromptInput,
     /// Token-major taps over the prompt.
     pub taps: BTreeMap<String, Tensor>,
     /// `states[b]` is the state before block `b`; the last one is the state after the prompt.
@@ -69,32 +72,62 @@ pub struct ReferenceTrace {
 }
 
 impl ReferenceTrace {
-    /// Runs `ids` in blocks of `block` tokens on the reference (a backend recording taps).
-    pub fn new(reference: &mut dyn Backend, ids: &[u32], block: usize) -> Result<Self> {
+    /// Runs `input` in blocks of `block` tokens on the reference (a backend recording taps).
+    pub fn new(reference: &mut dyn Backend, input: &PromptInput, block: usize) -> Result<Self> {
         reference.reset()?;
-        let mut states = vec![reference.snapshot()?];
+        let n = input.ids().len();
+        let blocks: Vec<(usize, usize)> = (0..n)
+            .step_by(block.max(1))
+            .map(|s| (s, (s + block).min(n)))
+            .collect();
+        let mut trace = ReferenceTrace {
+            input: input.clone(),
+            taps: BTreeMap::new(),
+            states: vec![reference.snapshot()?],
+            blocks,
+        };
         let mut pieces: BTreeMap<String, Vec<Tensor>> = BTreeMap::new();
-        let mut blocks = Vec::new();
-        let mut start = 0;
-        for piece in ids.chunks(block) {
-            let f = reference.forward(piece, true)?;
+        for b in 0..trace.blocks.len() {
+            let f = trace.forward_block(reference, b)?;
             for (k, v) in f.taps {
                 pieces.entry(k).or_default().push(v);
             }
-            states.push(reference.snapshot()?);
-            blocks.push((start, start + piece.len()));
-            start += piece.len();
+            trace.states.push(reference.snapshot()?);
         }
-        let taps = pieces
+        trace.taps = pieces
             .into_iter()
             .map(|(k, v)| Ok((k, Tensor::cat(&v, 0)?)))
             .collect::<Result<_>>()?;
-        Ok(ReferenceTrace {
-            ids: ids.to_vec(),
-            taps,
-            states,
-            blocks,
+        Ok(trace)
+    }
+
+    /// The prompt's token ids.
+    pub fn ids(&self) -> &[u32] {
+        self.input.ids()
+    }
+
+    /// Runs block `b` of the prompt on `backend` (with every logit and tap): its ids, or its piece of the prompt
+    /// with images (the reference's rows and positions).
+    pub fn forward_block(&self, backend: &mut dyn Backend, b: usize) -> Result<Forward> {
+        let (start, end) = self.blocks[b];
+        Ok(match &self.input {
+            PromptInput::Ids(ids) => backend.forward(&ids[start..end], true)?,
+            PromptInput::Images(p) => {
+                backend.forward_embedded(&p.slice(start, end - start)?, true)?
+            }
         })
+    }
+
+    /// The positions of block `b`'s tokens, as a per-layer graph is given them: text following the block's start,
+    /// or the prompt's three MRoPE rows there.
+    pub fn positions(&self, b: usize) -> CallPositions<'_> {
+        let (start, end) = self.blocks[b];
+        match &self.input {
+            PromptInput::Ids(_) => CallPositions::TEXT,
+            PromptInput::Images(p) => {
+                CallPositions::Rows(p.positions.0.each_ref().map(|r| &r[start..end]))
+            }
+        }
     }
 
     fn tap(&self, name: &str) -> Result<&Tensor> {
@@ -249,7 +282,7 @@ pub fn probe(
                 )?;
             }
             let x = input.narrow(0, start, end - start)?;
-            let r = device.run(layer, &x, start, &mut state)?;
+            let r = device.run(layer, &x, start, trace.positions(b), &mut state)?;
             for (k, v) in r {
                 pieces.entry(k).or_default().push(v);
             }

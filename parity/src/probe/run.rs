@@ -8,11 +8,12 @@ use super::{
     LayerProbe, Mode, ProbeThresholds, ReferenceTrace, drill_down, probe, thresholds_from,
 };
 use crate::device::{Capabilities, DeviceUnderTest, reference_on};
+use crate::images::PromptInput;
 use crate::prompts::LabelledPrompt;
 use crate::report::Machine;
 use crate::report::probe::{Baseline, ProbeInputs, ProbeReport};
 use anyhow::{Context, Result, bail};
-use reference::backend::{Precision, RunRecord};
+use reference::backend::{EmbeddedPrompt, Precision, RunRecord};
 use reference::config::Config;
 use reference::model::Model;
 use reference::model::RunOptions;
@@ -40,6 +41,19 @@ pub struct ProbePlan<'a> {
     /// The reference model when the caller holds one already (built from `store`): its weights are shared, not
     /// built a second time.
     pub model: Option<&'a Model>,
+    /// The prompt with images (the reference tower's rows at its image tokens, `get_rope_index`'s positions), whose
+    /// ids are `prompt`'s: the decoder's layers are probed on it, both sides given the reference's rows.
+    pub images: Option<&'a EmbeddedPrompt>,
+}
+
+impl ProbePlan<'_> {
+    /// What the layers are probed on: the prompt's ids, or the prompt with images.
+    pub fn input(&self) -> PromptInput {
+        match self.images {
+            Some(p) => PromptInput::Images(p.clone()),
+            None => PromptInput::Ids(self.prompt.ids.clone()),
+        }
+    }
 }
 
 /// How a device can be probed, or why it cannot (naming what it would need).
@@ -147,7 +161,7 @@ pub fn run(
         None => Model::from_weights(plan.config.clone(), plan.store)?,
     };
     let mut reference = reference_on(model, plan.store, RunOptions::default(), true)?;
-    let trace = ReferenceTrace::new(&mut reference, &plan.prompt.ids, block)?;
+    let trace = ReferenceTrace::new(&mut reference, &plan.input(), block)?;
     // The trace is all the probe needs of it: its weights are handed back before any graph is built.
     drop(reference);
     let via = how(&caps).unwrap_or_default();

@@ -20,6 +20,7 @@
 //! its reason; the others still run.
 
 pub mod equivalence;
+pub mod images;
 pub mod length;
 pub mod lookup;
 pub mod run;
@@ -48,6 +49,8 @@ pub enum CheckId {
     Precision,
     /// compare-devices over the prompt set.
     Compare,
+    /// A prompt with images: the device's vision graph, its text with its own image rows, the rope delta.
+    Images,
     /// The per-layer probe.
     Probe,
     /// Prompt blocks of 1, 16 and 64 give the same tokens.
@@ -73,6 +76,7 @@ impl CheckId {
             CheckId::ExecutionDevices => "execution-devices",
             CheckId::Precision => "precision",
             CheckId::Compare => "compare",
+            CheckId::Images => "images",
             CheckId::Probe => "probe",
             CheckId::Blocks => "blocks",
             CheckId::Padding => "padding",
@@ -90,6 +94,9 @@ impl CheckId {
             CheckId::ExecutionDevices => "every graph ran on the device asked",
             CheckId::Precision => "every graph computed in the precision asked",
             CheckId::Compare => "compare-devices over the prompt set",
+            CheckId::Images => {
+                "a prompt with images: the device's vision graph and its text, the text after the images"
+            }
             CheckId::Probe => "every layer's own graph against the reference",
             CheckId::Blocks => "prompt blocks of different sizes give the same tokens",
             CheckId::Padding => "a padded prompt block equals the prompt unpadded",
@@ -114,6 +121,10 @@ impl CheckId {
             }
             CheckId::Compare => {
                 "qwen35 compare-devices --report r.md (the appendix below): first layer over threshold"
+            }
+            CheckId::Images => {
+                "qwen35 probe --image (each vision block's own graph, the decoder's layers on the image rows); the \
+                 rope delta a state keeps after an image (snapshot, restore, reset)"
             }
             CheckId::Probe => {
                 "qwen35 probe --mode isolated: the layer and the op where the error starts"
@@ -141,10 +152,11 @@ impl CheckId {
     }
 
     /// Every check, in order.
-    pub const ALL: [CheckId; 11] = [
+    pub const ALL: [CheckId; 12] = [
         CheckId::ExecutionDevices,
         CheckId::Precision,
         CheckId::Compare,
+        CheckId::Images,
         CheckId::Probe,
         CheckId::Blocks,
         CheckId::Padding,

@@ -1,8 +1,9 @@
 //! `validate`'s run, for any device under test: every check in order, each where the device's capabilities allow
 //! it, then the device section and the two setup checks over every graph the checks compiled.
 
+use super::images::ValidateImages;
 use super::setup::{self, DeviceSection};
-use super::{Check, CheckId, Context, Finding, equivalence, length, lookup};
+use super::{Check, CheckId, Context, Finding, equivalence, images, length, lookup};
 use crate::compare::run::{compare_device, reference_runs};
 use crate::compare::{DeviceReport, ThresholdOverrides};
 use crate::device::fault::Fault;
@@ -72,6 +73,8 @@ pub struct ValidatePlan<'a> {
     pub warnings: Vec<String>,
     /// The injected fault (tests only), as given.
     pub fault: Option<(Fault, String)>,
+    /// A prompt with images (`--image`): the images check, and the probe on it.
+    pub images: Option<ValidateImages<'a>>,
 }
 
 /// Why a check does not apply to a device of `caps`, naming what it would need (`None`: it applies).
@@ -207,6 +210,25 @@ pub fn check_fits(plan: &ValidatePlan, caps: &Capabilities) -> Result<()> {
             )?;
         }
     }
+    if let Some(images) = &plan.images {
+        let p = images.prompt;
+        crate::device::check_positions(p.ids.len(), plan.tokens, plan.config, "--tokens")
+            .with_context(|| format!("prompt `{}`", p.label))?;
+        fits(
+            format!("prompt `{}` (--tokens)", p.label),
+            p.ids.len(),
+            plan.tokens,
+        )?;
+        let follow = equivalence::follow_up(plan.set);
+        fits(
+            format!(
+                "a follow-up after `{}`: `{}` (--tokens)",
+                p.label, follow.label
+            ),
+            p.ids.len() + plan.tokens + follow.ids.len(),
+            plan.tokens,
+        )?;
+    }
     let (turn1, follow) = (&plan.set[0], equivalence::follow_up(plan.set));
     fits(
         format!(
@@ -284,6 +306,31 @@ pub fn run(
         });
         Ok(finding)
     }));
+    checks.push(match &plan.images {
+        None => {
+            let why = if crate::images::vision_config(plan.dir).is_ok() {
+                "no --image given: the checkpoint's vision tower (the device's vision graph, the decoder on image \
+                 rows) was not checked"
+            } else {
+                "the checkpoint has no vision tower (no vision_config in its config.json)"
+            };
+            Check::of(CheckId::Images, skipped(why.into()), 0.0)
+        }
+        Some(images) => Check::run(CheckId::Images, &progress, || {
+            images::images(
+                &ctx,
+                dut,
+                &model,
+                &mut reference,
+                plan.store,
+                &plan.thresholds,
+                images,
+                equivalence::follow_up(plan.set),
+                &plan.set[0],
+                &progress,
+            )
+        }),
+    });
     if reference_tokens.len() != plan.set.len() {
         reference_tokens = vec![Vec::new(); plan.set.len()];
     }
@@ -291,22 +338,40 @@ pub fn run(
     checks.push(match skip_reason(CheckId::Probe, &caps) {
         Some(why) => Check::of(CheckId::Probe, skipped(why), 0.0),
         None => Check::run(CheckId::Probe, &progress, || {
+            // With images, the layers are probed on the prompt with them (the reference tower's rows, the image
+            // tokens' MRoPE positions).
+            let embedded = match &plan.images {
+                Some(i) => Some(
+                    crate::images::reference_images(
+                        &model,
+                        plan.store,
+                        i.vc,
+                        i.prompt.ids.clone(),
+                        i.pixels,
+                        false,
+                    )?
+                    .prompt,
+                ),
+                None => None,
+            };
+            let prompt = plan.images.as_ref().map_or(&plan.set[0], |i| i.prompt);
             let report = crate::probe::run::run(
                 &ProbePlan {
                     dir: plan.dir,
                     config: plan.config,
                     store: plan.store,
-                    prompt: &plan.set[0],
+                    prompt,
                     layers: &[],
                     mode: plan.probe_mode,
                     max_nrmse: plan.probe_max_nrmse,
                     max_state_nrmse: plan.probe_max_state_nrmse,
                     model: Some(&model),
+                    images: embedded.as_ref(),
                 },
                 dut,
                 None,
             )?;
-            let finding = probe_finding(&report, plan);
+            let finding = probe_finding(&report, plan, &prompt.label);
             probe = Some(report);
             Ok(finding)
         }),
@@ -368,6 +433,7 @@ pub fn run(
             prompts: plan
                 .set
                 .iter()
+                .chain(plan.images.as_ref().map(|i| i.prompt))
                 .map(|p| (p.label.clone(), p.ids.len()))
                 .collect(),
             tokens: plan.tokens,
@@ -392,7 +458,11 @@ pub fn run(
 }
 
 /// The probe check's finding from the probe report.
-fn probe_finding(report: &crate::report::probe::ProbeReport, plan: &ValidatePlan) -> Finding {
+fn probe_finding(
+    report: &crate::report::probe::ProbeReport,
+    plan: &ValidatePlan,
+    label: &str,
+) -> Finding {
     let worst = report
         .layers
         .iter()
@@ -408,7 +478,7 @@ fn probe_finding(report: &crate::report::probe::ProbeReport, plan: &ValidatePlan
             "{} mode through {}, `{}`: worst layer output NRMSE {}, state {} (≤ {:.1e} / {:.1e})",
             plan.probe_mode.name(),
             report.inputs.via,
-            plan.set[0].label,
+            label,
             worst.map_or("not exposed".into(), |(l, e)| format!("{e:.1e} (L{l})")),
             state.map_or("-".into(), |(e, n)| format!("{e:.1e} ({n})")),
             report.thresholds.max_nrmse,

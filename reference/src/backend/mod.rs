@@ -86,6 +86,27 @@ impl EmbeddedPrompt {
         }
         Ok(())
     }
+
+    /// Tokens `from..from + len` of the prompt, with their rows and positions (a call's piece of it).
+    pub fn slice(&self, from: usize, len: usize) -> Result<EmbeddedPrompt> {
+        if from + len > self.ids.len() {
+            return Err(Error::Input(format!(
+                "tokens {from}..{} of a prompt of {}",
+                from + len,
+                self.ids.len()
+            )));
+        }
+        Ok(EmbeddedPrompt {
+            ids: self.ids[from..from + len].to_vec(),
+            embeddings: self.embeddings.narrow(0, from, len)?,
+            positions: Positions(
+                self.positions
+                    .0
+                    .each_ref()
+                    .map(|r| r[from..from + len].to_vec()),
+            ),
+        })
+    }
 }
 
 /// A backend: runs tokens from its state, and hands its state out and back.
