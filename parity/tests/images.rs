@@ -13,7 +13,7 @@ use common::{expect_error, qwen35, stderr, testdata};
 use parity::dump::Dump;
 use reference::compare::diff;
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// The decoder's logits with images against transformers' at f32 (the tolerance of the text goldens).
 const LOGITS_ATOL: f64 = 1e-3;
@@ -84,17 +84,15 @@ fn check_dump(path: &Path, g: &HashMap<String, Tensor>, case: &str, label: &str)
     }
 }
 
-#[test]
-fn a_dump_with_images_matches_transformers_on_the_reference_and_on_the_cpu_device() {
-    let g = golden();
-    let dir = tempfile::tempdir().unwrap();
-    let pixels = dir.path().join("pixels.safetensors");
-    write_pixel_values(&g, &pixels);
+/// `dump` of the goldens' `case` (its pixel values in `pixels`, its token ids, as many greedy tokens as transformers
+/// made) on the reference and on the CPU device, each checked against the goldens; the two dumps' paths.
+fn dump_case(g: &HashMap<String, Tensor>, dir: &Path, pixels: &Path, case: &str) -> Vec<PathBuf> {
     let model = testdata().join("models/tiny-vl");
-    let ids = ids_text(&g["images.token_ids"]);
-    let generate = g["images.generated"].dim(0).unwrap().to_string();
+    let ids = ids_text(&g[&format!("{case}.token_ids")]);
+    let generate = g[&format!("{case}.generated")].dim(0).unwrap().to_string();
+    let mut outs = Vec::new();
     for (label, backend) in [("reference", "reference"), ("CPU", "openvino")] {
-        let out = dir.path().join(format!("{label}.safetensors"));
+        let out = dir.join(format!("{case}-{label}.safetensors"));
         let o = qwen35(&[
             "dump",
             "--model",
@@ -111,8 +109,19 @@ fn a_dump_with_images_matches_transformers_on_the_reference_and_on_the_cpu_devic
             out.to_str().unwrap(),
         ]);
         assert!(o.status.success(), "{label}: {}", stderr(&o));
-        check_dump(&out, &g, "images", label);
+        check_dump(&out, g, case, label);
+        outs.push(out);
     }
+    outs
+}
+
+#[test]
+fn a_dump_with_images_matches_transformers_on_the_reference_and_on_the_cpu_device() {
+    let g = golden();
+    let dir = tempfile::tempdir().unwrap();
+    let pixels = dir.path().join("pixels.safetensors");
+    write_pixel_values(&g, &pixels);
+    dump_case(&g, dir.path(), &pixels, "images");
 }
 
 /// `tensors` under their keys in a safetensors file (a processor's output, or a malformed one).
@@ -141,29 +150,8 @@ fn a_dump_with_a_video_matches_transformers_on_the_reference_and_on_the_cpu_devi
     let dir = tempfile::tempdir().unwrap();
     let pixels = dir.path().join("video.safetensors");
     write_tensors(&pixels, &video_keys(&g));
-    let model = testdata().join("models/tiny-vl");
     // The ids as the processor wrote them: each frame's timestamp, vision_start, its 6 video tokens, vision_end.
-    let ids = ids_text(&g["video.token_ids"]);
-    let generate = g["video.generated"].dim(0).unwrap().to_string();
-    for (label, backend) in [("reference", "reference"), ("CPU", "openvino")] {
-        let out = dir.path().join(format!("{label}.safetensors"));
-        let o = qwen35(&[
-            "dump",
-            "--model",
-            model.to_str().unwrap(),
-            "--pixel-values",
-            pixels.to_str().unwrap(),
-            "--token-ids",
-            &ids,
-            "--generate",
-            &generate,
-            "--backend",
-            backend,
-            "--out",
-            out.to_str().unwrap(),
-        ]);
-        assert!(o.status.success(), "{label}: {}", stderr(&o));
-        check_dump(&out, &g, "video", label);
+    for out in dump_case(&g, dir.path(), &pixels, "video") {
         let d = Dump::read(&out).unwrap();
         assert_eq!(d.metadata["videos"], "2x4x6");
         // Only the videos' tower ran.

@@ -192,7 +192,7 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
                     crate::images::image_name(source, &pixels, i)
                 })?;
             }
-            let ids = args.prompt.image_ids(dir, config, &vc, &pixels.grids)?;
+            let ids = args.prompt.vision_ids(dir, config, &vc, &pixels)?;
             // The model that makes the prompt's rows is released before the probe builds its own.
             let model = reference::model::Model::from_weights(config.clone(), store)?;
             let prompt = reference_images(&model, store, &vc, ids, &pixels, false)?.prompt;

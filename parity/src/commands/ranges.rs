@@ -55,7 +55,7 @@ pub fn exec(args: RangesArgs) -> Result<Outcome> {
     if let Some(source) = args.images.source()? {
         let vc = crate::images::vision_config(&dir)?;
         let pixels = source.load(&dir, &vc)?;
-        let ids = args.prompt.image_ids(&dir, &config, &vc, &pixels.grids)?;
+        let ids = args.prompt.vision_ids(&dir, &config, &vc, &pixels)?;
         check_positions(ids.len(), 0, &config, "the prompt")?;
         let mut reference = open_reference(&config, &store, RunOptions::default(), true)?;
         let images =

@@ -64,24 +64,6 @@ impl PromptArgs {
         Ok((ids, text))
     }
 
-    /// The ids of a prompt with images of `grids` (see [`crate::images::image_ids`]).
-    pub fn image_ids(
-        &self,
-        dir: &Path,
-        config: &Config,
-        vc: &reference::vision::VisionConfig,
-        grids: &[reference::vision::Grid],
-    ) -> Result<Vec<u32>> {
-        self.check_chat_options(None)?;
-        let ids = self
-            .token_ids
-            .as_deref()
-            .map(|t| parse_token_ids(t, "--token-ids"))
-            .transpose()?;
-        let chat = self.prompt.as_ref().map(|_| self.chat());
-        crate::images::image_ids(ids.as_deref(), chat.as_ref(), dir, config, vc, grids, &[])
-    }
-
     /// The ids of a prompt with `pixels`' images and videos (see [`crate::images::image_ids`]; with videos the ids
     /// are given as --token-ids).
     pub fn vision_ids(
