@@ -1,12 +1,16 @@
 //! The decoder configuration, read from a checkpoint's `config.json`.
 //!
 //! Two forms are accepted: a real checkpoint's (`model_type: qwen3_5`, the decoder under `text_config`) and a
-//! text-only export's (`model_type: qwen3_5_text`, fields at top level). Every field the decoder depends on is read
-//! and checked; nothing numeric has a default in code.
+//! text-only export's (`model_type: qwen3_5_text`, fields at top level); the MoE decoder (Qwen3.5-35B-A3B,
+//! transformers' `Qwen3_5MoeTextConfig`) in the same two forms, `qwen3_5_moe` and `qwen3_5_moe_text`. Every field the
+//! decoder depends on is read and checked; nothing numeric has a default in code.
 
 use crate::error::{Error, Result};
 use serde_json::{Map, Value};
 use std::path::Path;
+
+mod moe;
+pub use moe::MoeConfig;
 
 /// The kind of token mixer a layer uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,8 +48,10 @@ pub struct RopeConfig {
 pub struct Config {
     /// Model width.
     pub hidden_size: usize,
-    /// MLP inner width.
+    /// The dense MLP's inner width; 0 in an MoE decoder, which has no dense MLP (see [`Config::moe`]).
     pub intermediate_size: usize,
+    /// The MoE block every layer has in place of the dense MLP (`model_type` `qwen3_5_moe`/`qwen3_5_moe_text`).
+    pub moe: Option<MoeConfig>,
     /// The mixer kind of every layer.
     pub layer_types: Vec<LayerKind>,
     /// Full-attention query heads.
@@ -163,26 +169,29 @@ impl Config {
             .as_str()
             .ok_or_else(|| outer.err("model_type", "expected a string"))?;
         match model_type {
-            "qwen3_5" => {
-                let text = outer.object("text_config")?;
+            "qwen3_5" | "qwen3_5_moe" => {
                 let inner = Fields {
                     file: source.to_string(),
                     prefix: "text_config.",
-                    map: text,
+                    map: outer.object("text_config")?,
                 };
-                Self::from_fields(&inner, Some(&outer))
+                let moe = moe::nested_text_type(&inner, model_type)?;
+                Self::from_fields(&inner, Some(&outer), moe)
             }
-            "qwen3_5_text" => Self::from_fields(&outer, None),
+            "qwen3_5_text" => Self::from_fields(&outer, None, false),
+            "qwen3_5_moe_text" => Self::from_fields(&outer, None, true),
             other => Err(outer.err(
                 "model_type",
                 format!(
-                    "`{other}` is not a Qwen3.5 decoder (expected `qwen3_5` or `qwen3_5_text`)"
+                    "`{other}` is not a Qwen3.5 decoder (expected `qwen3_5`, `qwen3_5_text`, `qwen3_5_moe` or \
+                     `qwen3_5_moe_text`)"
                 ),
             )),
         }
     }
 
-    fn from_fields(f: &Fields, outer: Option<&Fields>) -> Result<Self> {
+    fn from_fields(f: &Fields, outer: Option<&Fields>, moe: bool) -> Result<Self> {
+        let moe = moe::fields(f, moe)?;
         let num_hidden_layers = f.usize("num_hidden_layers")?;
         let layer_types = match f.map.get("layer_types") {
             Some(Value::Array(items)) => {
@@ -329,7 +338,8 @@ impl Config {
 
         let config = Config {
             hidden_size: f.usize("hidden_size")?,
-            intermediate_size: f.usize("intermediate_size")?,
+            intermediate_size: moe::dense_width(f, moe.as_ref())?,
+            moe,
             layer_types,
             num_attention_heads: f.usize("num_attention_heads")?,
             num_key_value_heads: f.usize("num_key_value_heads")?,
@@ -471,7 +481,7 @@ impl Config {
 mod tests {
     use super::*;
 
-    fn flat() -> Value {
+    pub(super) fn flat() -> Value {
         serde_json::json!({
             "model_type": "qwen3_5_text",
             "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
@@ -486,7 +496,7 @@ mod tests {
         })
     }
 
-    fn parse(v: &Value) -> Result<Config> {
+    pub(super) fn parse(v: &Value) -> Result<Config> {
         Config::from_json_str(&v.to_string(), "config.json")
     }
 
@@ -523,7 +533,7 @@ mod tests {
         );
     }
 
-    fn expect_err(v: Value, needle: &str) {
+    pub(super) fn expect_err(v: Value, needle: &str) {
         let e = parse(&v).unwrap_err().to_string();
         assert!(
             e.contains(needle),
