@@ -86,7 +86,8 @@ impl NonFinite {
     /// embedding, a tap, the final norm, the logits; not a state nor a checkpoint's tensor).
     pub fn position(&self) -> Option<usize> {
         let (stage, _, step) = computation_order(&self.name);
-        let token_major = stage <= 3 && !(stage == 1 && (103..200).contains(&step));
+        // A layer's states come after its output (steps 130.. in `computation_order`).
+        let token_major = stage <= 3 && !(stage == 1 && (130..200).contains(&step));
         token_major.then(|| self.first.first().copied()).flatten()
     }
 }

@@ -19,11 +19,28 @@ pub struct Mlp {
 impl Mlp {
     /// Loads layer `layer`'s `mlp.*` tensors.
     pub fn load(w: &WeightStore, layer: usize, c: &Config) -> Result<Self> {
+        Self::load_params(
+            w,
+            layer,
+            c,
+            [Param::GateProj, Param::UpProj, Param::DownProj],
+        )
+    }
+
+    /// Loads a SwiGLU block of layer `layer` from the given gate, up and down projections (an MoE expert's, the
+    /// shared expert's).
+    pub fn load_params(
+        w: &WeightStore,
+        layer: usize,
+        c: &Config,
+        params: [Param; 3],
+    ) -> Result<Self> {
         let s = Schema::new(c);
+        let [gate, up, down] = params;
         Ok(Mlp {
-            gate_proj: w.linear(&s.layer(layer, Param::GateProj))?,
-            up_proj: w.linear(&s.layer(layer, Param::UpProj))?,
-            down_proj: w.linear(&s.layer(layer, Param::DownProj))?,
+            gate_proj: w.linear(&s.layer(layer, gate))?,
+            up_proj: w.linear(&s.layer(layer, up))?,
+            down_proj: w.linear(&s.layer(layer, down))?,
         })
     }
 

@@ -7,6 +7,7 @@ use crate::error::{Error, Result};
 use crate::linear::Linear;
 use crate::linear_attn::{DeltaNetOptions, GatedDeltaNet, LinearState};
 use crate::mlp::Mlp;
+use crate::moe::SparseMoe;
 use crate::ops::rms_norm;
 use crate::rope::{Positions, Rope};
 use crate::schema::{Param, Schema};
@@ -24,13 +25,22 @@ pub enum Mixer {
     Attention(Attention),
 }
 
+/// A layer's feed-forward block (`mlp.*`).
+#[derive(Debug, Clone)]
+pub enum FeedForward {
+    /// The dense SwiGLU MLP.
+    Dense(Mlp),
+    /// The sparse MoE block (Qwen3.5-MoE).
+    Moe(SparseMoe),
+}
+
 /// One decoder block: `h += mixer(input_norm(h)); h += mlp(post_norm(h))`.
 #[derive(Debug, Clone)]
 pub struct DecoderLayer {
     input_layernorm: Tensor,
     post_attention_layernorm: Tensor,
     mixer: Mixer,
-    mlp: Mlp,
+    mlp: FeedForward,
 }
 
 /// The state of one layer.
@@ -172,7 +182,10 @@ impl Model {
                 input_layernorm: w.load(&s.layer(i, Param::InputLayernorm))?,
                 post_attention_layernorm: w.load(&s.layer(i, Param::PostAttentionLayernorm))?,
                 mixer,
-                mlp: Mlp::load(w, i, &config)?,
+                mlp: match config.moe {
+                    Some(_) => FeedForward::Moe(SparseMoe::load(w, i, &config)?),
+                    None => FeedForward::Dense(Mlp::load(w, i, &config)?),
+                },
             });
         }
         let norm = w.load(&s.global(Param::Norm))?;
@@ -234,8 +247,9 @@ impl Model {
 
     /// Runs `ids` (text positions continuing from the state's, [`State::next_position`]) and returns the last token's logits `[V]`.
     ///
-    /// When `taps` is on it records `embeddings`, per layer `layers.{i}.{output, mixer_output, mlp_output}` and the
-    /// mixers' own taps (`layers.{i}.linear_attn.*`, `layers.{i}.self_attn.*`), `final_norm` and `logits` `[T, V]`.
+    /// When `taps` is on it records `embeddings`, per layer `layers.{i}.{output, mixer_output, mlp_output}`, the
+    /// mixers' own taps (`layers.{i}.linear_attn.*`, `layers.{i}.self_attn.*`) and an MoE block's
+    /// (`layers.{i}.mlp.*`), `final_norm` and `logits` `[T, V]`.
     pub fn forward(
         &self,
         ids: &[u32],
@@ -321,9 +335,11 @@ impl Model {
             };
             taps.record(|| names::layer(i, names::MIXER_OUTPUT), &mixed)?;
             h = (h + mixed)?;
-            let m = layer
-                .mlp
-                .forward(&rms_norm(&h, &layer.post_attention_layernorm, eps)?)?;
+            let x = rms_norm(&h, &layer.post_attention_layernorm, eps)?;
+            let m = match &layer.mlp {
+                FeedForward::Dense(mlp) => mlp.forward(&x)?,
+                FeedForward::Moe(moe) => moe.forward(&x, taps, &names::layer(i, names::MLP))?,
+            };
             taps.record(|| names::layer(i, names::MLP_OUTPUT), &m)?;
             h = (h + m)?;
             taps.record(|| names::layer(i, names::OUTPUT), &h)?;

@@ -73,6 +73,21 @@ pub mod names {
     /// An attention layer's cached values after the prompt `[Hkv, T, D]`.
     pub const VALUE_CACHE: &str = "value_cache";
 
+    /// The MoE block's scope (`layers.{i}.mlp.*`; a dense MLP has no taps of its own).
+    pub const MLP: &str = "mlp";
+    /// MoE: the router's logits `x W_rᵀ`, before the softmax `[T, E]`.
+    pub const ROUTER_LOGITS: &str = "router_logits";
+    /// MoE: the chosen experts, in descending router probability `[T, k]` (i64).
+    pub const EXPERTS_CHOSEN: &str = "experts_chosen";
+    /// MoE: the chosen experts' weights, their probabilities renormalised to sum 1 `[T, k]`.
+    pub const EXPERT_WEIGHTS: &str = "expert_weights";
+    /// MoE: the shared expert's output as added to the routed experts', `sigmoid(shared_expert_gate · x)` times the
+    /// shared expert `[T, H]`.
+    pub const SHARED_OUTPUT: &str = "shared_output";
+
+    /// The MoE block's taps, in the order they are computed.
+    pub const MOE_TAPS: [&str; 4] = [ROUTER_LOGITS, EXPERTS_CHOSEN, EXPERT_WEIGHTS, SHARED_OUTPUT];
+
     /// The DeltaNet mixer's taps, in the order they are computed.
     pub const LINEAR_ATTN_TAPS: [&str; 14] = [
         QKV,
@@ -127,6 +142,9 @@ pub mod names {
             within(&LINEAR_ATTN_TAPS, tap).map(|i| 1 + i)
         } else if let Some(tap) = rest.strip_prefix("self_attn.") {
             within(&SELF_ATTN_TAPS, tap).map(|i| 1 + i)
+        } else if let Some(tap) = rest.strip_prefix("mlp.") {
+            // After the mixer output (100), before the MLP output (110).
+            within(&MOE_TAPS, tap).map(|i| 101 + i)
         } else {
             [
                 MIXER_OUTPUT,
@@ -139,7 +157,7 @@ pub mod names {
             ]
             .iter()
             .position(|t| *t == rest)
-            .map(|i| 100 + i)
+            .map(|i| 100 + 10 * i)
         };
         // A layer's name outside the format comes after the layer's known tensors.
         (1, layer, step.unwrap_or(200))
@@ -284,6 +302,28 @@ mod tests {
             self.0.push((name.to_string(), position, tensor.dim(0)?));
             Ok(())
         }
+    }
+
+    #[test]
+    fn the_moe_taps_come_between_the_mixer_output_and_the_mlp_output() {
+        let order: Vec<_> = [
+            "layers.1.linear_attn.gated_norm_output",
+            "layers.1.mixer_output",
+            "layers.1.mlp.router_logits",
+            "layers.1.mlp.experts_chosen",
+            "layers.1.mlp.expert_weights",
+            "layers.1.mlp.shared_output",
+            "layers.1.mlp_output",
+            "layers.1.output",
+            "layers.1.conv_state",
+            "layers.1.value_cache",
+            "layers.2.embeddings_unknown",
+        ]
+        .iter()
+        .map(|n| names::computation_order(n))
+        .collect();
+        assert!(order.windows(2).all(|w| w[0] < w[1]), "{order:?}");
+        assert!(order[..10].iter().all(|o| o.2 < 200));
     }
 
     #[test]

@@ -157,6 +157,14 @@ impl<'a> Builder<'a> {
             ));
         }
         reference::linear_attn::check_output_scale(opts.output_scale as f64)?;
+        if let Some(moe) = &config.moe {
+            // The MoE block runs on the reference (`reference::moe`); its graphs are issue 19's next step.
+            return Err(Error::Config(format!(
+                "the checkpoint is an MoE decoder ({} experts, {} per token): this project's OpenVINO graphs do not \
+                 hold MoE blocks yet; run it on the reference",
+                moe.num_experts, moe.num_experts_per_tok
+            )));
+        }
         Ok(Builder {
             config,
             weights,

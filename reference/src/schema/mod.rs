@@ -22,10 +22,22 @@
 //! | `layers.i.self_attn.q_norm.weight`, `k_norm.weight` | `[D]` | norm (`1 + w`) |
 //! | `layers.i.mlp.gate_proj.weight`, `up_proj.weight` | `[I, H]` | projection |
 //! | `layers.i.mlp.down_proj.weight` | `[H, I]` | projection |
+//! | MoE decoder, instead of `mlp.*` above: | | |
+//! | `layers.i.mlp.gate.weight` (the router) | `[E, H]` | projection |
+//! | `layers.i.mlp.experts.e.gate_proj.weight`, `up_proj.weight` (`e < E`) | `[Im, H]` | projection |
+//! | `layers.i.mlp.experts.e.down_proj.weight` | `[H, Im]` | projection |
+//! | `layers.i.mlp.shared_expert.gate_proj.weight`, `up_proj.weight` | `[Is, H]` | projection |
+//! | `layers.i.mlp.shared_expert.down_proj.weight` | `[H, Is]` | projection |
+//! | `layers.i.mlp.shared_expert_gate.weight` | `[1, H]` | projection |
 //! | `norm.weight` | `[H]` | norm (`1 + w`) |
 //! | `lm_head.weight` (absent when tied) | `[V, H]` | LM head |
+//!
+//! A converted MoE checkpoint may hold a layer's experts fused as transformers 5 keeps them in memory:
+//! `layers.i.mlp.experts.gate_up_proj` `[E, 2·Im, H]` (expert `e`'s gate rows, then its up rows) and
+//! `layers.i.mlp.experts.down_proj` `[E, H, Im]`. Each expert's matrix is then a run of rows of the fused tensor
+//! ([`FusedExpert`]), which the weight store reads in place as it would the expert's own tensor.
 
-use crate::config::{Config, LayerKind};
+use crate::config::{Config, LayerKind, MoeConfig};
 
 /// What a tensor is, which decides how it is loaded, initialised and compressed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -91,6 +103,22 @@ pub enum Param {
     UpProj,
     /// `layers.i.mlp.down_proj.weight`.
     DownProj,
+    /// `layers.i.mlp.gate.weight`: the MoE router `[E, H]`.
+    RouterGate,
+    /// `layers.i.mlp.experts.{e}.gate_proj.weight`.
+    ExpertGateProj(usize),
+    /// `layers.i.mlp.experts.{e}.up_proj.weight`.
+    ExpertUpProj(usize),
+    /// `layers.i.mlp.experts.{e}.down_proj.weight`.
+    ExpertDownProj(usize),
+    /// `layers.i.mlp.shared_expert.gate_proj.weight`.
+    SharedGateProj,
+    /// `layers.i.mlp.shared_expert.up_proj.weight`.
+    SharedUpProj,
+    /// `layers.i.mlp.shared_expert.down_proj.weight`.
+    SharedDownProj,
+    /// `layers.i.mlp.shared_expert_gate.weight` `[1, H]`.
+    SharedExpertGate,
     /// `norm.weight` (the final norm).
     Norm,
     /// `lm_head.weight`.
@@ -120,7 +148,19 @@ pub const SELF_ATTN: [Param; 6] = [
     Param::KNorm,
 ];
 
-/// The parameters every block has besides its mixer, in checkpoint order.
+/// The MoE block's parameters besides the experts, in checkpoint order: the router, then (after the experts) the
+/// shared expert and its gate.
+pub const MOE_ROUTER: Param = Param::RouterGate;
+
+/// The shared expert's parameters and its gate, in checkpoint order.
+pub const SHARED_EXPERT: [Param; 4] = [
+    Param::SharedGateProj,
+    Param::SharedUpProj,
+    Param::SharedDownProj,
+    Param::SharedExpertGate,
+];
+
+/// The parameters every block has besides its mixer, in checkpoint order (a dense decoder's).
 pub const BLOCK: [Param; 5] = [
     Param::GateProj,
     Param::UpProj,
@@ -131,7 +171,16 @@ pub const BLOCK: [Param; 5] = [
 
 impl Param {
     /// The key within its scope: `linear_attn.A_log` inside a layer, `norm.weight` for the model.
-    pub fn key(self) -> &'static str {
+    pub fn key(self) -> String {
+        match self {
+            Param::ExpertGateProj(e) => format!("mlp.experts.{e}.gate_proj.weight"),
+            Param::ExpertUpProj(e) => format!("mlp.experts.{e}.up_proj.weight"),
+            Param::ExpertDownProj(e) => format!("mlp.experts.{e}.down_proj.weight"),
+            other => other.fixed_key().to_string(),
+        }
+    }
+
+    fn fixed_key(self) -> &'static str {
         match self {
             Param::EmbedTokens => "embed_tokens.weight",
             Param::InputLayernorm => "input_layernorm.weight",
@@ -154,6 +203,14 @@ impl Param {
             Param::GateProj => "mlp.gate_proj.weight",
             Param::UpProj => "mlp.up_proj.weight",
             Param::DownProj => "mlp.down_proj.weight",
+            Param::RouterGate => "mlp.gate.weight",
+            Param::SharedGateProj => "mlp.shared_expert.gate_proj.weight",
+            Param::SharedUpProj => "mlp.shared_expert.up_proj.weight",
+            Param::SharedDownProj => "mlp.shared_expert.down_proj.weight",
+            Param::SharedExpertGate => "mlp.shared_expert_gate.weight",
+            Param::ExpertGateProj(_) | Param::ExpertUpProj(_) | Param::ExpertDownProj(_) => {
+                unreachable!("keys with an expert index are formatted by Param::key")
+            }
             Param::Norm => "norm.weight",
             Param::LmHead => "lm_head.weight",
         }
@@ -183,7 +240,15 @@ impl Param {
             | Param::OProj
             | Param::GateProj
             | Param::UpProj
-            | Param::DownProj => Role::Projection,
+            | Param::DownProj
+            | Param::RouterGate
+            | Param::ExpertGateProj(_)
+            | Param::ExpertUpProj(_)
+            | Param::ExpertDownProj(_)
+            | Param::SharedGateProj
+            | Param::SharedUpProj
+            | Param::SharedDownProj
+            | Param::SharedExpertGate => Role::Projection,
         }
     }
 
@@ -192,9 +257,16 @@ impl Param {
         !matches!(self, Param::EmbedTokens | Param::Norm | Param::LmHead)
     }
 
-    /// The shape the config implies.
+    /// The shape the config implies (an MoE parameter's: zero-sized widths in a dense config, which has none).
     pub fn shape(self, c: &Config) -> Vec<usize> {
         let h = c.hidden_size;
+        let (e, im, is) = c.moe.as_ref().map_or((0, 0, 0), |m| {
+            (
+                m.num_experts,
+                m.moe_intermediate_size,
+                m.shared_expert_intermediate_size,
+            )
+        });
         let (hv, dv) = (c.linear_num_value_heads, c.linear_value_head_dim);
         let (nh, nkv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let inner = c.intermediate_size;
@@ -214,6 +286,12 @@ impl Param {
             Param::QNorm | Param::KNorm => vec![d],
             Param::GateProj | Param::UpProj => vec![inner, h],
             Param::DownProj => vec![h, inner],
+            Param::RouterGate => vec![e, h],
+            Param::ExpertGateProj(_) | Param::ExpertUpProj(_) => vec![im, h],
+            Param::ExpertDownProj(_) => vec![h, im],
+            Param::SharedGateProj | Param::SharedUpProj => vec![is, h],
+            Param::SharedDownProj => vec![h, is],
+            Param::SharedExpertGate => vec![1, h],
         }
     }
 }
@@ -269,7 +347,7 @@ impl<'a> Schema<'a> {
         TensorSpec {
             param,
             layer: None,
-            name: param.key().to_string(),
+            name: param.key(),
             shape: param.shape(self.config),
         }
     }
@@ -288,7 +366,8 @@ impl<'a> Schema<'a> {
         }
     }
 
-    /// The parameters of a layer of this kind, in checkpoint order: the mixer's, then the MLP's and the norms.
+    /// The parameters of a dense decoder's layer of this kind, in checkpoint order: the mixer's, then the MLP's and
+    /// the norms.
     pub fn layer_params(kind: LayerKind) -> Vec<Param> {
         let mixer: &[Param] = match kind {
             LayerKind::Linear => &LINEAR_ATTN,
@@ -297,9 +376,42 @@ impl<'a> Schema<'a> {
         mixer.iter().chain(&BLOCK).copied().collect()
     }
 
+    /// The MoE block's parameters in checkpoint order: the router, each expert's gate, up and down projections,
+    /// the shared expert and its gate.
+    pub fn moe_params(moe: &MoeConfig) -> Vec<Param> {
+        let mut out = vec![MOE_ROUTER];
+        for e in 0..moe.num_experts {
+            out.extend([
+                Param::ExpertGateProj(e),
+                Param::ExpertUpProj(e),
+                Param::ExpertDownProj(e),
+            ]);
+        }
+        out.extend(SHARED_EXPERT);
+        out
+    }
+
+    /// The parameters of layer `layer` of this decoder, in checkpoint order: the mixer's, the MLP's (dense) or the
+    /// MoE block's, and the norms.
+    pub fn params_of_layer(&self, layer: usize) -> Vec<Param> {
+        let dense = Self::layer_params(self.config.layer_types[layer]);
+        match &self.config.moe {
+            None => dense,
+            Some(moe) => {
+                let norms = [Param::InputLayernorm, Param::PostAttentionLayernorm];
+                let mixer = dense.iter().filter(|p| !BLOCK.contains(p));
+                mixer
+                    .copied()
+                    .chain(Self::moe_params(moe))
+                    .chain(norms)
+                    .collect()
+            }
+        }
+    }
+
     /// Every tensor of layer `layer`, in checkpoint order.
     pub fn layer_tensors(&self, layer: usize) -> Vec<TensorSpec> {
-        Self::layer_params(self.config.layer_types[layer])
+        self.params_of_layer(layer)
             .into_iter()
             .map(|p| self.layer(layer, p))
             .collect()
@@ -325,6 +437,65 @@ impl<'a> Schema<'a> {
             self.global(Param::EmbedTokens)
         } else {
             self.global(Param::LmHead)
+        }
+    }
+}
+
+/// Where one expert's matrix sits in a layer's fused expert tensor (the form transformers 5 keeps in memory and a
+/// converted checkpoint may store): rows `first_row..first_row + rows` of the fused tensor viewed as a matrix of its
+/// last dimension's width.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FusedExpert {
+    /// The fused tensor's name under the decoder prefix: `layers.{i}.mlp.experts.gate_up_proj` or `…down_proj`.
+    pub name: String,
+    /// The expert.
+    pub expert: usize,
+    /// Which rows of the expert's block: 0 for the gate (or down) projection, 1 for the up projection (the second
+    /// half of `gate_up_proj`'s `2·Im` rows).
+    pub half: usize,
+}
+
+impl FusedExpert {
+    /// The fused tensor holding `name`'s matrix, when `name` (under the decoder prefix) is an expert's
+    /// `layers.{i}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight`.
+    pub fn of(name: &str) -> Option<FusedExpert> {
+        let rest = name.strip_prefix("layers.")?;
+        let (layer, rest) = rest.split_once('.')?;
+        let layer: usize = layer.parse().ok()?;
+        let rest = rest.strip_prefix("mlp.experts.")?;
+        let (expert, proj) = rest.split_once('.')?;
+        let expert: usize = expert.parse().ok()?;
+        let (fused, half) = match proj {
+            "gate_proj.weight" => ("gate_up_proj", 0),
+            "up_proj.weight" => ("gate_up_proj", 1),
+            "down_proj.weight" => ("down_proj", 0),
+            _ => return None,
+        };
+        Some(FusedExpert {
+            name: format!("layers.{layer}.mlp.experts.{fused}"),
+            expert,
+            half,
+        })
+    }
+
+    /// The fused tensor's shape for a config: `[E, 2·Im, H]` or `[E, H, Im]`.
+    pub fn shape(&self, moe: &MoeConfig, hidden: usize) -> Vec<usize> {
+        let (e, im) = (moe.num_experts, moe.moe_intermediate_size);
+        if self.name.ends_with("gate_up_proj") {
+            vec![e, 2 * im, hidden]
+        } else {
+            vec![e, hidden, im]
+        }
+    }
+
+    /// The first row of the expert's matrix `[rows, cols]` in the fused tensor viewed as `[·, cols]`, given the
+    /// fused tensor's shape.
+    pub fn first_row(&self, fused_shape: &[usize]) -> usize {
+        let per_expert = fused_shape.get(1).copied().unwrap_or(0);
+        if self.name.ends_with("gate_up_proj") {
+            self.expert * per_expert + self.half * per_expert / 2
+        } else {
+            self.expert * per_expert
         }
     }
 }

@@ -47,11 +47,7 @@ impl WeightStore {
         if self.dtype != DType::F32 {
             return Ok(None);
         }
-        let file = raw.file;
-        let info = file
-            .info(&full_name)
-            .ok_or_else(|| raw.err("not in its file's header".into()))?;
-        let m = MappedMatrix::new(&file.mmap, file.start(info), rows, cols, elem)
+        let m = MappedMatrix::new(&raw.file.mmap, raw.start(), rows, cols, elem)
             .map_err(|e| raw.err(e.to_string()))?;
         Ok(Some(QuantizedOnRead::new(m, kind)))
     }

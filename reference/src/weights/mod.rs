@@ -23,6 +23,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 mod compressed;
+mod experts;
 mod vision;
 
 struct ShardFile {
@@ -310,9 +311,7 @@ impl WeightStore {
         };
         match (elem, self.dtype, self.storage(spec), spec.shape.as_slice()) {
             (Some(elem), DType::F32, Storage::Float, &[rows, cols]) => {
-                let file = raw.file;
-                let info = file.info(&full_name).expect("checked by raw");
-                let m = MappedMatrix::new(&file.mmap, file.start(info), rows, cols, elem)
+                let m = MappedMatrix::new(&raw.file.mmap, raw.start(), rows, cols, elem)
                     .map_err(|e| raw.err(e.to_string()))?;
                 Ok(Some(m))
             }
@@ -419,13 +418,11 @@ impl WeightStore {
         self.files.iter().map(|f| f.path.as_path()).collect()
     }
 
-    /// Looks a tensor up and checks its shape and byte count.
+    /// Looks a tensor up (an MoE expert's also in its layer's fused tensor) and checks its shape and byte count.
     fn raw<'a>(&'a self, full_name: &'a str, shape: &[usize]) -> Result<Raw<'a>> {
-        let &file_idx = self.index.get(full_name).ok_or_else(|| Error::Weights {
-            file: self.location(),
-            key: full_name.to_string(),
-            message: "missing".into(),
-        })?;
+        let Some(&file_idx) = self.index.get(full_name) else {
+            return experts::fused_raw(self, full_name, shape);
+        };
         let file = &self.files[file_idx];
         let info = file.info(full_name).ok_or_else(|| Error::Weights {
             file: file.path.display().to_string(),
