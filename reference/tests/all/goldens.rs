@@ -18,8 +18,8 @@ use std::path::Path;
 /// logits within 1e-3 absolute. Measured over the six models and the forms below and the long prompt: at most 1.2e-5
 /// (a conv state channel), logits at most 1.7e-4 absolute (both runs' f32 rounding: transformers' own logits are up
 /// to 1.25e-4 from its float64 run); the tolerances are 8 and 6 times those.
-const LAYER_RTOL: f64 = 1e-4;
-const LOGITS_ATOL: f64 = 1e-3;
+pub(crate) const LAYER_RTOL: f64 = 1e-4;
+pub(crate) const LOGITS_ATOL: f64 = 1e-3;
 
 pub struct Golden {
     pub tensors: HashMap<String, Tensor>,
@@ -43,7 +43,7 @@ pub fn ids_of(t: &Tensor) -> Vec<u32> {
 }
 
 /// The prompt's token ids, after checking that our template rendering and tokenisation reproduce transformers'.
-fn check_prompt(model_dir: &Path, g: &Golden) -> Vec<u32> {
+pub(crate) fn check_prompt(model_dir: &Path, g: &Golden) -> Vec<u32> {
     let tok = ChatTokenizer::load(model_dir).unwrap();
     let messages: Vec<Message> = serde_json::from_str(&g.metadata["messages"]).unwrap();
     let kwargs: serde_json::Value =
@@ -66,7 +66,7 @@ fn check_prompt(model_dir: &Path, g: &Golden) -> Vec<u32> {
 }
 
 /// The run's view of every golden tensor name: taps, then states after the prompt.
-fn run_prompt(
+pub(crate) fn run_prompt(
     model: &Model,
     ids: &[u32],
     opts: &RunOptions,
@@ -80,7 +80,7 @@ fn run_prompt(
 }
 
 /// The worst comparison of one tensor family (`layers.{i}.` dropped from the name).
-struct Worst {
+pub(crate) struct Worst {
     family: String,
     /// The tensor holding the worst figure.
     tensor: String,
@@ -97,7 +97,7 @@ impl Worst {
             .map_or(self.whole.relative(), |s| s.relative())
     }
 
-    fn print(&self) {
+    pub(crate) fn print(&self) {
         match &self.sliced {
             Some(s) => println!(
                 "  {:<36} per {} {:.2e} of its max ({} {} {}); whole {:.2e} of max",
@@ -122,7 +122,7 @@ impl Worst {
 /// Compares every golden tensor (but ids) with the run: logits within `logits_atol` absolute, every other tensor
 /// within `rtol` of its max and, for tensors with heads, every head (or row) within `rtol` of that head's own max.
 /// Returns the worst figures per tensor family.
-fn compare_all(
+pub(crate) fn compare_all(
     label: &str,
     golden: &Golden,
     run: &HashMap<String, Tensor>,
@@ -253,8 +253,8 @@ fn f32_run_matches_transformers() {
 
 /// Tolerances of the float64 run against transformers' float64 run: every tensor within 1e-12 of its max, logits
 /// within 1e-12 absolute (measured: at most 6.7e-15 of the max, logits 6.2e-14 to 2.2e-13 abs).
-const F64_RTOL: f64 = 1e-12;
-const F64_LOGITS_ATOL: f64 = 1e-12;
+pub(crate) const F64_RTOL: f64 = 1e-12;
+pub(crate) const F64_LOGITS_ATOL: f64 = 1e-12;
 
 /// How much further from the float64 truth our f32 logits may be than transformers' own f32 logits: both are f32
 /// rounding, measured 1.05, 0.69, 0.97, 0.90, 1.07 and 0.92 times transformers' on tiny, tiny-tied, tiny-full,

@@ -9,6 +9,7 @@ mod goldens;
 mod long_prompt;
 mod manifest;
 mod model;
+mod moe;
 mod nncf;
 mod packed;
 mod precision;
