@@ -200,8 +200,14 @@ fn the_stateless_export_exposes_states_that_agree_with_the_reference() {
     .unwrap()
     .to_string();
     assert!(e.contains("embedding table"), "{e}");
-    let mut embeds =
-        DecoderEngine::open(&set, config, "CPU", &CompileOptions::default(), Some(model)).unwrap();
+    let mut embeds = DecoderEngine::open(
+        &set,
+        config,
+        "CPU",
+        &CompileOptions::default(),
+        Some(model.token_table()),
+    )
+    .unwrap();
     let x = greedy(&mut embeds, &ids, 8, &[], true, |_| Ok(())).unwrap();
     assert_eq!(x.tokens, d.tokens);
     assert_eq!(rel(&x.prompt.logits, &d.prompt.logits), 0.0);

@@ -11,12 +11,12 @@ use reference::backend::{
     teacher_forced_embedded,
 };
 use reference::config::Config;
-use reference::model::Model;
+use reference::model::TokenTable;
 use reference::taps::Taps;
 use reference::tokenizer::ChatTokenizer;
 use reference::vision::preprocess::{Preprocessor, RgbImage};
 use reference::vision::prompt::{
-    TowerRows, check_image_runs, check_video_runs, embedded_prompt, expand_image_runs,
+    TowerRows, check_image_runs, check_video_runs, embedded_prompt_on, expand_image_runs,
 };
 use reference::vision::{Grid, VisionConfig, VisionTower};
 use reference::weights::WeightStore;
@@ -68,6 +68,15 @@ pub struct Videos {
 }
 
 impl Pixels {
+    /// Every patch the towers take: the images' and the videos'.
+    pub fn patches(&self) -> usize {
+        self.grids
+            .iter()
+            .chain(self.video_grids())
+            .map(Grid::patches)
+            .sum()
+    }
+
     /// The videos' grids (none without videos).
     pub fn video_grids(&self) -> &[Grid] {
         self.videos.as_ref().map_or(&[], |v| &v.grids)
@@ -303,9 +312,9 @@ pub fn video_tap(name: &str) -> String {
 }
 
 /// Runs `tower` (pixels and grids in, the merger's rows and the taps out) on the images, then on the videos, and
-/// builds `ids`' prompt with both rows on `model`.
+/// builds `ids`' prompt with both rows, its text rows from `table`.
 fn with_towers(
-    model: &Model,
+    table: &TokenTable,
     vc: &VisionConfig,
     ids: Vec<u32>,
     pixels: &Pixels,
@@ -327,8 +336,8 @@ fn with_towers(
         }
         None => None,
     };
-    let prompt = embedded_prompt(
-        model,
+    let prompt = embedded_prompt_on(
+        table.embed(&ids)?,
         vc,
         ids,
         images.as_ref().map(|rows| TowerRows {
@@ -344,10 +353,10 @@ fn with_towers(
 }
 
 /// Runs the reference's vision tower on `pixels` (from `store`; the images, then the videos apart) and builds
-/// `ids`' prompt on `model`; `scores`
+/// `ids`' prompt, its text rows from `table`; `scores`
 /// records the blocks' attention scores too (for the range report: they hold the square of the patches).
 pub fn reference_images(
-    model: &Model,
+    table: &TokenTable,
     store: &WeightStore,
     vc: &VisionConfig,
     ids: Vec<u32>,
@@ -358,17 +367,17 @@ pub fn reference_images(
     if scores {
         tower = tower.with_attention_scores();
     }
-    with_towers(model, vc, ids, pixels, |values, grids| {
+    with_towers(table, vc, ids, pixels, |values, grids| {
         let mut taps = Taps::on();
-        let rows = tower.forward(&values.to_dtype(model.dtype())?, grids, &mut taps)?;
+        let rows = tower.forward(&values.to_dtype(table.dtype())?, grids, &mut taps)?;
         Ok((rows, taps.take()))
     })
 }
 
 /// Runs the static vision graph for `pixels`' grids (every tap out) on `device`, the images' graph and the videos'
-/// apart, and builds `ids`' prompt on `model` with the graphs' rows: what a device's vision tower hands its decoder.
+/// apart, and builds `ids`' prompt (text rows from `table`) with the graphs' rows: what a device's vision tower hands its decoder.
 pub fn device_images(
-    model: &Model,
+    table: &TokenTable,
     store: &WeightStore,
     vc: &VisionConfig,
     ids: Vec<u32>,
@@ -376,7 +385,7 @@ pub fn device_images(
     device: &str,
     compile: &npu::devices::CompileOptions,
 ) -> Result<ImagePrompt> {
-    with_towers(model, vc, ids, pixels, |values, grids| {
+    with_towers(table, vc, ids, pixels, |values, grids| {
         let graph = npu::graphs::vision::vision_graph(vc, store, grids, true)?;
         let mut exec = npu::infer::prepare(graph, device, compile)
             .with_context(|| format!("the vision graph on {device}"))?;

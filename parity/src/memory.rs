@@ -7,6 +7,7 @@ use anyhow::{Result, bail};
 use npu::memory::{GIB, MEMORY_ENV, available, decoder_graph_bytes, peak_resident};
 use reference::config::Config;
 use reference::quant::WeightFormat;
+use reference::vision::VisionConfig;
 use serde::Serialize;
 
 /// What the OpenVINO runtime, its plugin and a call's activations hold besides the weights (measured: under 0.5 GiB
@@ -65,6 +66,61 @@ impl Plan {
     /// The most any phase holds.
     pub fn peak_bytes(&self) -> u64 {
         self.peak().map_or(0, Phase::total)
+    }
+
+    /// Adds `part` to every phase so far (something held throughout).
+    pub fn hold_throughout(&mut self, what: &str, bytes: u64) -> &mut Self {
+        for p in &mut self.phases {
+            p.parts.push(Part {
+                what: what.to_string(),
+                bytes,
+            });
+        }
+        self
+    }
+}
+
+/// A static vision graph's constants: the tower's weights as f32 values (the patch embedding, the position table,
+/// every block's norms, attention and MLP, the merger), counted from the vision config.
+pub fn vision_graph_bytes(vc: &VisionConfig) -> u64 {
+    let (d, i) = (vc.hidden_size, vc.intermediate_size);
+    let patch = d * vc.patch_dim() + d;
+    let table = vc.num_position_embeddings * d;
+    let block = 4 * d + 3 * d * d + 3 * d + d * d + d + 2 * i * d + i + d;
+    let wide = d * vc.merge_unit();
+    let merger = 2 * d + wide * wide + wide + vc.out_hidden_size * wide + vc.out_hidden_size;
+    4 * (patch + table + vc.depth * block + merger) as u64
+}
+
+/// One vision tower's taps over `patches` patches, as a comparison keeps them (f32): the patch embedding and the
+/// position table, every block's output and GELU input, the merger's rows.
+pub fn vision_taps_bytes(vc: &VisionConfig, patches: usize) -> u64 {
+    let (d, i) = (vc.hidden_size, vc.intermediate_size);
+    let merged = patches / vc.merge_unit().max(1);
+    4 * (patches * (2 * d + vc.depth * (d + i)) + merged * vc.out_hidden_size) as u64
+}
+
+/// What a prompt's images (`patches` patches in all) add to `plan`: the taps of `towers` vision towers (the
+/// reference's, a device's) held throughout, and for each of `devices` a phase compiling its static vision graph
+/// beside them.
+pub fn add_images(
+    plan: &mut Plan,
+    vc: &VisionConfig,
+    patches: usize,
+    towers: u64,
+    devices: &[&str],
+) {
+    let taps = towers * vision_taps_bytes(vc, patches);
+    plan.hold_throughout("the vision towers' taps", taps);
+    for d in devices {
+        let mut parts = vec![
+            ("its constants (f32)".to_string(), vision_graph_bytes(vc)),
+            ("the vision towers' taps".to_string(), taps),
+        ];
+        if !npu::sim::NumericModel::is_sim(d) {
+            parts.push(("the runtime".into(), RUNTIME_BYTES));
+        }
+        plan.phase(format!("{d}: the vision graph"), parts);
     }
 }
 
@@ -249,5 +305,30 @@ mod tests {
         assert_eq!(plan.peak_bytes(), 9);
         assert_eq!(plan.peak().map(|p| p.name.as_str()), Some("b"));
         assert_eq!(Plan::default().peak_bytes(), 0);
+    }
+
+    #[test]
+    fn images_add_their_taps_to_every_phase_and_a_vision_graph_phase_per_device() {
+        let vc = VisionConfig::from_json_str(
+            r#"{"vision_config": {"depth": 2, "hidden_size": 8, "intermediate_size": 16, "num_heads": 2,
+                "in_channels": 3, "patch_size": 2, "temporal_patch_size": 2, "spatial_merge_size": 2,
+                "out_hidden_size": 12, "num_position_embeddings": 16},
+                "image_token_id": 1, "video_token_id": 2, "vision_start_token_id": 3, "vision_end_token_id": 4}"#,
+            "test",
+        )
+        .unwrap()
+        .unwrap();
+        // 16 patches: 2 × 8 (embedding, table) + 2 blocks × (8 + 16), and 4 merged rows of 12; f32.
+        assert_eq!(vision_taps_bytes(&vc, 16), 4 * (16 * (16 + 48) + 4 * 12));
+        let mut plan = Plan::default();
+        plan.phase("a", vec![("x".into(), 100)]);
+        add_images(&mut plan, &vc, 16, 2, &["CPU"]);
+        let taps = 2 * vision_taps_bytes(&vc, 16);
+        assert_eq!(plan.phases[0].total(), 100 + taps);
+        assert_eq!(plan.phases[1].name, "CPU: the vision graph");
+        assert_eq!(
+            plan.phases[1].total(),
+            vision_graph_bytes(&vc) + taps + RUNTIME_BYTES
+        );
     }
 }

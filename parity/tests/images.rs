@@ -524,6 +524,12 @@ fn compare_devices_with_images_reports_the_image_embeddings_and_passes_on_the_cp
     let merger = &vision[vision.len() - 1]["error"];
     assert!(merger["nrmse"].as_f64().unwrap() < 1e-5, "{merger}");
     assert!(merger["cosine"].as_f64().unwrap() > 0.99999, "{merger}");
+    // The memory estimate made before work counts the vision towers' taps.
+    let parts = report["memory"]["peak_phase"]["parts"].as_array().unwrap();
+    assert!(
+        parts.iter().any(|p| p["what"] == "the vision towers' taps"),
+        "{parts:?}"
+    );
 }
 
 #[test]

@@ -140,6 +140,45 @@ impl Default for RunOptions {
     }
 }
 
+/// The token embedding table alone, as a host that runs the layers elsewhere looks a prompt's rows up in it (a device's
+/// decoder graphs taking embeddings, a prompt with images): read as the model reads it (in place, or quantized on read
+/// as the rows are gathered), without the layers' weights.
+#[derive(Debug, Clone)]
+pub struct TokenTable {
+    config: Config,
+    table: Linear,
+    dtype: DType,
+}
+
+impl TokenTable {
+    /// The table of the checkpoint `w` holds.
+    pub fn load(config: &Config, w: &WeightStore) -> Result<Self> {
+        let spec = Schema::new(config).global(Param::EmbedTokens);
+        // Looked up a few rows at a time: quantised on read unless it is also the LM head.
+        let table = if config.tie_word_embeddings {
+            w.linear(&spec)?
+        } else {
+            w.embedding(&spec)?
+        };
+        Ok(TokenTable {
+            config: config.clone(),
+            table,
+            dtype: w.dtype(),
+        })
+    }
+
+    /// The dtype its rows come in (the model's).
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The rows `[T, H]` of `ids` (checked against the vocabulary).
+    pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
+        self.config.check_token_ids(ids)?;
+        self.table.gather(ids)
+    }
+}
+
 /// The Qwen3.5 text decoder with its weights in one dtype (F32 or F64).
 #[derive(Debug, Clone)]
 pub struct Model {
@@ -166,12 +205,7 @@ impl Model {
     /// Builds the model from a parsed config and an open weight store.
     pub fn from_weights(config: Config, w: &WeightStore) -> Result<Self> {
         let s = Schema::new(&config);
-        // Looked up a few rows at a time: quantised on read unless it is also the LM head.
-        let embed_tokens = if config.tie_word_embeddings {
-            w.linear(&s.global(Param::EmbedTokens))?
-        } else {
-            w.embedding(&s.global(Param::EmbedTokens))?
-        };
+        let embed_tokens = TokenTable::load(&config, w)?.table;
         let mut layers = Vec::with_capacity(config.num_layers());
         for (i, kind) in config.layer_types.iter().enumerate() {
             let mixer = match kind {
@@ -369,6 +403,15 @@ impl Model {
     pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
         self.check_ids(ids)?;
         self.embed_tokens.gather(ids)
+    }
+
+    /// The model's embedding table alone (sharing its storage).
+    pub fn token_table(&self) -> TokenTable {
+        TokenTable {
+            config: self.config.clone(),
+            table: self.embed_tokens.clone(),
+            dtype: self.dtype,
+        }
     }
 
     /// The final norm `[T, H]` and the logits `[T, V]` of every row of the last layer's output `h` (the last step

@@ -19,7 +19,7 @@ use crate::infer::{Executor, Session};
 use candle_core::{DType, Tensor};
 use reference::backend::{EmbeddedPrompt, Forward, RunRecord};
 use reference::config::Config;
-use reference::model::Model;
+use reference::model::TokenTable;
 use reference::taps::{SharedTapSink, names};
 use std::collections::BTreeMap;
 
@@ -49,7 +49,7 @@ pub struct DecoderEngine {
     states: Vec<HostLayerState>,
     position: usize,
     rope_delta: i64,
-    embeddings: Option<Box<Model>>,
+    embeddings: Option<Box<TokenTable>>,
     sink: Option<SharedTapSink>,
     record: RunRecord,
 }
@@ -132,14 +132,14 @@ impl DecoderEngine {
     }
 
     /// Compiles the decoder graphs of a set read from files for `device` (an OpenVINO device), each checked against
-    /// the set's description first. `config` is the checkpoint's the set was made from; `embeddings`, the reference
-    /// on the checkpoint whose table the host looks rows up in, is needed when the set takes host-side embeddings.
+    /// the set's description first. `config` is the checkpoint's the set was made from; `embeddings`, the checkpoint's
+    /// table the host looks rows up in, is needed when the set takes host-side embeddings.
     pub fn open(
         set: &GraphSet,
         config: Config,
         device: &str,
         opts: &CompileOptions,
-        embeddings: Option<Model>,
+        embeddings: Option<TokenTable>,
     ) -> Result<Self> {
         if crate::sim::NumericModel::is_sim(device) {
             return Err(Error::Config(format!(
@@ -211,7 +211,7 @@ impl DecoderEngine {
         context: Option<usize>,
         context_source: String,
         config: Config,
-        embeddings: Option<Model>,
+        embeddings: Option<TokenTable>,
         record: RunRecord,
     ) -> Result<Self> {
         let states = if interface.stateful {
@@ -244,9 +244,9 @@ impl DecoderEngine {
         })
     }
 
-    /// Gives this project's graphs built with an `embeddings` input ([`crate::graphs::GraphOptions`]) the host
-    /// model whose table the text tokens' rows are looked up in.
-    pub fn set_host_embeddings(&mut self, host: Model) {
+    /// Gives this project's graphs built with an `embeddings` input ([`crate::graphs::GraphOptions`]) the host's
+    /// table the text tokens' rows are looked up in.
+    pub fn set_host_embeddings(&mut self, host: TokenTable) {
         self.embeddings = Some(Box::new(host));
     }
 

@@ -223,7 +223,7 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
     let positions = set.iter().map(|p| p.ids.len()).max().unwrap_or(0) + args.tokens;
     let dtype = args.model.dtype.dtype();
     let plan_for = |format: WeightFormat| {
-        memory_plan(
+        let mut plan = memory_plan(
             dir,
             config,
             dtype,
@@ -232,7 +232,12 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
             target.set(),
             set.len(),
             positions,
-        )
+        )?;
+        if let Some((vc, pixels, _)) = &images {
+            let devices: Vec<&str> = settings.iter().map(|s| s.device.as_str()).collect();
+            memory::add_images(&mut plan, vc, pixels.patches(), 2, &devices);
+        }
+        Ok(plan)
     };
     let memory = memory::check_formats("compare-devices", store.format(), plan_for, Vec::new())?;
 
@@ -241,7 +246,8 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
     // With images: the reference's tower makes its image rows; each device's vision graph makes its own below.
     let (runs, reference_vision, host) = match &images {
         Some((vc, pixels, ids)) => {
-            let host = reference.model().clone();
+            // The text rows of the devices' prompts come from the table alone: the reference's layers go below.
+            let host = reference.model().token_table();
             let r = reference_images(&host, store, vc, ids.clone(), pixels, false)?;
             progress.step(&format!("reference: {}", set[0].label));
             let run = ReferenceRun::of_input(

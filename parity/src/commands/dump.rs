@@ -170,6 +170,13 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
                 m.phase(format!("{}: the graphs with taps", s.device), parts)
             }
         };
+        if let Some((vc, pixels, _)) = &images {
+            let devices: Vec<&str> = match &plan {
+                Plan::OpenVino(s) => vec![s.device.as_str()],
+                _ => Vec::new(),
+            };
+            memory::add_images(&mut m, vc, pixels.patches(), 1, &devices);
+        }
         Ok(m)
     };
     memory::check_formats("dump", format, memory_for, Vec::new())?;
@@ -188,24 +195,30 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
             metadata.insert("videos".into(), grids.join(", "));
         }
     }
-    // The reference model (the OpenVINO path needs it for a prompt with images only: its embedding table).
-    let model = match (&plan, &images) {
-        (Plan::OpenVino(_), None) => None,
+    // The reference model runs the reference's side; the OpenVINO path needs only its embedding table (the text rows
+    // of a prompt with images).
+    let model = match &plan {
+        Plan::OpenVino(_) => None,
         _ => Some(reference::model::Model::from_weights(
             config.clone(),
             &store,
         )?),
     };
+    let table = match (&model, &images) {
+        (_, None) => None,
+        (Some(m), Some(_)) => Some(m.token_table()),
+        (None, Some(_)) => Some(reference::model::TokenTable::load(&config, &store)?),
+    };
     let image_prompt = |device: Option<&DeviceSettings>| -> Result<Option<ImagePrompt>> {
-        let (Some((vc, pixels, ids)), Some(model)) = (&images, &model) else {
+        let (Some((vc, pixels, ids)), Some(table)) = (&images, &table) else {
             return Ok(None);
         };
         Ok(Some(match device {
-            None => reference_images(model, &store, vc, ids.clone(), pixels, false)?,
+            None => reference_images(table, &store, vc, ids.clone(), pixels, false)?,
             // A set made elsewhere: its own vision graphs, compiled as its decoder is.
             Some(s) => match &set_source {
                 Some(set) => set_images(
-                    model,
+                    table,
                     vc,
                     ids.clone(),
                     pixels,
@@ -214,7 +227,7 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
                     &args.device.graph.compile(&s.device)?,
                 )?,
                 None => device_images(
-                    model,
+                    table,
                     &store,
                     vc,
                     ids.clone(),

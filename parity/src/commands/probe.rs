@@ -193,9 +193,9 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
                 })?;
             }
             let ids = args.prompt.vision_ids(dir, config, &vc, &pixels)?;
-            // The model that makes the prompt's rows is released before the probe builds its own.
-            let model = reference::model::Model::from_weights(config.clone(), store)?;
-            let prompt = reference_images(&model, store, &vc, ids, &pixels, false)?.prompt;
+            // The prompt's text rows from the embedding table alone: the probe builds its own reference.
+            let table = reference::model::TokenTable::load(config, store)?;
+            let prompt = reference_images(&table, store, &vc, ids, &pixels, false)?.prompt;
             Some((vc, pixels, prompt))
         }
         None => None,

@@ -58,8 +58,14 @@ pub fn exec(args: RangesArgs) -> Result<Outcome> {
         let ids = args.prompt.vision_ids(&dir, &config, &vc, &pixels)?;
         check_positions(ids.len(), 0, &config, "the prompt")?;
         let mut reference = open_reference(&config, &store, RunOptions::default(), true)?;
-        let images =
-            crate::images::reference_images(reference.model(), &store, &vc, ids, &pixels, true)?;
+        let images = crate::images::reference_images(
+            &reference.model().token_table(),
+            &store,
+            &vc,
+            ids,
+            &pixels,
+            true,
+        )?;
         let mut scan = RangeScan::new(&config, storage, args.output_scale).with_vision(vc.depth);
         scan.add_taps(&images.taps, 0)?;
         reference.reset()?;

@@ -71,7 +71,7 @@ pub fn exec(args: RunArgs) -> Result<Outcome> {
                 &pixels.grids,
                 pixels.video_grids(),
             )?;
-            Some(reference_images(&model, &store, &vc, ids, &pixels, false)?.prompt)
+            Some(reference_images(&model.token_table(), &store, &vc, ids, &pixels, false)?.prompt)
         }
         None => None,
     };

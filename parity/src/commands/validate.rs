@@ -295,7 +295,7 @@ pub fn exec(args: ValidateArgs) -> Result<Outcome> {
         + args.tokens;
     let dtype = args.model.dtype.dtype();
     let plan_for = |format| {
-        memory_plan(
+        let mut plan = memory_plan(
             dir,
             config,
             dtype,
@@ -304,7 +304,11 @@ pub fn exec(args: ValidateArgs) -> Result<Outcome> {
             target.set(),
             set.len(),
             positions,
-        )
+        )?;
+        if let Some((vc, pixels, _)) = &images {
+            memory::add_images(&mut plan, vc, pixels.patches(), 2, &[&settings.device]);
+        }
+        Ok(plan)
     };
     let memory = memory::check_formats("validate", store.format(), plan_for, Vec::new())?;
     let mut dut = target.device(settings, &args.graph, fault_kind)?;

@@ -176,10 +176,7 @@ fn compile(
     .with_context(|| format!("compiling the graphs with --block {block}"))?;
     // Graphs taking embeddings (a prompt with images) look the text tokens' rows up in the reference's table.
     if graph.embeddings_input {
-        engine.set_host_embeddings(reference::model::Model::from_weights(
-            config.clone(),
-            store,
-        )?);
+        engine.set_host_embeddings(reference::model::TokenTable::load(config, store)?);
     }
     log.add(purpose, engine.infos());
     Ok(engine)

@@ -12,7 +12,7 @@ use npu::graphset::{GraphSet, PromptRule};
 use npu::sim::NumericModel;
 use reference::backend::{Backend, EmbeddedPrompt, Forward, RunRecord, Snapshot};
 use reference::config::Config;
-use reference::model::Model;
+use reference::model::{Model, TokenTable};
 use reference::quant::WeightFormat;
 use reference::vision::Grid;
 use reference::weights::WeightStore;
@@ -226,10 +226,33 @@ impl Backend for Graphs {
     }
 }
 
+/// What the host holds for a set's graphs: the reference model where per-layer graphs are chained (the host embeds
+/// the prompt and applies the final norm and the head), only the embedding table where a decoder takes embeddings
+/// (the host looks the text rows up), nothing where it takes token ids.
+enum Host {
+    /// The whole reference.
+    Model(Model),
+    /// The embedding table, if the decoder takes embeddings.
+    Table(Option<TokenTable>),
+}
+
+impl Host {
+    /// What `source`'s graphs need of the reference.
+    fn of(source: &SetSource) -> Result<Self> {
+        Ok(match &source.set.decoder {
+            Some(part) if part.interface.has("embeddings") => {
+                Host::Table(Some(TokenTable::load(&source.config, &source.store)?))
+            }
+            Some(_) => Host::Table(None),
+            None => Host::Model(Model::from_weights(source.config.clone(), &source.store)?),
+        })
+    }
+}
+
 /// A graph set made elsewhere on a device.
 pub struct SetGraphs<'a> {
     source: &'a SetSource,
-    host: Model,
+    host: Host,
     device: String,
     compile: CompileOptions,
     fault: Option<Fault>,
@@ -254,7 +277,7 @@ impl<'a> SetGraphs<'a> {
                 source.dir.display()
             );
         }
-        let host = Model::from_weights(source.config.clone(), &source.store)?;
+        let host = Host::of(source)?;
         let log = GraphLog::default();
         let graphs = open_graphs(source, &host, device, compile, &log, "deployed")?;
         let set = &source.set;
@@ -317,7 +340,7 @@ impl<'a> SetGraphs<'a> {
 /// The set's decoder graphs, or its per-layer graphs chained, compiled and logged as `purpose`.
 fn open_graphs(
     source: &SetSource,
-    host: &Model,
+    host: &Host,
     device: &str,
     compile: &CompileOptions,
     log: &GraphLog,
@@ -325,17 +348,18 @@ fn open_graphs(
 ) -> Result<Graphs> {
     let set = &source.set;
     let at = || format!("--ir {}", source.dir.display());
-    let graphs = match &set.decoder {
-        Some(part) => {
-            let embeddings = part.interface.has("embeddings").then(|| host.clone());
-            Graphs::Decoder(
-                DecoderEngine::open(set, source.config.clone(), device, compile, embeddings)
-                    .with_context(at)?,
-            )
+    let graphs = match (&set.decoder, host) {
+        (Some(_), Host::Table(table)) => Graphs::Decoder(
+            DecoderEngine::open(set, source.config.clone(), device, compile, table.clone())
+                .with_context(at)?,
+        ),
+        (None, Host::Model(model)) => {
+            Graphs::Chain(LayerChain::open(set, model.clone(), device, compile).with_context(at)?)
         }
-        None => {
-            Graphs::Chain(LayerChain::open(set, host.clone(), device, compile).with_context(at)?)
-        }
+        _ => bail!(
+            "{}: the host was prepared for another kind of set",
+            set.source
+        ),
     };
     log.add(purpose, graphs.infos());
     Ok(graphs)

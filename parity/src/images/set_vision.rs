@@ -10,7 +10,7 @@ use npu::devices::CompileOptions;
 use npu::engine::SetVision;
 use npu::graphset::GraphSet;
 use npu::graphset::vision::{VisionGraph, grid_text, plan};
-use reference::model::Model;
+use reference::model::TokenTable;
 use reference::vision::{Grid, VisionConfig, names};
 use std::collections::BTreeMap;
 
@@ -39,10 +39,10 @@ pub fn set_vision_names(set: &GraphSet, grids: &[Grid]) -> String {
 }
 
 /// Runs `set`'s vision graphs on `device` for `pixels` (the images, then the videos apart, each image through the
-/// graph of its grid) and builds `ids`' prompt on `model` with their rows: what the port's vision graphs hand its
+/// graph of its grid) and builds `ids`' prompt (text rows from `table`) with their rows: what the port's vision graphs hand its
 /// decoder. A grid the set has no graph for is an error naming the manifest and the grids it has.
 pub fn set_images(
-    model: &Model,
+    table: &TokenTable,
     vc: &VisionConfig,
     ids: Vec<u32>,
     pixels: &Pixels,
@@ -52,7 +52,7 @@ pub fn set_images(
 ) -> Result<ImagePrompt> {
     // Each graph compiled once, on its first image.
     let mut compiled: BTreeMap<usize, SetVision> = BTreeMap::new();
-    with_towers(model, vc, ids, pixels, |values, grids| {
+    with_towers(table, vc, ids, pixels, |values, grids| {
         let steps = plan(&set.vision, grids).map_err(|i| {
             let has: Vec<String> = set.vision.iter().map(VisionGraph::grids_text).collect();
             anyhow::anyhow!(

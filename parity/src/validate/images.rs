@@ -75,7 +75,8 @@ pub fn images(
     let mut failures = Vec::new();
 
     // The tower: the reference's rows and taps, the device's graph's rows and taps.
-    let own = reference_images(model, store, vc, ids.clone(), pixels, false)?;
+    let table = model.token_table();
+    let own = reference_images(&table, store, vc, ids.clone(), pixels, false)?;
     let run = ReferenceRun::of_input(
         reference,
         label,
@@ -84,8 +85,8 @@ pub fn images(
     )?;
     progress.message(&format!("{}: the vision graph", dut.label()));
     let theirs = match images.set {
-        Some(set) => set_images(model, vc, ids, pixels, set, dut.device(), images.compile)?,
-        None => device_images(model, store, vc, ids, pixels, dut.device(), images.compile)?,
+        Some(set) => set_images(&table, vc, ids, pixels, set, dut.device(), images.compile)?,
+        None => device_images(&table, store, vc, ids, pixels, dut.device(), images.compile)?,
     };
     let vision = vision_rows(&theirs.taps, &own.taps)?;
     for row in &vision {

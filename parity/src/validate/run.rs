@@ -343,7 +343,7 @@ pub fn run(
             let embedded = match &plan.images {
                 Some(i) => Some(
                     crate::images::reference_images(
-                        &model,
+                        &model.token_table(),
                         plan.store,
                         i.vc,
                         i.prompt.ids.clone(),

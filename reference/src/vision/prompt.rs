@@ -170,6 +170,26 @@ pub fn embedded_prompt(
     images: Option<TowerRows>,
     videos: Option<TowerRows>,
 ) -> Result<EmbeddedPrompt> {
+    let table = model.embed(&ids)?;
+    embedded_prompt_on(table, vc, ids, images, videos)
+}
+
+/// [`embedded_prompt`] on `table`, the embedding table's rows of `ids` (`[T, H]`, looked up once): a run that makes
+/// several prompts of the same ids (one per device's vision graph) needs the table's rows, not the whole model.
+pub fn embedded_prompt_on(
+    table: Tensor,
+    vc: &VisionConfig,
+    ids: Vec<u32>,
+    images: Option<TowerRows>,
+    videos: Option<TowerRows>,
+) -> Result<EmbeddedPrompt> {
+    if table.dims2()?.0 != ids.len() {
+        return Err(Error::Input(format!(
+            "embedding rows {:?} for {} ids",
+            table.dims(),
+            ids.len()
+        )));
+    }
     let image_grids = images.map_or(&[][..], |r| r.grids);
     let video_grids = videos.map_or(&[][..], |r| r.grids);
     check_image_runs(&ids, vc, image_grids)?;
@@ -181,7 +201,7 @@ pub fn embedded_prompt(
         video_grids,
         vc.spatial_merge_size,
     )?;
-    let mut embeddings = model.embed(&ids)?;
+    let mut embeddings = table;
     for (given, token) in [(images, vc.tokens.image), (videos, vc.tokens.video)] {
         if let Some(r) = given.filter(|r| !r.grids.is_empty()) {
             embeddings = scatter_rows(
