@@ -19,8 +19,8 @@ pub struct Planned {
 }
 
 /// Every tensor of a dump of `tokens` prompt tokens on `config` but `generated`: `token_ids` (i64), every tap and
-/// the logits in `dtype`, and, when `states` (a backend that exposes its state), the states after the prompt in
-/// `dtype`.
+/// the logits in `dtype` (an MoE block's `experts_chosen` in i64), and, when `states` (a backend that exposes its
+/// state), the states after the prompt in `dtype`.
 pub fn planned(config: &Config, tokens: usize, dtype: DType, states: bool) -> Vec<Planned> {
     let c = config;
     let (h, t) = (c.hidden_size, tokens);
@@ -33,6 +33,7 @@ pub fn planned(config: &Config, tokens: usize, dtype: DType, states: bool) -> Ve
         dtype: DType::I64,
         shape: vec![t],
     }];
+    let mut indices = Vec::new();
     let mut put = |name: String, shape: Vec<usize>| {
         out.push(Planned { name, dtype, shape });
     };
@@ -62,6 +63,19 @@ pub fn planned(config: &Config, tokens: usize, dtype: DType, states: bool) -> Ve
             shape.extend(row);
             put(names::layer(i, &names::mixer(mixer, tap)), shape);
         }
+        if let Some(moe) = &c.moe {
+            // The MoE block's taps: the router's logits, the chosen experts (i64), their weights, the shared output.
+            let (e, k) = (moe.num_experts, moe.num_experts_per_tok);
+            let mlp = |tap| names::layer(i, &names::mixer(names::MLP, tap));
+            put(mlp(names::ROUTER_LOGITS), vec![t, e]);
+            put(mlp(names::EXPERT_WEIGHTS), vec![t, k]);
+            put(mlp(names::SHARED_OUTPUT), vec![t, h]);
+            indices.push(Planned {
+                name: mlp(names::EXPERTS_CHOSEN),
+                dtype: DType::I64,
+                shape: vec![t, k],
+            });
+        }
         if states {
             let [a, b] = state_names(i, *kind);
             let (sa, sb) = match kind {
@@ -74,6 +88,7 @@ pub fn planned(config: &Config, tokens: usize, dtype: DType, states: bool) -> Ve
     }
     put(names::FINAL_NORM.into(), vec![t, h]);
     put(names::LOGITS.into(), vec![t, c.vocab_size]);
+    out.extend(indices);
     out
 }
 
@@ -95,5 +110,20 @@ mod tests {
         assert_eq!(get("layers.3.key_cache").shape, [2, 5, 32]);
         let without = planned(&config, 5, DType::F32, false);
         assert_eq!(plan.len() - without.len(), 2 * config.num_layers());
+    }
+
+    #[test]
+    fn an_moe_models_dump_holds_its_routing() {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/models/tiny-moe");
+        let config = Config::from_file(&dir.join("config.json")).unwrap();
+        let plan = planned(&config, 5, DType::F64, false);
+        let get = |n: &str| plan.iter().find(|p| p.name == n).unwrap();
+        assert_eq!(get("layers.3.mlp.router_logits").shape, [5, 8]);
+        assert_eq!(get("layers.3.mlp.router_logits").dtype, DType::F64);
+        assert_eq!(get("layers.0.mlp.experts_chosen").shape, [5, 3]);
+        assert_eq!(get("layers.0.mlp.experts_chosen").dtype, DType::I64);
+        assert_eq!(get("layers.1.mlp.expert_weights").shape, [5, 3]);
+        assert_eq!(get("layers.2.mlp.shared_output").shape, [5, 32]);
     }
 }
