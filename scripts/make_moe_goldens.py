@@ -88,42 +88,12 @@ MIN_ROUTING_GAP = 1e-5  # k-th minus (k+1)-th probability everywhere else in the
 
 @torch.no_grad()
 def reinit_moe(model, config, seed: int) -> dict:
-    """make_testdata's INIT for the embeddings, norms and mixers (the same draws in the same order), then the MoE
-    blocks: router, experts (fused in memory: gate rows then up rows), shared expert and its gate."""
-    init = mt.INIT
-    gen = torch.Generator().manual_seed(seed)
-    dec = model.model
+    """make_testdata's reinit (INIT for the embeddings, norms, mixers and head, the same draws in the same order, and
+    the decays), the MoE blocks drawn where a dense MLP's are: router, experts (fused in memory: gate rows then up
+    rows), shared expert and its gate."""
+    H = config.hidden_size
 
-    def normal_(t, std, mean=0.0):
-        t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32) * std + mean)
-
-    def linear_(lin, gain):
-        normal_(lin.weight, gain / math.sqrt(lin.weight.shape[1]))
-
-    normal_(dec.embed_tokens.weight, init["embed_std"])
-    lin_heads = []
-    for i, layer in enumerate(dec.layers):
-        normal_(layer.input_layernorm.weight, init["norm_std"])
-        normal_(layer.post_attention_layernorm.weight, init["norm_std"])
-        if config.layer_types[i] == "linear_attention":
-            la = layer.linear_attn
-            linear_(la.in_proj_qkv, init["in_gain"])
-            linear_(la.in_proj_z, init["in_gain"])
-            linear_(la.in_proj_b, init["b_gain"])
-            linear_(la.in_proj_a, init["a_gain"])
-            normal_(la.conv1d.weight, init["conv_std"])
-            normal_(la.norm.weight, init["gated_norm_std"], mean=1.0)
-            linear_(la.out_proj, init["out_gain"])
-            lin_heads += [(i, h) for h in range(la.num_v_heads)]
-        else:
-            sa = layer.self_attn
-            for lin in (sa.q_proj, sa.k_proj, sa.v_proj):
-                linear_(lin, init["in_gain"])
-            normal_(sa.q_norm.weight, init["norm_std"])
-            normal_(sa.k_norm.weight, init["norm_std"])
-            linear_(sa.o_proj, init["attn_out_gain"])
-        mlp = layer.mlp
-        H = config.hidden_size
+    def moe_init(mlp, normal_, linear_, init):
         normal_(mlp.gate.weight, MOE_INIT["router_gain"] / math.sqrt(H))
         normal_(mlp.experts.gate_up_proj, MOE_INIT["expert_gain"] / math.sqrt(H))
         normal_(mlp.experts.down_proj, MOE_INIT["expert_down_gain"] / math.sqrt(config.moe_intermediate_size))
@@ -131,18 +101,8 @@ def reinit_moe(model, config, seed: int) -> dict:
         linear_(mlp.shared_expert.up_proj, init["in_gain"])
         linear_(mlp.shared_expert.down_proj, init["down_gain"])
         linear_(mlp.shared_expert_gate, MOE_INIT["shared_gate_gain"])
-    normal_(dec.norm.weight, init["norm_std"])
-    linear_(model.lm_head, init["lm_head_gain"])
-    lo, hi = (math.log(x) for x in mt.DECAY_CENTRE_RANGE)
-    n = len(lin_heads)
-    centres = torch.exp(torch.linspace(lo, hi, n, dtype=torch.float64))
-    perm = torch.randperm(n, generator=gen)
-    for (i, h), c in zip(lin_heads, centres[perm]):
-        la = dec.layers[i].linear_attn
-        dt = mt.DT_BIAS_RANGE[0] + (mt.DT_BIAS_RANGE[1] - mt.DT_BIAS_RANGE[0]) * torch.rand((), generator=gen).item()
-        la.dt_bias[h] = dt
-        la.A_log[h] = math.log(c.item() / torch.nn.functional.softplus(torch.tensor(dt, dtype=torch.float64)).item())
-    return {"decay_centres": [float(x) for x in centres]}
+
+    return mt.reinit(model, config, seed, mlp_init=moe_init)
 
 
 class MoeRecorder:

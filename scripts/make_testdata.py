@@ -736,8 +736,10 @@ def new_model(spec: dict, config):
 
 @torch.no_grad()
 def reinit(model, config, seed: int, overrides: dict | None = None,
-           decay_centre_range: tuple[float, float] = DECAY_CENTRE_RANGE) -> dict:
-    """Give the decoder non-degenerate weights (see INIT). The vision tower keeps transformers' default init."""
+           decay_centre_range: tuple[float, float] = DECAY_CENTRE_RANGE, mlp_init=None) -> dict:
+    """Give the decoder non-degenerate weights (see INIT). The vision tower keeps transformers' default init.
+    `mlp_init(mlp, normal_, linear_, init)` draws a layer's feed-forward block in place of the dense MLP's draws
+    (make_moe_goldens.py's MoE blocks), in the same place of the sequence of draws."""
     init = dict(INIT, **(overrides or {}))
     tc = text_config_of(config)
     gen = torch.Generator().manual_seed(seed)
@@ -771,6 +773,9 @@ def reinit(model, config, seed: int, overrides: dict | None = None,
             normal_(sa.q_norm.weight, init["norm_std"])
             normal_(sa.k_norm.weight, init["norm_std"])
             linear_(sa.o_proj, init["attn_out_gain"])
+        if mlp_init is not None:
+            mlp_init(layer.mlp, normal_, linear_, init)
+            continue
         linear_(layer.mlp.gate_proj, init["in_gain"])
         linear_(layer.mlp.up_proj, init["in_gain"])
         linear_(layer.mlp.down_proj, init["down_gain"])
