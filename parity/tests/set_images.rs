@@ -7,17 +7,13 @@
 
 mod common;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
+use common::vl::{LOGITS_ATOL, VISION_RTOL, golden};
 use common::{expect_error, qwen35, stderr, testdata};
 use parity::dump::Dump;
 use reference::compare::diff;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-
-/// The decoder's logits with images against transformers' at f32 (the tolerance of the text goldens).
-const LOGITS_ATOL: f64 = 1e-3;
-/// Vision taps, relative to each tensor's largest magnitude.
-const VISION_RTOL: f64 = 1e-5;
 
 fn model() -> PathBuf {
     testdata().join("models/tiny-vl")
@@ -30,11 +26,6 @@ fn image(name: &str) -> String {
         .to_str()
         .unwrap()
         .to_string()
-}
-
-fn golden() -> HashMap<String, Tensor> {
-    candle_core::safetensors::load(testdata().join("goldens/tiny-vl.safetensors"), &Device::Cpu)
-        .unwrap()
 }
 
 /// `export-ir` of tiny-vl into `out` with `extra` flags.

@@ -1,6 +1,8 @@
 //! Helpers shared by the binary's test files.
 #![allow(dead_code)]
 
+pub mod vl;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
