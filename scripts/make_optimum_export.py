@@ -1,30 +1,38 @@
 #!/usr/bin/env python3
-"""The optimum-intel export of a tiny testdata model: the OpenVINO IR that people deploy Qwen3.5 with, made by the
-exporter itself, so that `qwen35 compare-devices --ir` is tested on a graph this project did not write.
+"""The optimum-intel exports of two tiny testdata models: the OpenVINO IR that people deploy Qwen3.5 with, made by the
+exporter itself, so that `qwen35 compare-devices --ir` is tested on graphs this project did not write.
 
 Run with the interpreter of a venv made from scripts/requirements-optimum.txt (optimum-intel, transformers 5.2, torch,
-OpenVINO, NNCF), after scripts/make_testdata.py (it reads testdata/models/tiny):
+OpenVINO, NNCF), after scripts/make_testdata.py and scripts/make_moe_goldens.py (it reads testdata/models/tiny and
+testdata/models/tiny-moe, and their goldens' prompts):
 
     scripts/.venv-optimum/bin/python scripts/make_optimum_export.py
 
-It runs `optimum-cli export openvino` twice on testdata/models/tiny, as a stateful text-generation model with its
-cache:
+It runs `optimum-cli export openvino` twice on each model, as a stateful text-generation model with its cache:
 
-- `testdata/ir/tiny-f32/`: `--weight-format fp32` (every constant f32).
+- `testdata/ir/tiny-f32/`, `testdata/ir/tiny-moe-f32/`: `--weight-format fp32` (every constant f32).
 - `testdata/ir/tiny-int4/`: the port's INT4 flags (`--weight-format int4 --sym --ratio 1.0 --backup-precision
   int8_sym`) with `--group-size 32 --group-size-fallback ignore`. The port's group of 128 does not divide tiny's
   widths (64 and 96): with the default fallback NNCF refuses the export (InvalidGroupSizeError); 32 divides every
   projection's input width. `ignore` matters for one MatMul only, RoPE's `inv_freq` product (its "input width" is
   1): it stays float. With `--group-size-fallback adjust` NNCF would store `inv_freq` as INT8 instead.
+- `testdata/ir/tiny-moe-int4/`: the same flags with `--group-size 8`, the largest group that divides every input
+  width of tiny-moe (hidden 32, the attention output 64, the expert width 16, the shared expert width 24).
+  optimum-intel's Qwen3_5MoeModelPatcher traces the MoE block as every expert on every token: the experts' gate and
+  up projections are two constants `[E, I, H]` (the halves of `gate_up_proj`, folded from a VariadicSplit) and
+  `down_proj` one `[E, H, I]`, each the weight of a batched MatMul (transpose_b), which NNCF compresses along the
+  last axis per expert and row; the script records what it did to each tensor (`holds.compression_rule`) and
+  stops unless the MoE tensors are all INT4 in groups along that axis.
 
 Each directory gets `openvino_model.xml` and `.bin` (the tokenizer IRs the exporter also writes are not kept) and a
 `manifest.json` that `qwen35` reads (`npu::external`): the files, the reference weight format that holds the same
 weights, the interface (every input and output by role, name, element type and shape, and what it means), the
-exact command and versions, and what the export holds (ops, state variables, every compressed weight). The script
-then checks each IR on OpenVINO's CPU device (f32 inference, f32 KV cache) against transformers (f32, eager) on the
-golden prompt of testdata/goldens/tiny.safetensors, greedy for NUM_GENERATED tokens, and stops unless the f32 export
-matches within F32_MAX_NMSE with the same tokens. The figures go to the manifests. The manifest of testdata/ gets the
-files and an `optimum_exports` section.
+exact command and versions, and what the export holds (ops, state variables, every compressed weight, the
+compression each weight tensor got). The script then checks each IR on OpenVINO's CPU device (f32 inference, f32 KV
+cache) against transformers (f32, eager attention and experts) on the golden prompt of the model's
+testdata/goldens/{model}.safetensors, greedy for NUM_GENERATED tokens, and stops unless each f32 export matches
+within F32_MAX_NMSE with the same tokens. The figures go to the manifests. The manifest of testdata/ gets the files
+and an `optimum_exports` section.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -42,27 +51,39 @@ from testdata_files import sha256
 
 REPO = Path(__file__).resolve().parent.parent
 TESTDATA = REPO / "testdata"
-MODEL = TESTDATA / "models" / "tiny"
-GOLDEN = TESTDATA / "goldens" / "tiny.safetensors"
 OUT = TESTDATA / "ir"
 
 NUM_GENERATED = 8
-F32_MAX_NMSE = 1e-8  # the f32 export against transformers, prompt and decode logits
-MAX_IR_BYTES = 3_000_000  # both exports together
+F32_MAX_NMSE = 1e-8  # the f32 exports against transformers, prompt and decode logits
+MAX_IR_BYTES = 5_000_000  # the four exports together
+
+# The models exported: their checkpoint and the golden whose prompt the check runs. `moe`: a sparse MoE decoder,
+# whose transformers run uses the eager experts (as scripts/make_moe_goldens.py does).
+MODELS = {
+    "tiny": {"dir": TESTDATA / "models" / "tiny", "golden": TESTDATA / "goldens" / "tiny.safetensors", "moe": False},
+    "tiny-moe": {
+        "dir": TESTDATA / "models" / "tiny-moe",
+        "golden": TESTDATA / "goldens" / "tiny-moe.safetensors",
+        "moe": True,
+    },
+}
 
 COMMON_FLAGS = ["--task", "text-generation-with-past"]
+
+
+def int4_flags(group: int) -> list[str]:
+    """The port's INT4 flags at `group` (the port's own is 128, which divides no width of the tiny models)."""
+    return [
+        "--weight-format", "int4", "--sym", "--group-size", str(group), "--group-size-fallback", "ignore",
+        "--ratio", "1.0", "--backup-precision", "int8_sym",
+    ]
+
+
 EXPORTS = {
-    "tiny-f32": {
-        "flags": ["--weight-format", "fp32"],
-        "reference_weights": "f32",
-    },
-    "tiny-int4": {
-        "flags": [
-            "--weight-format", "int4", "--sym", "--group-size", "32", "--group-size-fallback", "ignore",
-            "--ratio", "1.0", "--backup-precision", "int8_sym",
-        ],
-        "reference_weights": "int4-nncf:32",
-    },
+    "tiny-f32": {"model": "tiny", "flags": ["--weight-format", "fp32"], "reference_weights": "f32"},
+    "tiny-int4": {"model": "tiny", "flags": int4_flags(32), "reference_weights": "int4-nncf:32"},
+    "tiny-moe-f32": {"model": "tiny-moe", "flags": ["--weight-format", "fp32"], "reference_weights": "f32"},
+    "tiny-moe-int4": {"model": "tiny-moe", "flags": int4_flags(8), "reference_weights": "int4-nncf:8"},
 }
 
 # The interface of optimum-intel's stateful decoder export, by the roles `npu::external` knows. Shapes are symbolic:
@@ -76,8 +97,8 @@ INTERFACE = {
         },
         "position_ids": {
             "shape": ["batch", "tokens"],
-            "meaning": "the text positions of this call's tokens (past .. past+tokens-1); for qwen3_5_text the "
-            "export declares it but no op reads it: positions come from the KV-cache length",
+            "meaning": "the text positions of this call's tokens (past .. past+tokens-1); for qwen3_5_text and "
+            "qwen3_5_moe_text the export declares it but no op reads it: positions come from the KV-cache length",
         },
         "beam_idx": {
             "shape": ["batch"],
@@ -110,7 +131,8 @@ def versions() -> dict:
 def export(name: str, spec: dict) -> tuple[Path, list[str]]:
     cli = Path(sys.executable).parent / "optimum-cli"
     tmp = Path(tempfile.mkdtemp(prefix=f"optimum-{name}-"))
-    args = ["export", "openvino", "--model", MODEL.relative_to(REPO).as_posix(), *COMMON_FLAGS, *spec["flags"]]
+    model = MODELS[spec["model"]]["dir"].relative_to(REPO).as_posix()
+    args = ["export", "openvino", "--model", model, *COMMON_FLAGS, *spec["flags"]]
     log(f"{name}: optimum-cli {' '.join(args)} OUT")
     r = subprocess.run([str(cli), *args, str(tmp)], cwd=REPO, capture_output=True, text=True)
     if r.returncode != 0:
@@ -152,17 +174,18 @@ def describe(xml: Path) -> dict:
     for op in model.get_ordered_ops():
         if op.get_type_name() != "Constant" or op.get_element_type().get_type_name() not in ("i4", "u4", "i8", "u8"):
             continue
-        chain, node = [], op
+        chain, node, last = [], op, op
         consumer = None
         for _ in range(6):
             targets = list(node.output(0).get_target_inputs())
             if len(targets) != 1:
                 break
             node = targets[0].get_node()
-            if node.get_type_name() in ("MatMul", "Gather", "GroupConvolution", "Convolution"):
+            if node.get_type_name() in WEIGHT_CONSUMERS:
                 consumer = node
                 break
             chain.append(node.get_type_name())
+            last = node
         scale = None
         for n in [t.get_node() for t in op.output(0).get_target_inputs()]:
             for t in n.output(0).get_target_inputs():
@@ -170,18 +193,22 @@ def describe(xml: Path) -> dict:
                 if mul.get_type_name() == "Multiply":
                     s = mul.input_value(1).get_node()
                     scale = {"type": s.get_element_type().get_type_name(), "shape": list(s.get_output_shape(0))}
-        compressed[op.get_friendly_name()] = {
+        entry = {
             "type": op.get_element_type().get_type_name(),
             "shape": list(op.get_output_shape(0)),
             "scale": scale,
             "chain": chain,
             "consumer": f"{consumer.get_type_name()} {consumer.get_friendly_name()}" if consumer else None,
         }
+        if consumer is not None and consumer.get_type_name() == "MatMul":
+            entry["transpose_b"] = bool(consumer.get_attributes()["transpose_b"])
+        entry.update(lowering(entry["type"], entry["shape"], scale["shape"], list(last.get_output_shape(0))))
+        compressed[op.get_friendly_name()] = entry
     kinds = Counter(
         ("int4" if c["type"] in ("i4", "u4") else "int8") + " " + (c["consumer"] or "?").split(" ")[0]
         for c in compressed.values()
     )
-    return {
+    held = {
         "inputs": ports(model.inputs),
         "outputs": ports(model.outputs),
         "state_variables": variables,
@@ -190,23 +217,86 @@ def describe(xml: Path) -> dict:
         "compressed_weights": dict(sorted(compressed.items())),
         "compressed_summary": dict(sorted(kinds.items())),
     }
+    if compressed:
+        held["compression_rule"] = compression_rule(compressed)
+        held["weights_left_float"] = float_weights(model)
+    return held
 
 
-def golden_prompt() -> list[int]:
+# The ops whose constant input is a weight NNCF compresses, and the ports such a weight may be on.
+WEIGHT_CONSUMERS = {"MatMul": (0, 1), "Gather": (0,), "GroupConvolution": (1,), "Convolution": (1,)}
+
+
+def lowering(ty: str, shape: list[int], scale: list[int], weight: list[int]) -> dict:
+    """What NNCF did to one weight, read from the shapes of its codes (`shape`), its scales and the decompressed
+    weight its consumer reads: the mode, the group (-1: one scale per channel) and the axis of `weight` the scales
+    reduce over. Grouped codes hold that axis split in two, [.., groups, group, ..]; per-channel scales keep the
+    weight's rank with 1 on the reduced axes."""
+    mode = ("int4" if ty in ("i4", "u4") else "int8") + ("_sym" if ty.startswith("i") else "_asym")
+    if len(shape) == len(weight) + 1:
+        axis = next(a for a in range(len(weight)) if shape[a] != weight[a])
+        assert shape[a := axis] * shape[a + 1] == weight[a] and scale[a + 1] == 1, (shape, scale, weight)
+        return {"mode": mode, "group": shape[axis + 1], "weight_shape": weight, "reduction_axes": [axis]}
+    assert shape == weight and len(scale) == len(weight), (shape, scale, weight)
+    axes = [a for a in range(len(weight)) if scale[a] == 1 and weight[a] > 1]
+    return {"mode": mode, "group": -1, "weight_shape": weight, "reduction_axes": axes}
+
+
+def pattern(name: str) -> tuple[str, int | None]:
+    """A constant's name with its layer index replaced by `{i}`, and the index."""
+    m = re.search(r"layers\.(\d+)([./])", name)
+    if not m:
+        return name, None
+    return name[: m.start(1)] + "{i}" + name[m.end(1) :], int(m.group(1))
+
+
+def compression_rule(compressed: dict) -> dict:
+    """What NNCF did to each weight tensor of the decoder, once per tensor kind (the layers it is in listed): mode,
+    group, the decompressed weight's shape, the axes the scales reduce over, the scales' shape and the consumer."""
+    rule: dict = {}
+    for name, c in compressed.items():
+        key, layer = pattern(name)
+        what = {k: c[k] for k in ("mode", "group", "weight_shape", "reduction_axes")}
+        what["scale_shape"] = c["scale"]["shape"]
+        what["consumer"] = c["consumer"].split(" ")[0] + (
+            f" (transpose_b {str(c['transpose_b']).lower()})" if "transpose_b" in c else ""
+        )
+        entry = rule.setdefault(key, {**what, "layers": []})
+        assert {k: entry[k] for k in what} == what, f"{name}: compressed unlike the other layers' {key}"
+        if layer is not None:
+            entry["layers"].append(layer)
+    return {k: v if v["layers"] else {x: y for x, y in v.items() if x != "layers"} for k, v in sorted(rule.items())}
+
+
+def float_weights(model) -> list[str]:
+    """The constant weights (f32, maybe through a Convert) of the MatMuls, Gathers and convolutions that NNCF left
+    float."""
+    out = []
+    for op in model.get_ordered_ops():
+        for port in WEIGHT_CONSUMERS.get(op.get_type_name(), ()):
+            src = op.input_value(port).get_node()
+            while src.get_type_name() == "Convert":
+                src = src.input_value(0).get_node()
+            if src.get_type_name() == "Constant" and src.get_element_type().is_real():
+                shape = list(src.get_output_shape(0))
+                out.append(f"{src.get_friendly_name()} {shape} -> {op.get_type_name()} {op.get_friendly_name()}")
+    return out
+
+
+def golden_prompt(model: dict) -> list[int]:
     from safetensors.numpy import load_file
 
-    return [int(x) for x in load_file(GOLDEN)["token_ids"]]
+    return [int(x) for x in load_file(model["golden"])["token_ids"]]
 
 
-def transformers_run(prompt: list[int]) -> tuple[list, list[int]]:
+def transformers_run(model: dict, prompt: list[int]) -> tuple[list, list[int]]:
     """transformers f32 eager: the prompt's logits, then greedy tokens with the cache (each step's logits)."""
     import torch
     import transformers
 
     torch.set_num_threads(1)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        MODEL, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    eager = {"attn_implementation": "eager", **({"experts_implementation": "eager"} if model["moe"] else {})}
+    model = transformers.AutoModelForCausalLM.from_pretrained(model["dir"], dtype=torch.float32, **eager).eval()
     with torch.no_grad():
         out = model(torch.tensor([prompt]), use_cache=True)
         logits = [out.logits[0].numpy()]
@@ -269,34 +359,53 @@ def update_manifest(section: dict, paths: list[Path]) -> None:
         files.append({"path": p.relative_to(REPO).as_posix(), "bytes": p.stat().st_size, "sha256": sha256(p)})
     manifest["files"] = sorted(files, key=lambda f: f["path"].split("/"))
     manifest["total_bytes"] = sum(f["bytes"] for f in manifest["files"])
-    manifest["optimum_exports"] = section
-    later = sorted(k for k in manifest if k.endswith("_goldens") or k == "optimum_exports")
+    manifest["optimum_exports"] = section  # where it stood, if it did: the `*_goldens` sections follow, sorted
+    later = sorted(k for k in manifest if k.endswith("_goldens"))
     manifest = {**{k: v for k, v in manifest.items() if k not in later}, **{k: manifest[k] for k in later}}
     manifest_path.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def check_moe_rule(name: str, held: dict) -> None:
+    """Stops unless NNCF gave every MoE tensor of an INT4 export (router, experts, shared expert and its gate) INT4
+    symmetric in groups along its last axis (the MatMul's input axis, transpose_b), as the reference's rule has it."""
+    rule = held["compression_rule"]
+    moe = {k: v for k, v in rule.items() if ".mlp" in k}
+    assert moe, f"{name}: no MoE weight among the compressed ones"
+    for key, r in moe.items():
+        last = len(r["weight_shape"]) - 1
+        assert r["mode"] == "int4_sym" and r["reduction_axes"] == [last], f"{name}: {key} compressed as {r}"
+        assert "transpose_b true" in r["consumer"], f"{name}: {key} is read by {r['consumer']}"
+    stacked = [k for k, r in moe.items() if len(r["weight_shape"]) == 3]
+    assert len(stacked) == 3, f"{name}: the stacked expert weights are {stacked}"
 
 
 def main() -> None:
     v = versions()
     log("versions: " + ", ".join(f"{k} {x}" for k, x in v.items()))
-    prompt = golden_prompt()
-    hf_logits, hf_tokens = transformers_run(prompt)
-    log(f"transformers: {len(prompt)} prompt tokens, greedy {hf_tokens}")
+    runs = {}
+    for model in dict.fromkeys(spec["model"] for spec in EXPORTS.values()):
+        prompt = golden_prompt(MODELS[model])
+        runs[model] = (prompt, *transformers_run(MODELS[model], prompt))
+        log(f"transformers, {model}: {len(prompt)} prompt tokens, greedy {runs[model][2]}")
     shutil.rmtree(OUT, ignore_errors=True)
     written: list[Path] = []
     section = {
         "generator": "scripts/make_optimum_export.py",
         "requirements": "scripts/requirements-optimum.txt",
         "versions": v,
-        "model": MODEL.relative_to(REPO).as_posix(),
         "exports": {},
     }
     for name, spec in EXPORTS.items():
+        model = MODELS[spec["model"]]
+        prompt, hf_logits, hf_tokens = runs[spec["model"]]
         out, command = export(name, spec)
         xml = out / "openvino_model.xml"
         held = describe(xml)
+        if model["moe"] and held["compressed_weights"]:
+            check_moe_rule(name, held)
         ov_logits, ov_tokens = openvino_run(xml, prompt)
         check = {
-            "prompt": "goldens/tiny.safetensors token_ids",
+            "prompt": f"goldens/{model['golden'].name} token_ids",
             "prompt_tokens": len(prompt),
             "generated": NUM_GENERATED,
             "openvino_config": OV_CONFIG,
@@ -314,7 +423,7 @@ def main() -> None:
             "version": 1,
             "xml": "openvino_model.xml",
             "bin": "openvino_model.bin",
-            "model": "../../models/tiny",
+            "model": f"../../models/{spec['model']}",
             "reference_weights": spec["reference_weights"],
             "stateful": True,
             "inputs": {
@@ -341,6 +450,7 @@ def main() -> None:
         files = sorted(out.iterdir())
         written.extend(files)
         section["exports"][name] = {
+            "model": model["dir"].relative_to(REPO).as_posix(),
             "command": " ".join(command),
             "reference_weights": spec["reference_weights"],
             "compressed_summary": held["compressed_summary"],
