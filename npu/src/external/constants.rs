@@ -3,22 +3,39 @@
 //! → the `MatMul`, `Gather` or `GroupConvolution` that uses it), as codes and scales, and the checkpoint tensor each
 //! one stands for ([`checkpoint_name`]). A test holds them to what the reference's weight format gives the same
 //! checkpoint, so that "the reference runs exactly the IR's weights" is checked rather than assumed.
+//!
+//! The weight is taken in the shape its consumer reads (the decompression's last output): a matrix `[out, in]` read
+//! by a MatMul with `transpose_b`, a conv kernel `[C, 1, 1, K]` read as `[C, K]`, or, in an MoE export, the experts
+//! stacked `[E, out, in]` for a batched MatMul, read as `E` matrices. NNCF's groups run along the last axis (the
+//! input axis) in each case, so each matrix's codes and scales are those of the reference's
+//! [`QuantizedMatrix`] for the same checkpoint tensor.
 
 use crate::error::{Error, Result};
 use half::f16;
 use reference::quant::{QuantKind, QuantizedMatrix, unpack_i4};
+use reference::schema::Param;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-/// One compressed weight of an IR.
+/// One compressed weight matrix of an IR: a whole constant, or one expert's slice of a stacked one.
 #[derive(Debug, Clone)]
 pub struct IrWeight {
     /// The constant's name in the IR.
     pub constant: String,
+    /// The expert, when the constant stacks the experts of an MoE layer (`[E, rows, cols]`); the matrix is then
+    /// its slice `[e]`.
+    pub expert: Option<usize>,
     /// The op that consumes the decompressed weight (`MatMul`, `Gather`, `GroupConvolution`).
     pub consumer: String,
     /// The codes and scales, as `[rows, cols]` (a conv kernel `[C, 1, 1, K]` as `[C, K]`).
     pub matrix: QuantizedMatrix,
+}
+
+impl IrWeight {
+    /// The checkpoint tensor this matrix holds ([`checkpoint_name`]).
+    pub fn checkpoint_name(&self) -> Result<String> {
+        checkpoint_name(&self.constant, self.expert)
+    }
 }
 
 /// Constant-name prefixes of optimum-intel's export and the checkpoint names they stand for (relative to the
@@ -29,11 +46,44 @@ const PREFIXES: [(&str, &str); 2] = [("self.model.model.", ""), ("self.model.", 
 const CONV_PREFIX: &str = "__module.model.model.layers.";
 const CONV_SUFFIX: &str = ".linear_attn/aten::_convolution/Reshape";
 
+/// optimum-intel's MoE export (Qwen3_5MoeModelPatcher) splits each layer's `experts.gate_up_proj` `[E, 2·I, H]` in
+/// two along its rows (`chunk(2, dim=-2)`: the gate projections first); OpenVINO folds the split into two constants
+/// named after it, the experts' gate and up projections `[E, I, H]`. `experts.down_proj` `[E, H, I]` keeps its name.
+const EXPERTS_SPLIT: &str = ".mlp/prim::ListUnpack/VariadicSplit.";
+const EXPERTS_DOWN: &str = ".mlp.experts.down_proj";
+
+/// The layer index `i` of `__module.model.model.layers.{i}{suffix}` or `self.model.model.layers.{i}{suffix}`.
+fn layer_of<'a>(constant: &'a str, suffix: &str) -> Option<&'a str> {
+    ["__module.model.model.layers.", "self.model.model.layers."]
+        .iter()
+        .find_map(|p| constant.strip_prefix(p)?.strip_suffix(suffix))
+        .filter(|l| !l.is_empty() && l.bytes().all(|b| b.is_ascii_digit()))
+}
+
 /// The checkpoint tensor (as [`reference::schema::TensorSpec::name`]) that an optimum-intel constant holds:
 /// `self.model.model.X` → `X`, `self.model.lm_head.weight` → `lm_head.weight`, and
 /// `__module.model.model.layers.{i}.linear_attn/aten::_convolution/Reshape` → `layers.{i}.linear_attn.conv1d.weight`.
-/// Anything else is an error naming the constant.
-pub fn checkpoint_name(constant: &str) -> Result<String> {
+/// With `expert` `Some(e)`, the expert's matrix of a stacked MoE constant: `…layers.{i}.mlp/prim::ListUnpack/
+/// VariadicSplit.0` and `.1` → `layers.{i}.mlp.experts.{e}.gate_proj.weight` and `up_proj.weight`,
+/// `self.model.model.layers.{i}.mlp.experts.down_proj` → `layers.{i}.mlp.experts.{e}.down_proj.weight`. Anything
+/// else is an error naming the constant.
+pub fn checkpoint_name(constant: &str, expert: Option<usize>) -> Result<String> {
+    if let Some(e) = expert {
+        let param = [
+            (format!("{EXPERTS_SPLIT}0"), Param::ExpertGateProj(e)),
+            (format!("{EXPERTS_SPLIT}1"), Param::ExpertUpProj(e)),
+            (EXPERTS_DOWN.to_string(), Param::ExpertDownProj(e)),
+        ]
+        .into_iter()
+        .find_map(|(suffix, param)| Some((layer_of(constant, &suffix)?, param)));
+        return match param {
+            Some((layer, param)) => Ok(format!("layers.{layer}.{}", param.key())),
+            None => Err(Error::Interface(format!(
+                "IR constant `{constant}` (expert {e} of a stacked weight) maps to no expert's tensor (known: \
+                 …layers.N{EXPERTS_SPLIT}0 and 1, …layers.N{EXPERTS_DOWN})"
+            ))),
+        };
+    }
     if let Some(layer) = constant
         .strip_prefix(CONV_PREFIX)
         .and_then(|r| r.strip_suffix(CONV_SUFFIX))
@@ -62,6 +112,19 @@ struct Layer {
     shape: Vec<usize>,
     offset: usize,
     size: usize,
+    /// The dims of its first output port.
+    output: Vec<usize>,
+    /// A MatMul's `transpose_b`.
+    transpose_b: Option<bool>,
+}
+
+/// The dims of a comma-separated `shape` attribute or of a port's `<dim>` children (a dynamic one as 0).
+fn dims<'a>(items: impl Iterator<Item = &'a str>) -> Vec<usize> {
+    items
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .map(|d| d.parse().unwrap_or(0))
+        .collect()
 }
 
 /// Reads every compressed weight of the IR `xml` (constants in `bin`).
@@ -98,12 +161,18 @@ pub fn compressed_weights(xml: &Path, bin: &Path) -> Result<Vec<IrWeight>> {
                 let data = n.children().find(|c| c.tag_name().name() == "data");
                 let attr = |k: &str| data.and_then(|d| d.attribute(k));
                 let shape = attr("shape")
-                    .map(|s| {
-                        s.split(',')
-                            .map(str::trim)
-                            .filter(|d| !d.is_empty())
-                            .map(|d| d.parse().unwrap_or(0))
-                            .collect()
+                    .map(|s| dims(s.split(',')))
+                    .unwrap_or_default();
+                let output = n
+                    .children()
+                    .find(|c| c.tag_name().name() == "output")
+                    .and_then(|o| o.children().find(|c| c.tag_name().name() == "port"))
+                    .map(|port| {
+                        dims(
+                            port.children()
+                                .filter(|d| d.tag_name().name() == "dim")
+                                .filter_map(|d| d.text()),
+                        )
                     })
                     .unwrap_or_default();
                 layers.insert(
@@ -115,6 +184,8 @@ pub fn compressed_weights(xml: &Path, bin: &Path) -> Result<Vec<IrWeight>> {
                         shape,
                         offset: attr("offset").and_then(|v| v.parse().ok()).unwrap_or(0),
                         size: attr("size").and_then(|v| v.parse().ok()).unwrap_or(0),
+                        output,
+                        transpose_b: attr("transpose_b").map(|v| v == "true"),
                     },
                 );
             }
@@ -202,24 +273,45 @@ pub fn compressed_weights(xml: &Path, bin: &Path) -> Result<Vec<IrWeight>> {
                 .ok_or_else(|| bad(format!("constant `{name}`: its decompression branches")))?;
             match layers[&next].kind.as_str() {
                 "Reshape" | "Convert" => node = next,
-                other => break other.to_string(),
+                _ => break next,
             }
         };
-        let rows = *layer.shape.first().unwrap_or(&0);
+        // The weight as its consumer reads it: matrices [rows, cols], experts stacked [E, rows, cols], a conv
+        // kernel [C, 1, 1, K] as [C, K].
+        let weight = &layers[&node].output;
+        let consumer_layer = &layers[&consumer];
         let count: usize = layer.shape.iter().product();
+        let (stack, rows) = match (consumer_layer.kind.as_str(), weight.as_slice()) {
+            ("MatMul", _) if consumer_layer.transpose_b != Some(true) => {
+                return Err(bad(format!(
+                    "constant `{name}`: its MatMul reads the weight as [in, out] (transpose_b false); only \
+                     [out, in] weights (transpose_b true) are supported"
+                )));
+            }
+            ("MatMul", &[e, r, _]) => (Some(e), r),
+            (_, &[r, _]) | ("GroupConvolution" | "Convolution", &[r, ..]) => (None, r),
+            (kind, w) => {
+                return Err(bad(format!(
+                    "constant `{name}`: a {w:?} weight read by a {kind} is not a layout of this project \
+                     (matrices, stacked experts [E, out, in], conv kernels [C, 1, 1, K])"
+                )));
+            }
+        };
         let scales_count: usize = scale.shape.iter().product();
+        let all_rows = stack.unwrap_or(1) * rows;
         if rows == 0
-            || !count.is_multiple_of(rows)
+            || weight.iter().product::<usize>() != count
+            || !count.is_multiple_of(all_rows)
             || scales_count == 0
-            || !scales_count.is_multiple_of(rows)
+            || !scales_count.is_multiple_of(all_rows)
         {
             return Err(bad(format!(
-                "constant `{name}` {:?} with scales {:?}: not a per-row or per-group layout",
+                "constant `{name}` {:?} with scales {:?}, read as {weight:?}: not a per-row or per-group layout",
                 layer.shape, scale.shape
             )));
         }
-        let cols = count / rows;
-        let per_row = scales_count / rows;
+        let cols = count / all_rows;
+        let per_row = scales_count / all_rows;
         let codes = match ty {
             "i4" => unpack_i4(bytes(layer)?, count)?,
             _ => bytes(layer)?.iter().map(|&b| b as i8).collect(),
@@ -245,13 +337,18 @@ pub fn compressed_weights(xml: &Path, bin: &Path) -> Result<Vec<IrWeight>> {
                 )));
             }
         };
-        let matrix = QuantizedMatrix::from_parts(kind, rows, cols, codes, scales)
-            .map_err(|e| bad(format!("constant `{name}`: {e}")))?;
-        out.push(IrWeight {
-            constant: name.clone(),
-            consumer,
-            matrix,
-        });
+        for e in 0..stack.unwrap_or(1) {
+            let codes = codes[e * rows * cols..(e + 1) * rows * cols].to_vec();
+            let scales = scales[e * rows * per_row..(e + 1) * rows * per_row].to_vec();
+            let matrix = QuantizedMatrix::from_parts(kind, rows, cols, codes, scales)
+                .map_err(|err| bad(format!("constant `{name}`: {err}")))?;
+            out.push(IrWeight {
+                constant: name.clone(),
+                expert: stack.map(|_| e),
+                consumer: consumer_layer.kind.clone(),
+                matrix,
+            });
+        }
     }
     Ok(out)
 }
