@@ -20,4 +20,5 @@ pub mod progress;
 pub mod prompts;
 pub mod ranges;
 pub mod report;
+pub mod routing;
 pub mod validate;

@@ -1,0 +1,323 @@
+//! The routing report on constructed routings: agreement, order-only differences, near ties and confident flips,
+//! stated bounds, flips downstream of others, and taps that cannot be routing.
+
+use super::*;
+use candle_core::{Device, Tensor};
+use std::collections::BTreeMap;
+
+/// Five experts, three per token: the reference's probabilities at one token, its 3rd and 4th 4e-5 apart.
+const P: [f64; 5] = [0.4, 0.25, 0.15002, 0.14998, 0.05];
+
+fn router(chosen: &[&[usize]], probs: Option<&[[f64; 5]]>) -> Router {
+    Router {
+        chosen: chosen.iter().map(|r| r.to_vec()).collect(),
+        probabilities: probs.map(|p| p.iter().map(|r| r.to_vec()).collect()),
+    }
+}
+
+fn layer(l: usize, reference: Router, device: Router) -> LayerSides {
+    LayerSides {
+        layer: l,
+        reference,
+        device,
+        ..LayerSides::default()
+    }
+}
+
+#[test]
+fn identical_routing_agrees_everywhere() {
+    let r = router(&[&[0, 1, 2], &[1, 0, 2]], Some(&[P, P]));
+    let report = compare(
+        "p",
+        &[layer(0, r.clone(), r.clone()), layer(1, r.clone(), r)],
+    )
+    .unwrap();
+    assert_eq!(report.pairs, 4);
+    assert_eq!(report.same_set, 4);
+    assert_eq!(report.same_order, 4);
+    assert_eq!(report.set_agreement, 1.0);
+    assert_eq!(report.flip_count(), 0);
+    assert_eq!(report.first_flip, None);
+    assert_eq!(report.layers[1].router_error_max, Some(0.0));
+    assert_eq!(report.top_k, 3);
+}
+
+#[test]
+fn an_order_only_difference_is_no_flip() {
+    let reference = router(&[&[0, 1, 2]], Some(&[P]));
+    let device = router(&[&[1, 0, 2]], Some(&[P]));
+    let report = compare("p", &[layer(0, reference, device)]).unwrap();
+    assert_eq!(report.same_set, 1);
+    assert_eq!(report.same_order, 0);
+    assert_eq!(report.order_only(), 1);
+    assert_eq!(report.flip_count(), 0);
+    assert_eq!(report.set_agreement, 1.0);
+}
+
+#[test]
+fn a_swap_within_twice_the_router_error_is_a_near_tie() {
+    // The device moved the 3rd and 4th probabilities by 5e-5 each and swapped them: gap 4e-5 ≤ 2 × 5e-5.
+    let mut q = P;
+    (q[2], q[3]) = (0.14997, 0.15003);
+    let reference = router(&[&[0, 1, 2], &[0, 1, 2]], Some(&[P, P]));
+    let device = router(&[&[0, 1, 3], &[0, 1, 2]], Some(&[q, P]));
+    let mut sides = layer(2, reference, device);
+    sides.mlp_nrmse = Some(vec![3e-2, 1e-4]);
+    let report = compare("p", &[sides]).unwrap();
+    assert_eq!(report.flip_count(), 1);
+    let f = &report.flips[0];
+    assert_eq!((f.layer, f.token), (2, 0));
+    assert_eq!(
+        (f.experts_in.clone(), f.experts_out.clone()),
+        (vec![3], vec![2])
+    );
+    assert!((f.reference_margin.unwrap() - 4e-5).abs() < 1e-12, "{f:?}");
+    assert!((f.gap.unwrap() - 4e-5).abs() < 1e-12, "{f:?}");
+    assert!((f.router_error.unwrap() - 5e-5).abs() < 1e-12, "{f:?}");
+    assert_eq!(f.router_error_source, Some(ErrorSource::Measured));
+    assert_eq!(f.class, FlipClass::NearTie);
+    assert_eq!(report.near_tie_flips, 1);
+    assert_eq!(report.confident_flips, 0);
+    assert_eq!(
+        report.first_flip.as_ref().map(|f| (f.layer, f.token)),
+        Some((2, 0))
+    );
+    assert_eq!(report.first_confident, None);
+    // The flip's cost against the token that agreed.
+    assert_eq!(report.layers[0].mlp_nrmse_flipped, Some(3e-2));
+    assert_eq!(report.layers[0].mlp_nrmse_agreeing, Some(1e-4));
+    assert_eq!(report.set_agreement, 0.5);
+}
+
+#[test]
+fn a_swap_the_router_error_cannot_explain_is_confident() {
+    // The device's router output is the reference's (error 0), yet it took the 5th expert for the 1st: gap 0.35.
+    let reference = router(&[&[0, 1, 2]], Some(&[P]));
+    let device = router(&[&[4, 1, 2]], Some(&[P]));
+    let report = compare("p", &[layer(1, reference, device)]).unwrap();
+    let f = &report.flips[0];
+    assert_eq!(f.class, FlipClass::Confident);
+    assert!((f.gap.unwrap() - 0.35).abs() < 1e-12, "{f:?}");
+    // The margin is the reference's alone: it says nothing of which experts were swapped.
+    assert!((f.reference_margin.unwrap() - 4e-5).abs() < 1e-12, "{f:?}");
+    assert_eq!(f.router_error, Some(0.0));
+    assert_eq!(report.confident_flips, 1);
+    assert_eq!(report.first_confident.as_ref().map(|f| f.layer), Some(1));
+}
+
+#[test]
+fn the_bound_is_twice_the_router_error_inclusive() {
+    assert_eq!(classify(Some(2e-4), Some(1e-4), false), FlipClass::NearTie);
+    assert_eq!(
+        classify(Some(2.000001e-4), Some(1e-4), false),
+        FlipClass::Confident
+    );
+    assert_eq!(
+        classify(Some(1e-9), Some(f64::NAN), false),
+        FlipClass::Confident
+    );
+    assert_eq!(
+        classify(Some(f64::NAN), Some(1.0), false),
+        FlipClass::Confident
+    );
+    assert_eq!(classify(Some(1e-9), Some(1.0), true), FlipClass::Confident);
+    assert_eq!(classify(None, Some(1.0), false), FlipClass::Unclassified);
+    assert_eq!(classify(Some(1e-9), None, false), FlipClass::Unclassified);
+}
+
+#[test]
+fn without_the_devices_router_logits_a_stated_bound_classifies() {
+    let reference = router(&[&[0, 1, 2]], Some(&[P]));
+    let device = router(&[&[0, 1, 3]], None);
+    let mut report = compare("p", &[layer(0, reference, device)]).unwrap();
+    assert_eq!(report.flips[0].class, FlipClass::Unclassified);
+    assert_eq!(report.unclassified_flips, 1);
+    assert_eq!(report.layers[0].router_error_max, None);
+    report.classify(Some(1e-4));
+    assert_eq!(report.flips[0].class, FlipClass::NearTie);
+    assert_eq!(
+        report.flips[0].router_error_source,
+        Some(ErrorSource::Stated)
+    );
+    assert_eq!(report.near_tie_flips, 1);
+    report.classify(Some(1e-6));
+    assert_eq!(report.flips[0].class, FlipClass::Confident);
+    assert_eq!(report.confident_flips, 1);
+    report.classify(None);
+    assert_eq!(report.flips[0].class, FlipClass::Unclassified);
+    // A measured error is never replaced by a stated one.
+    let mut measured = compare(
+        "p",
+        &[layer(
+            0,
+            router(&[&[0, 1, 2]], Some(&[P])),
+            router(&[&[0, 1, 4]], Some(&[P])),
+        )],
+    )
+    .unwrap();
+    measured.classify(Some(1.0));
+    assert_eq!(measured.flips[0].class, FlipClass::Confident);
+    assert_eq!(
+        measured.flips[0].router_error_source,
+        Some(ErrorSource::Measured)
+    );
+}
+
+#[test]
+fn without_the_references_router_logits_flips_stay_unclassified() {
+    let mut report = compare(
+        "p",
+        &[layer(
+            0,
+            router(&[&[0, 1, 2]], None),
+            router(&[&[0, 1, 3]], Some(&[P])),
+        )],
+    )
+    .unwrap();
+    report.classify(Some(1.0));
+    assert_eq!(report.flips[0].gap, None);
+    assert_eq!(report.flips[0].class, FlipClass::Unclassified);
+}
+
+#[test]
+fn an_expert_chosen_twice_is_confident() {
+    let report = compare(
+        "p",
+        &[layer(
+            0,
+            router(&[&[0, 1, 2]], Some(&[P])),
+            router(&[&[0, 0, 1]], Some(&[P])),
+        )],
+    )
+    .unwrap();
+    let f = &report.flips[0];
+    assert!(f.repeated);
+    assert_eq!(
+        (f.experts_in.clone(), f.experts_out.clone()),
+        (vec![0], vec![2])
+    );
+    assert_eq!(f.class, FlipClass::Confident);
+}
+
+#[test]
+fn a_flip_after_an_earlier_one_at_or_before_its_token_is_downstream() {
+    let same = |n: usize| vec![vec![0, 1, 2]; n];
+    let mut d0 = same(6);
+    d0[2] = vec![0, 1, 3];
+    let mut d1 = same(6);
+    d1[1] = vec![0, 1, 3]; // before layer 0's flip: nothing upstream reaches it
+    d1[4] = vec![0, 1, 3]; // after it: downstream
+    let probs = Some(vec![P.to_vec(); 6]);
+    let r = Router {
+        chosen: same(6),
+        probabilities: probs.clone(),
+    };
+    let sides = |l: usize, chosen: Vec<Vec<usize>>| {
+        let mut s = layer(
+            l,
+            r.clone(),
+            Router {
+                chosen,
+                probabilities: probs.clone(),
+            },
+        );
+        s.input_nrmse = Some((0..6).map(|t| t as f64 * 1e-3).collect());
+        s
+    };
+    let report = compare("p", &[sides(0, d0), sides(1, d1)]).unwrap();
+    let at: Vec<(usize, usize, Option<At>)> = report
+        .flips
+        .iter()
+        .map(|f| (f.layer, f.token, f.upstream))
+        .collect();
+    assert_eq!(
+        at,
+        [
+            (0, 2, None),
+            (1, 1, None),
+            (1, 4, Some(At { layer: 0, token: 2 }))
+        ]
+    );
+    assert_eq!(report.downstream_flips, 1);
+    assert_eq!(report.layers[1].downstream_flips, 1);
+    assert_eq!(report.flips[2].input_nrmse, Some(4e-3));
+    let first = report.first_flip.unwrap();
+    assert_eq!((first.layer, first.token), (0, 2));
+    // These are confident: the router error is 0 while the gap is 4e-5.
+    assert_eq!(report.confident_flips, 3);
+}
+
+#[test]
+fn prompts_merge_layer_by_layer() {
+    let r = router(&[&[0, 1, 2], &[0, 1, 2]], Some(&[P, P]));
+    let a = compare("a", &[layer(0, r.clone(), r.clone())]).unwrap();
+    let b = compare(
+        "b",
+        &[layer(
+            0,
+            r.clone(),
+            router(&[&[0, 1, 2], &[0, 1, 4]], Some(&[P, P])),
+        )],
+    )
+    .unwrap();
+    let m = RoutingReport::merge([&a, &b]).unwrap();
+    assert_eq!(m.pairs, 4);
+    assert_eq!(m.same_set, 3);
+    assert_eq!(m.layers.len(), 1);
+    assert_eq!(m.layers[0].confident_flips, 1);
+    assert_eq!(m.first_flip.unwrap().prompt, "b");
+    assert_eq!(RoutingReport::merge([]), None);
+}
+
+#[test]
+fn sides_of_different_lengths_or_widths_are_refused() {
+    let r = router(&[&[0, 1, 2]], Some(&[P]));
+    let shorter = router(&[], None);
+    assert!(compare("p", &[layer(0, r.clone(), shorter)]).is_err());
+    let narrower = router(&[&[0, 1]], None);
+    assert!(compare("p", &[layer(0, r, narrower)]).is_err());
+}
+
+fn taps(chosen: &[[i64; 3]], logits: Option<&[[f32; 5]]>) -> BTreeMap<String, Tensor> {
+    let mut m = BTreeMap::new();
+    let flat: Vec<i64> = chosen.iter().flatten().copied().collect();
+    m.insert(
+        chosen_name(0),
+        Tensor::from_vec(flat, (chosen.len(), 3), &Device::Cpu).unwrap(),
+    );
+    if let Some(l) = logits {
+        let flat: Vec<f32> = l.iter().flatten().copied().collect();
+        m.insert(
+            "layers.0.mlp.router_logits".into(),
+            Tensor::from_vec(flat, (l.len(), 5), &Device::Cpu).unwrap(),
+        );
+    }
+    m
+}
+
+#[test]
+fn taps_give_the_report_and_bad_taps_are_named() {
+    let logits = [[2.0f32, 1.5, 1.0, 0.99, 0.0]];
+    let reference = taps(&[[0, 1, 2]], Some(&logits));
+    let device = taps(&[[0, 1, 3]], Some(&logits));
+    let report = from_taps("p", 4, &reference, &device).unwrap().unwrap();
+    assert_eq!(report.layers.len(), 1);
+    assert_eq!(report.flips[0].class, FlipClass::Confident);
+    // A dense model's taps: no routing.
+    assert_eq!(
+        from_taps("p", 4, &BTreeMap::new(), &BTreeMap::new()).unwrap(),
+        None
+    );
+    // An index beyond the router's width, and one side routing fewer tokens.
+    let err = from_taps("p", 1, &reference, &taps(&[[0, 1, 7]], None))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("layers.0.mlp.experts_chosen") && err.contains("below 5"),
+        "{err}"
+    );
+    let err = from_taps("p", 1, &reference, &taps(&[[0, 1, 2], [0, 1, 2]], None))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("layers.0.mlp.experts_chosen"), "{err}");
+}
