@@ -1,6 +1,7 @@
 //! `qwen35 diff A.safetensors B.safetensors`: two dumps in the documented format (from any backend or program)
 //! compared with the metrics and reports of compare-devices, `B` being the reference. A dump needs only the tensors
-//! it has: whatever both hold is compared, and what one side lacks is listed.
+//! it has: whatever both hold is compared, and what one side lacks is listed. An MoE model's chosen experts are
+//! indices, not values: they are scored as routing agreement ([`crate::routing`]), never by NRMSE.
 
 use super::Outcome;
 use super::args::{ReportArgs, ThresholdArgs};
@@ -9,12 +10,13 @@ use crate::dump::Dump;
 use crate::metrics::TensorError;
 use crate::outputs::Paths;
 use crate::report::{CompareReport, Inputs, Machine};
+use crate::routing::chosen_name;
 use anyhow::{Context, Result, bail};
 use npu::graphset::StateKind;
 use reference::backend::RunRecord;
 use reference::config::{Config, LayerKind};
 use reference::taps::names;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// Arguments of `qwen35 diff`.
@@ -277,11 +279,13 @@ pub fn exec(args: DiffArgs) -> Result<Outcome> {
         ));
     }
     let mut device = DeviceReport::new(&label, record, thresholds, vec![comparison]);
-    // Every tensor both dumps hold, and those only one has.
+    // Every tensor both dumps hold (the chosen experts in `routing`), and those only one has.
+    let chosen: BTreeSet<String> = (0..kinds.len()).map(chosen_name).collect();
     for (name, ta) in &a.tensors {
         if let Some(tb) = b.tensors.get(name)
             && name != "token_ids"
             && name != "generated"
+            && !chosen.contains(name)
         {
             device.tensors.push(Row {
                 name: name.clone(),

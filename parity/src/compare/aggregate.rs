@@ -3,6 +3,7 @@
 use super::{LayerTrace, Position, PositionClass, PromptComparison, Row, Thresholds};
 use crate::metrics::{TensorError, exceeds, falls_short, mean, nan_max, percentile};
 use crate::non_finite::{NonFinite, summary};
+use crate::routing::RoutingReport;
 use reference::backend::RunRecord;
 use serde::Serialize;
 
@@ -137,6 +138,10 @@ pub struct DeviceReport {
     pub tapped_vs_deployed: f64,
     /// Where the device first leaves tolerance.
     pub first_divergence: FirstDivergence,
+    /// An MoE model's routing against the reference's over every prompt, where both sides expose the chosen
+    /// experts; flips without the device's router logits are judged against `thresholds.router_tolerance`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub routing: Option<RoutingReport>,
     /// The first tensor (in computation order, of the first prompt that has one) where the device produced NaN or
     /// infinity; `null` when every value was finite.
     pub first_non_finite: Option<FirstNonFinite>,
@@ -239,6 +244,11 @@ impl DeviceReport {
                 )
             });
         let all = Distribution::of(all_positions.iter().copied());
+        let routing =
+            RoutingReport::merge(prompts.iter().filter_map(|p| p.routing.as_ref())).map(|mut r| {
+                r.classify(thresholds.router_tolerance);
+                r
+            });
         let mut report = DeviceReport {
             device: device.to_string(),
             record,
@@ -268,6 +278,7 @@ impl DeviceReport {
                 position: position_over,
                 token,
             },
+            routing,
             prompt_tokens_per_s: prompt_tokens as f64 / prompt_s.max(1e-9),
             decode_tokens_per_s: decode_tokens as f64 / decode_s.max(1e-9),
             failures: vec![],
@@ -326,6 +337,15 @@ impl DeviceReport {
             f.push(format!(
                 "{} confident teacher-forced disagreements > {} (--max-confident-flips)",
                 self.all.confident_flips, t.max_confident_flips
+            ));
+        }
+        if let Some(r) = &self.routing
+            && let Some(first) = &r.first_confident
+        {
+            f.push(format!(
+                "{} confident routing flip(s), the first at layer {} token {} of prompt `{}`: the device chose \
+                 experts its router error cannot explain",
+                r.confident_flips, first.layer, first.token, first.prompt
             ));
         }
         for l in &self.layers {

@@ -17,6 +17,7 @@ use crate::device::{Capabilities, DeviceUnderTest};
 use crate::images::PromptInput;
 use crate::metrics::{TensorError, TokenAgreement, max_abs_diff, per_slice, values};
 use crate::non_finite::{NonFinite, scan_all};
+use crate::routing::{self, RoutingReport};
 use anyhow::{Context, Result, bail};
 use candle_core::Tensor;
 use reference::backend::{Backend, Forced, Generation, Precision};
@@ -41,6 +42,9 @@ pub struct Thresholds {
     pub max_layer_nrmse: f64,
     /// Largest NRMSE of a state after the prompt.
     pub max_state_nrmse: f64,
+    /// The router probability error to assume for a device that gives no router logits, against which its routing
+    /// flips are classified (`None`: they stay unclassified; see [`crate::routing`]).
+    pub router_tolerance: Option<f64>,
 }
 
 impl Thresholds {
@@ -55,6 +59,7 @@ impl Thresholds {
                 max_confident_flips: 0,
                 max_layer_nrmse: 1e-4,
                 max_state_nrmse: 1e-4,
+                router_tolerance: None,
             }
         } else {
             Thresholds {
@@ -64,6 +69,7 @@ impl Thresholds {
                 max_confident_flips: 0,
                 max_layer_nrmse: 5e-2,
                 max_state_nrmse: 5e-2,
+                router_tolerance: None,
             }
         }
     }
@@ -84,6 +90,8 @@ pub struct ThresholdOverrides {
     pub max_layer_nrmse: Option<f64>,
     /// `--max-state-nrmse`.
     pub max_state_nrmse: Option<f64>,
+    /// `--router-tolerance`.
+    pub router_tolerance: Option<f64>,
 }
 
 impl ThresholdOverrides {
@@ -97,6 +105,7 @@ impl ThresholdOverrides {
             max_confident_flips: self.max_confident_flips.unwrap_or(d.max_confident_flips),
             max_layer_nrmse: self.max_layer_nrmse.unwrap_or(d.max_layer_nrmse),
             max_state_nrmse: self.max_state_nrmse.unwrap_or(d.max_state_nrmse),
+            router_tolerance: self.router_tolerance.or(d.router_tolerance),
         }
     }
 
@@ -107,6 +116,7 @@ impl ThresholdOverrides {
             ("--max-kl", self.max_kl),
             ("--max-layer-nrmse", self.max_layer_nrmse),
             ("--max-state-nrmse", self.max_state_nrmse),
+            ("--router-tolerance", self.router_tolerance),
         ];
         for (flag, v) in positive {
             if let Some(v) = v
@@ -308,6 +318,10 @@ pub struct PromptComparison {
     /// an external IR); `None` when they were.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub not_available: Option<String>,
+    /// An MoE model's routing against the reference's, where both sides expose the chosen experts (in the JSON
+    /// once, merged over the prompts, as the device's `routing`).
+    #[serde(skip)]
+    pub routing: Option<RoutingReport>,
     /// Largest difference between the logits of the graphs with taps and as deployed (0: the taps changed
     /// nothing).
     pub tapped_vs_deployed: f64,
@@ -424,7 +438,7 @@ pub struct Side<'a> {
 
 /// Compares two runs of one prompt (the second side measured against the first, the reference), over whatever both
 /// sides hold: each layer whose output both have (its mixer and MLP outputs where both have them), the final norm,
-/// and every state both have. `kinds` are the layers' kinds where known; `eos` are the end-of-sequence ids.
+/// every state both have, and an MoE model's routing where both have the chosen experts. `kinds` are the layers' kinds where known; `eos` are the end-of-sequence ids.
 pub fn compare_runs(
     label: &str,
     kinds: &[Option<LayerKind>],
@@ -469,6 +483,7 @@ pub fn compare_runs(
         }
     }
     c.final_norm = error(names::FINAL_NORM)?;
+    c.routing = routing::from_taps(label, kinds.len(), reference.taps, device.taps)?;
     c.non_finite = non_finite_of(&device)?;
     c.reference_non_finite = non_finite_of(&reference)?;
     Ok(c)
@@ -540,6 +555,7 @@ pub fn compare_tokens(
         non_finite: Vec::new(),
         reference_non_finite: Vec::new(),
         not_available: None,
+        routing: None,
         tapped_vs_deployed: 0.0,
         prompt_seconds: 0.0,
         decode_seconds: 0.0,

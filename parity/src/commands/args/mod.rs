@@ -501,6 +501,10 @@ pub struct ThresholdArgs {
     /// Largest NRMSE of a state after the prompt (default 1e-4 at f32, 5e-2 at f16/bf16).
     #[arg(long, value_name = "X")]
     pub max_state_nrmse: Option<f64>,
+    /// MoE: the router probability error to assume where the device gives no router logits, to classify its
+    /// routing flips (a flip is a near tie when the reference's gap is within twice it; default: unclassified).
+    #[arg(long, value_name = "P")]
+    pub router_tolerance: Option<f64>,
 }
 
 impl ThresholdArgs {
@@ -513,6 +517,7 @@ impl ThresholdArgs {
             max_confident_flips: self.max_confident_flips,
             max_layer_nrmse: self.max_layer_nrmse,
             max_state_nrmse: self.max_state_nrmse,
+            router_tolerance: self.router_tolerance,
         };
         o.validate()?;
         Ok(o)
