@@ -16,13 +16,22 @@
 //! `final_norm` are empty), `tapped_vs_deployed`, `first_divergence` {`layer`, `position`,
 //! `token`}, `first_non_finite` (null, or {`prompt`, `tensors`, `first`: {`name`, `nan`, `inf`, `count`, `shape`,
 //! `first` (the index of the first non-finite element)}}: where the device's NaN or infinity first appears, in the
-//! order the decoder computes), `prompt_tokens_per_s`, `decode_tokens_per_s` and `prompts` (every prompt's own comparison, with every
+//! order the decoder computes), `routing` (an MoE model whose chosen experts both sides expose, merged over the
+//! prompts; absent otherwise: `top_k`, `pairs`, `same_set`, `same_order`, `set_agreement`, `near_tie_flips`,
+//! `confident_flips`, `unclassified_flips`, `downstream_flips`, `stated_router_error`, `first_flip`,
+//! `first_confident`, `layers` ([{`layer`, `tokens`, `same_set`, `same_order`, `set_agreement`, the four flip
+//! counts, `router_error_max`, `mlp_nrmse_flipped`, `mlp_nrmse_agreeing`}]) and `flips` ([{`prompt`, `layer`,
+//! `token`, `reference`, `device`, `experts_in`, `experts_out`, `reference_margin`, `gap`, `measured_router_error`,
+//! `router_error`, `router_error_source` (`measured`|`stated`), `repeated`, `class`
+//! (`near_tie`|`confident`|`unclassified`), `mlp_nrmse`, `output_nrmse`, `input_nrmse`, `upstream` ({`layer`,
+//! `token`} or null)}]); see [`crate::routing`]; `diff` scores the chosen experts there, not in `tensors`),
+//! `prompt_tokens_per_s`, `decode_tokens_per_s` and `prompts` (every prompt's own comparison, with every
 //! teacher-forced position, and `non_finite` / `reference_non_finite`: every tensor of either side holding NaN or
 //! infinity, in computation order). A measure that is undefined (NaN: a side held a non-finite value) is `null`.
 
 pub use super::trace::first_divergence_line;
 use super::trace::hidden_sections;
-use super::{Machine, Outputs, paint, short_model, stamped, write};
+use super::{Machine, Outputs, paint, routing, short_model, stamped, write};
 use crate::compare::{DeviceReport, Distribution};
 use crate::metrics::{TensorError, nan_max};
 use anyhow::Result;
@@ -201,6 +210,9 @@ impl CompareReport {
         for d in &self.devices {
             let _ = writeln!(s, "{}: {}", d.device, first_divergence_line(d));
             for line in vision_lines(d) {
+                let _ = writeln!(s, "  {line}");
+            }
+            for line in d.routing.iter().flat_map(routing::terminal_lines) {
                 let _ = writeln!(s, "  {line}");
             }
             if let Some(why) = &d.not_available {
@@ -454,6 +466,9 @@ impl CompareReport {
                     let _ = writeln!(s, "\nNot compared: {why}.");
                 }
                 hidden_sections(&mut s, d);
+            }
+            if let Some(r) = &d.routing {
+                routing::markdown(&mut s, r);
             }
             let _ = writeln!(s, "\n### Prompts\n");
             let _ = writeln!(

@@ -4,6 +4,7 @@
 
 pub mod compare;
 pub mod probe;
+pub mod routing;
 mod trace;
 pub mod validate;
 

@@ -102,5 +102,10 @@ pub fn first_divergence_line(d: &DeviceReport) -> String {
         .map_or("no token differs".into(), |(label, i)| {
             format!("first differing token: {i} of prompt `{label}`")
         });
-    format!("{layer}; {position}; {token}")
+    let routing = d
+        .routing
+        .as_ref()
+        .and_then(super::routing::first_flip_clause)
+        .map_or(String::new(), |c| format!("; {c}"));
+    format!("{layer}; {position}; {token}{routing}")
 }
