@@ -171,6 +171,63 @@ fn elementwise_matmul_and_shape_ops_match_candle() {
     close("gather", &out["gather"], &gathered, 0.0);
 }
 
+/// The MoE router's ops: `TopK` (max, sorted by value, stable, i64 indices) with exact ties taken lower index first,
+/// `OneHot` of its indices, a `Gather` of whole matrices from a stacked constant and a batched product over it, on
+/// OpenVINO and FP16SIM alike.
+#[test]
+fn topk_one_hot_and_stacked_gathers_match_candle() {
+    // Rows with exact ties: 0.3 three times (top 2 must be experts 1 and 2), and a row of equal values.
+    let p: Vec<f32> = vec![
+        0.1, 0.3, 0.3, 0.3, 0.2, //
+        0.5, 0.5, 0.5, 0.5, 0.5, //
+        -1.0, 2.0, 0.0, 7.0, 2.0,
+    ];
+    let mut g = Graph::new("topk");
+    let x = g.parameter("p", ElemType::F32, &[3, 5]);
+    let (values, indices) = g.topk(x, 2, 1).unwrap();
+    g.result(values, "values").unwrap();
+    g.result(indices, "indices").unwrap();
+    let hot = g.one_hot(indices, 5).unwrap();
+    g.result(hot, "one_hot").unwrap();
+    // A stack of four [2, 3] matrices; matrices 3 and 0 gathered, each times its own row of `v`.
+    let stack: Vec<f32> = (0..24).map(|i| i as f32 * 0.25 - 3.0).collect();
+    let w = g.const_f32(&stack, &[4, 2, 3]).unwrap();
+    let idx = g.const_i64(&[3, 0], &[2]).unwrap();
+    let picked = g.gather(w, idx, 0).unwrap();
+    let v = g.parameter("v", ElemType::F32, &[2, 1, 3]);
+    let y = g.matmul(v, picked, false, true).unwrap();
+    g.result(y, "batched").unwrap();
+    let pt = Tensor::from_vec(p, (3, 5), &Device::Cpu).unwrap();
+    let vt = Tensor::new(&[[[1.0f32, -2.0, 0.5]], [[0.25, 1.0, -1.0]]], &Device::Cpu).unwrap();
+    let out = run(&g, &[("p", &pt), ("v", &vt)]);
+    assert_eq!(out["indices"].dtype(), DType::I64);
+    assert_eq!(
+        out["indices"].to_vec2::<i64>().unwrap(),
+        [[1, 2], [0, 1], [3, 1]]
+    );
+    assert_eq!(
+        out["values"].to_vec2::<f32>().unwrap(),
+        [[0.3, 0.3], [0.5, 0.5], [7.0, 2.0]]
+    );
+    let hot = out["one_hot"].to_vec3::<f32>().unwrap();
+    assert_eq!(
+        hot[0],
+        [[0.0, 1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0]]
+    );
+    assert_eq!(
+        hot[2],
+        [[0.0, 0.0, 0.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0, 0.0]]
+    );
+    let st = Tensor::from_vec(stack, (4, 2, 3), &Device::Cpu).unwrap();
+    let picked = Tensor::cat(
+        &[st.narrow(0, 3, 1).unwrap(), st.narrow(0, 0, 1).unwrap()],
+        0,
+    )
+    .unwrap();
+    let expected = vt.matmul(&picked.transpose(1, 2).unwrap()).unwrap();
+    close("batched", &out["batched"], &expected, 1e-6);
+}
+
 #[test]
 fn f16_constants_convert_exactly() {
     let mut g = Graph::new("f16");

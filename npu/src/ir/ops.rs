@@ -422,3 +422,64 @@ impl Graph {
         ))
     }
 }
+
+impl Graph {
+    /// The `k` largest values along `axis` and their indices (`TopK-11`: mode `max`, sorted by value in descending
+    /// order, `stable`: equal values keep their input order, the lower index first; indices `i64`). Returns
+    /// `(values, indices)`, both of `x`'s shape with `axis` of length `k`.
+    pub fn topk(&mut self, x: Value, k: usize, axis: usize) -> Result<(Value, Value)> {
+        let (ty, mut shape) = (self.elem(x), self.shape(x).to_vec());
+        if axis >= shape.len() || k == 0 || k > shape[axis] || !ty.is_float() {
+            return Err(self.err(
+                "TopK",
+                format!(
+                    "top {k} along axis {axis} of a {} tensor {shape:?}",
+                    ty.ir_name()
+                ),
+            ));
+        }
+        shape[axis] = k;
+        let kc = self.const_i64(&[k as i64], &[])?;
+        let node = self.push(
+            "TopK",
+            "opset11",
+            vec![
+                ("axis", axis.to_string()),
+                ("mode", "max".into()),
+                ("sort", "value".into()),
+                ("index_element_type", "i64".into()),
+                ("stable", "true".into()),
+            ],
+            vec![x, kc],
+            vec![(ty, shape.clone()), (ElemType::I64, shape)],
+        );
+        Ok((Value { node, port: 0 }, Value { node, port: 1 }))
+    }
+
+    /// One-hot rows of integer `indices` over `depth` classes, as f32 (`OneHot-1` with 1 on and 0 off, the new axis
+    /// last): `indices.shape + [depth]`.
+    pub fn one_hot(&mut self, indices: Value, depth: usize) -> Result<Value> {
+        if self.elem(indices) != ElemType::I64 || depth == 0 {
+            return Err(self.err(
+                "OneHot",
+                format!(
+                    "{} indices over {depth} classes (i64, depth ≥ 1)",
+                    self.elem(indices).ir_name()
+                ),
+            ));
+        }
+        let mut shape = self.shape(indices).to_vec();
+        shape.push(depth);
+        let d = self.const_i64(&[depth as i64], &[])?;
+        let on = self.scalar(1.0)?;
+        let off = self.scalar(0.0)?;
+        Ok(self.one(
+            "OneHot",
+            "opset1",
+            vec![("axis", "-1".into())],
+            vec![indices, d, on, off],
+            ElemType::F32,
+            shape,
+        ))
+    }
+}

@@ -10,8 +10,8 @@ use super::Kernels;
 use super::norms::find_norms;
 use super::numeric::{Accumulation, NumericModel};
 use super::ops::{
-    binary, binary_int, concat, convert, from_tensor, gather, gelu_erf, gelu_tanh, slice, softmax,
-    to_tensor, transpose, unary,
+    binary, binary_int, concat, convert, from_tensor, gather, gelu_erf, gelu_tanh, one_hot_node,
+    slice, softmax, to_tensor, topk_node, transpose, unary,
 };
 use super::weights::{Weight, find_weights};
 use crate::error::{Error, Result};
@@ -299,6 +299,9 @@ impl Evaluator {
                 "Loop" => {
                     self.eval_loop(node, &(0..node.inputs.len()).map(arg).collect::<Vec<_>>())?
                 }
+                // Two outputs: the values (stored values, unchanged) and their i64 indices.
+                "TopK" => topk_node(node, &(0..node.inputs.len()).map(arg).collect::<Vec<_>>())
+                    .map_err(|e| err(e.to_string()))?,
                 op => {
                     let args: Vec<V> = (0..node.inputs.len()).map(arg).collect();
                     let weight = |i: usize| {
@@ -471,6 +474,7 @@ impl Evaluator {
                 softmax(&a[0], axis)?
             }
             "Convert" => convert(&a[0], attr("destination_type"))?,
+            "OneHot" => one_hot_node(node, a)?,
             other => {
                 return Err(Error::Interface(format!(
                     "{other} is not an op FP16SIM evaluates"

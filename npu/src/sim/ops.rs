@@ -245,3 +245,96 @@ pub(super) fn gelu_tanh(x: f32) -> f32 {
     let k = (2.0 / std::f64::consts::PI).sqrt();
     (0.5 * x * (1.0 + (k * (x + 0.044715 * x * x * x)).tanh())) as f32
 }
+
+/// `TopK-11` with mode `max`, sorted by value and stable: along `axis`, the `k` largest values in descending order
+/// (equal values in ascending index order) and their indices. The values are the input's, unchanged.
+pub(super) fn topk(x: &V, k: usize, axis: usize) -> Result<(V, V)> {
+    let shape = &x.shape;
+    if axis >= shape.len() || k > shape[axis] {
+        return Err(Error::Interface(format!(
+            "TopK {k} along axis {axis} of {shape:?}"
+        )));
+    }
+    let v = x.floats()?;
+    let n = shape[axis];
+    let inner: usize = shape[axis + 1..].iter().product();
+    let outer: usize = shape[..axis].iter().product();
+    let mut out_shape = shape.clone();
+    out_shape[axis] = k;
+    let total: usize = out_shape.iter().product();
+    let (mut values, mut indices) = (vec![0f32; total], vec![0i64; total]);
+    let mut order: Vec<usize> = Vec::with_capacity(n);
+    for o in 0..outer {
+        for i in 0..inner {
+            let at = |j: usize| (o * n + j) * inner + i;
+            order.clear();
+            order.extend(0..n);
+            // A stable sort: equal values keep ascending index order.
+            order.sort_by(|&a, &b| v[at(b)].total_cmp(&v[at(a)]));
+            for (r, &j) in order.iter().take(k).enumerate() {
+                let to = (o * k + r) * inner + i;
+                values[to] = v[at(j)];
+                indices[to] = j as i64;
+            }
+        }
+    }
+    Ok((
+        Val::f(out_shape.clone(), values),
+        Rc::new(Val {
+            shape: out_shape,
+            data: Data::I(indices),
+        }),
+    ))
+}
+
+/// `OneHot-1` along a new last axis: `on` where the index equals the class, `off` elsewhere (an index outside
+/// `0..depth` gives a row of `off`).
+pub(super) fn one_hot(indices: &V, depth: usize, on: f32, off: f32) -> Result<V> {
+    let idx = indices.ints()?;
+    let mut out = vec![off; idx.len() * depth];
+    for (row, &i) in out.chunks_exact_mut(depth.max(1)).zip(&idx) {
+        if (0..depth as i64).contains(&i) {
+            row[i as usize] = on;
+        }
+    }
+    let mut shape = indices.shape.clone();
+    shape.push(depth);
+    Ok(Val::f(shape, out))
+}
+
+/// A `TopK` node on its arguments (data, k): `[values, indices]`. Only the form the graph builder writes is
+/// evaluated (mode `max`, sorted by value); `stable` or not, equal values come in ascending index order, which is
+/// what a stable sort gives and one order an unstable one may give.
+pub(super) fn topk_node(node: &crate::ir::Node, a: &[V]) -> Result<Vec<V>> {
+    let attr = |k: &str| node.attr(k).unwrap_or("");
+    if attr("mode") != "max" || attr("sort") != "value" {
+        return Err(Error::Interface(format!(
+            "TopK mode {} sort {}: FP16SIM evaluates mode max sorted by value",
+            attr("mode"),
+            attr("sort")
+        )));
+    }
+    let rank = a[0].shape.len() as i64;
+    let axis: i64 = attr("axis")
+        .parse()
+        .map_err(|_| Error::Interface("TopK axis".into()))?;
+    let axis = if axis < 0 { axis + rank } else { axis };
+    let k = a[1].ints()?.first().copied().unwrap_or(0);
+    if axis < 0 || k < 0 {
+        return Err(Error::Interface(format!("TopK axis {axis}, k {k}")));
+    }
+    let (values, indices) = topk(&a[0], k as usize, axis as usize)?;
+    Ok(vec![values, indices])
+}
+
+/// A `OneHot` node on its arguments (indices, depth, on, off), its new axis last (the form the builder writes).
+pub(super) fn one_hot_node(node: &crate::ir::Node, a: &[V]) -> Result<V> {
+    let axis = node.attr("axis").unwrap_or("-1");
+    if axis != "-1" && axis != a[0].shape.len().to_string() {
+        return Err(Error::Interface(format!(
+            "OneHot axis {axis}: FP16SIM evaluates a new last axis"
+        )));
+    }
+    let depth = a[1].ints()?.first().copied().unwrap_or(0).max(0) as usize;
+    one_hot(&a[0], depth, a[2].floats()?[0], a[3].floats()?[0])
+}
