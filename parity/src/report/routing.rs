@@ -37,13 +37,16 @@ pub fn summary_line(r: &RoutingReport) -> String {
             }
         );
     }
+    let order = match r.order_only() {
+        0 => String::new(),
+        n => format!("; {n} of them in another order"),
+    };
     format!(
-        "routing: {}/{} token-layer pairs chose the reference's experts ({:.1}%; {} more in another order only); \
-         {} flip(s): {} near tie, {} confident, {} unclassified ({} after an earlier flip)",
+        "routing: {}/{} token-layer pairs chose the reference's experts ({:.1}%{order}); {} flip(s): {} near tie, \
+         {} confident, {} unclassified ({} after an earlier flip)",
         r.same_set,
         r.pairs,
         100.0 * r.set_agreement,
-        r.order_only(),
         r.flip_count(),
         r.near_tie_flips,
         r.confident_flips,
