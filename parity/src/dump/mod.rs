@@ -50,6 +50,11 @@ DUMP FORMAT (safetensors; T prompt tokens, H hidden, V vocabulary, N generated)
   layers.{i}.self_attn.gated_output [T, Hq*D]    o_proj input (attention times sigmoid(gate))
   layers.{i}.key_cache            [Hkv, T, D]    keys after q/k norm and RoPE
   layers.{i}.value_cache          [Hkv, T, D]
+ an MoE block in place of the MLP (E experts, k per token):
+  layers.{i}.mlp.router_logits    [T, E]         the router's logits, before the softmax
+  layers.{i}.mlp.experts_chosen   i64 [T, k]     the chosen experts, in descending probability (diff scores routing)
+  layers.{i}.mlp.expert_weights   [T, k]         their weights, renormalised over the k
+  layers.{i}.mlp.shared_output    [T, H]         the shared expert times its gate
 Metadata (strings): backend, dtype, weights, deltanet_prefill, deltanet_decode, output_scale, model, prompt,
 prompt_seconds, decode_seconds, nan_at (the generated token whose logits held a NaN, when one stopped the
 generation); the reference adds prefill_block; OpenVINO adds openvino (version), device, precision_requested,
