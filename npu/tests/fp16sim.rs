@@ -83,7 +83,7 @@ fn exact_fp16sim_agrees_with_openvino_on_every_layer_graph() {
                 output_scale: scale,
                 context: 64,
                 taps: true,
-                embeddings_input: false,
+                ..GraphOptions::default()
             };
             let builder = Builder::new(&config, &weights, opts).unwrap();
             let mut worst = 0f64;

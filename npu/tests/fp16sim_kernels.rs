@@ -7,7 +7,7 @@
 use candle_core::{DType, Tensor};
 use npu::devices::CompileOptions;
 use npu::engine::DecoderEngine;
-use npu::graphs::{Builder, DeltaNetGraphForm, GraphOptions};
+use npu::graphs::{Builder, DeltaNetGraphForm, GraphOptions, MoeGraphForm};
 use reference::config::Config;
 use reference::deltanet::Inverse;
 use reference::quant::WeightFormat;
@@ -80,6 +80,18 @@ fn assert_same(label: &str, tiled: &BTreeMap<String, Tensor>, plain: &BTreeMap<S
 
 /// One model, format, graph form and option set: the tiled run equals the plain one bit for bit.
 fn check(name: &str, format: &str, form: DeltaNetGraphForm, block: usize, options: &str) {
+    check_moe(name, format, form, block, options, MoeGraphForm::default());
+}
+
+/// [`check`] with the MoE block's experts computed in `moe`.
+fn check_moe(
+    name: &str,
+    format: &str,
+    form: DeltaNetGraphForm,
+    block: usize,
+    options: &str,
+    moe: MoeGraphForm,
+) {
     let dir = testdata().join("models").join(name);
     let config = Config::from_file(&dir.join("config.json")).unwrap();
     let weights =
@@ -96,6 +108,7 @@ fn check(name: &str, format: &str, form: DeltaNetGraphForm, block: usize, option
         form,
         context: 32,
         taps: true,
+        moe,
         ..GraphOptions::default()
     };
     let sep = if options.is_empty() { "" } else { "," };
@@ -103,7 +116,10 @@ fn check(name: &str, format: &str, form: DeltaNetGraphForm, block: usize, option
     let plain = format!("FP16SIM:kernels=plain{sep}{options}");
     let (t, t_tokens) = outputs(&config, &weights, opts, block, &tiled, &ids);
     let (p, p_tokens) = outputs(&config, &weights, opts, block, &plain, &ids);
-    let label = format!("{name} {format} {form:?} block {block} `{options}`");
+    let label = format!(
+        "{name} {format} {form:?} block {block} `{options}` {}",
+        moe.name()
+    );
     assert_eq!(t_tokens, p_tokens, "{label}: greedy tokens");
     assert_same(&label, &t, &p);
     assert!(t.len() > 10, "{label}: only {} outputs", t.len());
@@ -153,5 +169,23 @@ fn tiled_kernels_equal_the_plain_evaluator_on_every_model_format_and_form() {
         DeltaNetGraphForm::Chunked(Inverse::Substitution),
     ] {
         check("tiny", "int4:32", form, 5, "");
+    }
+}
+
+/// The MoE block (tiny-moe): its router's TopK on fp16 probabilities, its stacked experts gathered or masked, in f32
+/// and INT4/INT8 (gate and up INT4, down INT8), tiled equal to plain bit for bit.
+#[test]
+fn tiled_kernels_equal_the_plain_evaluator_on_the_moe_block() {
+    for moe in [MoeGraphForm::Gather, MoeGraphForm::Masked] {
+        for format in ["f32", "int4:32"] {
+            check_moe(
+                "tiny-moe",
+                format,
+                DeltaNetGraphForm::Chunked(Inverse::Doubling),
+                8,
+                "",
+                moe,
+            );
+        }
     }
 }

@@ -39,6 +39,9 @@ fn a_streamed_ir_is_the_in_memory_ir_byte_for_byte() {
         ("tiny-h128", "int4-nncf:32"),
         ("tiny", "f16"),
         ("tiny", "f32"),
+        // The MoE block's stacked experts: INT4 gate and up, INT8 down (16 wide); f16.
+        ("tiny-moe", "int4:32"),
+        ("tiny-moe", "f16"),
     ] {
         let (config, store) = model(name, format);
         // Blocks of 3 rows (and of 1 value: one row): matrices are compressed in many pieces, whose bytes must
@@ -128,7 +131,13 @@ fn outputs(executor: &mut dyn Executor, inputs: &[(String, Tensor)]) -> BTreeMap
 #[test]
 fn graphs_sharing_one_bin_compute_what_separately_written_graphs_compute() {
     npu::runtime::load().unwrap();
-    let (config, store) = model("tiny", "int4:32");
+    for name in ["tiny", "tiny-moe"] {
+        sharing_one_bin(name);
+    }
+}
+
+fn sharing_one_bin(name: &str) {
+    let (config, store) = model(name, "int4:32");
     let builder = Builder::new(&config, &store, options())
         .unwrap()
         .with_stream_block(100);
@@ -146,7 +155,7 @@ fn graphs_sharing_one_bin_compute_what_separately_written_graphs_compute() {
     let (_, block_bin) = separate[1].serialize();
     assert!(
         added < block_bin.len() / 4,
-        "the block graph added {added} bytes to the shared .bin; written alone its .bin has {}",
+        "{name}: the block graph added {added} bytes to the shared .bin; written alone its .bin has {}",
         block_bin.len()
     );
     for device in ["CPU", "FP16SIM"] {
@@ -159,7 +168,7 @@ fn graphs_sharing_one_bin_compute_what_separately_written_graphs_compute() {
             assert_eq!(x.keys().collect::<Vec<_>>(), y.keys().collect::<Vec<_>>());
             for (k, v) in &x {
                 assert!(v.iter().all(|z| z.is_finite()), "{device} {k}: not finite");
-                assert!(v == &y[k], "{device} {}: {k} differs", alone.name());
+                assert!(v == &y[k], "{name} {device} {}: {k} differs", alone.name());
             }
             npu::pages::release(&[&shared.path().unwrap()]);
         }

@@ -472,7 +472,11 @@ impl DecoderEngine {
         let mut taps = BTreeMap::new();
         for (dump, name) in &graph.ports.taps {
             if let Some(t) = out.remove(name) {
-                let t = t.to_dtype(DType::F32)?;
+                // Indices (an MoE block's chosen experts) stay i64; values are read as f32 whatever the port holds.
+                let t = match t.dtype() {
+                    DType::I64 => t,
+                    _ => t.to_dtype(DType::F32)?,
+                };
                 taps.insert(dump.clone(), t.narrow(0, 0, valid.min(t.dim(0)?))?);
             }
         }

@@ -16,10 +16,27 @@ pub struct Mlp {
 impl Mlp {
     /// Puts layer `layer`'s `mlp.*` tensors into `graph`.
     pub fn load(builder: &Builder, graph: &mut Graph, layer: usize) -> Result<Self> {
+        Self::load_params(
+            builder,
+            graph,
+            layer,
+            [Param::GateProj, Param::UpProj, Param::DownProj],
+        )
+    }
+
+    /// Puts a SwiGLU block of layer `layer` into `graph` from the given gate, up and down projections (the MoE
+    /// block's shared expert's).
+    pub fn load_params(
+        builder: &Builder,
+        graph: &mut Graph,
+        layer: usize,
+        params: [Param; 3],
+    ) -> Result<Self> {
+        let [gate, up, down] = params;
         Ok(Mlp {
-            gate_proj: builder.layer_matrix(graph, layer, Param::GateProj)?,
-            up_proj: builder.layer_matrix(graph, layer, Param::UpProj)?,
-            down_proj: builder.layer_matrix(graph, layer, Param::DownProj)?,
+            gate_proj: builder.layer_matrix(graph, layer, gate)?,
+            up_proj: builder.layer_matrix(graph, layer, up)?,
+            down_proj: builder.layer_matrix(graph, layer, down)?,
         })
     }
 

@@ -2,8 +2,9 @@
 //!
 //! The files mirror the reference's, block for block and with the same function and variable names, so the two can
 //! be read side by side: [`ops`] (`reference::ops`: linear, the norms, the head repeat), [`deltanet`]
-//! (`reference::deltanet`: the delta rule's forms), [`linear_attn`], [`attention`], [`rope`], [`mlp`] and [`model`]
-//! (the block, the per-layer graph and the decoder graph). Masks and bands come from `reference::masks`, weights
+//! (`reference::deltanet`: the delta rule's forms), [`linear_attn`], [`attention`], [`rope`], [`mlp`], [`moe`] (the
+//! sparse MoE block in place of the MLP, [`MoeGraphForm`]) and [`model`] (the block, the per-layer graph and the
+//! decoder graph). Masks and bands come from `reference::masks`, weights
 //! through `reference::schema`, port names from [`ports`].
 //!
 //! Every graph has static shapes and keeps its state explicit: the caller passes each layer's incoming conv state,
@@ -17,7 +18,9 @@
 //! Outputs: `output` `[T, H]`, `mixer_output`, `mlp_output` `[T, H]`; linear layers `conv_state_out`,
 //! `recurrent_state_out` and `linear_attn.{query, key, value, g, beta, core_output}` (`core_output` `[T, Hv, Dv]`
 //! is the DeltaNet output before the gated norm, unscaled); attention layers `new_keys`, `new_values`
-//! `[Hkv, T, D]` and `self_attn.gated_output`. The names match the dump format's, less the `layers.{i}.` prefix.
+//! `[Hkv, T, D]` and `self_attn.gated_output`; an MoE block `mlp.{router_logits [T, E], experts_chosen [T, k]
+//! (i64), expert_weights [T, k], shared_output [T, H]}`. The names match the dump format's, less the
+//! `layers.{i}.` prefix.
 //!
 //! # Decoder graph
 //! Inputs `input_ids` `[T]` (i64), `token_valid`, `positions`, `attention_mask` and every layer's state as
@@ -30,6 +33,7 @@ pub mod deltanet;
 pub mod linear_attn;
 pub mod mlp;
 pub mod model;
+pub mod moe;
 pub mod ops;
 pub mod ports;
 pub mod rope;
@@ -82,6 +86,39 @@ impl DeltaNetGraphForm {
     }
 }
 
+/// How an MoE block's routed experts are computed inside a graph of more than one token (a graph of one token
+/// always gathers). Both read the experts' matrices from one stacked constant per projection (`[E, Im, H]` gate and
+/// up, `[E, H, Im]` down) and give the same numbers up to the order of a sum (see `docs/moe.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MoeGraphForm {
+    /// The chosen experts' matrices gathered by index (`[T·k]` of them), batched products, weighted and summed over
+    /// the `k` chosen.
+    Gather,
+    /// Every expert on every token, combined with a dense `[T, E]` matrix of routing weights (zero for an expert
+    /// not chosen) built from the chosen indices: static work, each matrix read once per block.
+    #[default]
+    Masked,
+}
+
+impl MoeGraphForm {
+    /// `gather` or `masked`.
+    pub fn name(self) -> &'static str {
+        match self {
+            MoeGraphForm::Gather => "gather",
+            MoeGraphForm::Masked => "masked",
+        }
+    }
+
+    /// The form a graph of `tokens` tokens uses: a single token gathers its `k` experts whatever the option.
+    pub fn for_tokens(self, tokens: usize) -> MoeGraphForm {
+        if tokens == 1 {
+            MoeGraphForm::Gather
+        } else {
+            self
+        }
+    }
+}
+
 /// Options of the graphs.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GraphOptions {
@@ -99,10 +136,13 @@ pub struct GraphOptions {
     /// prompt with images carries the vision tower's rows at its image tokens) instead of token ids; the NPU port's
     /// decoder takes them so, its text embeddings a graph of their own.
     pub embeddings_input: bool,
+    /// How an MoE block's experts are computed in graphs of more than one token (one token always gathers).
+    pub moe: MoeGraphForm,
 }
 
 impl Default for GraphOptions {
-    /// The NPU port's graphs: chunked with block doubling, the ×1024 rescaling, a context of 1024; with taps.
+    /// The NPU port's graphs: chunked with block doubling, the ×1024 rescaling, a context of 1024; with taps; MoE
+    /// prompt blocks masked.
     fn default() -> Self {
         GraphOptions {
             form: DeltaNetGraphForm::Chunked(Inverse::Doubling),
@@ -110,6 +150,7 @@ impl Default for GraphOptions {
             context: DEFAULT_CONTEXT,
             taps: true,
             embeddings_input: false,
+            moe: MoeGraphForm::default(),
         }
     }
 }
@@ -157,14 +198,6 @@ impl<'a> Builder<'a> {
             ));
         }
         reference::linear_attn::check_output_scale(opts.output_scale as f64)?;
-        if let Some(moe) = &config.moe {
-            // The MoE block runs on the reference (`reference::moe`); its graphs are issue 19's next step.
-            return Err(Error::Config(format!(
-                "the checkpoint is an MoE decoder ({} experts, {} per token): this project's OpenVINO graphs do not \
-                 hold MoE blocks yet; run it on the reference",
-                moe.num_experts, moe.num_experts_per_tok
-            )));
-        }
         Ok(Builder {
             config,
             weights,

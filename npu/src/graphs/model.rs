@@ -5,6 +5,7 @@ use super::Builder;
 use super::attention::{Attention, KvCache};
 use super::linear_attn::{DeltaNetOptions, GatedDeltaNet, LinearState};
 use super::mlp::Mlp;
+use super::moe::SparseMoe;
 use super::ops::rms_norm;
 use super::ports::{self, StatePorts};
 use super::rope::{self, RotaryTables};
@@ -20,12 +21,20 @@ enum Mixer {
     Attention(Attention),
 }
 
+/// A layer's feed-forward block (`mlp.*`).
+enum FeedForward {
+    /// The dense SwiGLU MLP.
+    Dense(Mlp),
+    /// The sparse MoE block (Qwen3.5-MoE).
+    Moe(SparseMoe),
+}
+
 /// One decoder block: `h += mixer(input_norm(h)); h += mlp(post_norm(h))`.
 struct DecoderLayer {
     input_layernorm: Value,
     post_attention_layernorm: Value,
     mixer: Mixer,
-    mlp: Mlp,
+    mlp: FeedForward,
 }
 
 /// What a block reads besides the residual stream: the token mask, and for attention the mask and the rotation.
@@ -48,13 +57,16 @@ impl<'a> Builder<'a> {
             post_attention_layernorm: self
                 .norm_weight(graph, &s.layer(layer, Param::PostAttentionLayernorm))?,
             mixer,
-            mlp: Mlp::load(self, graph, layer)?,
+            mlp: match self.config.moe {
+                Some(_) => FeedForward::Moe(SparseMoe::load(self, graph, layer)?),
+                None => FeedForward::Dense(Mlp::load(self, graph, layer)?),
+            },
         })
     }
 
     /// One decoder block on `h`, its ports and outputs named under `prefix` (empty in a per-layer graph,
     /// `layers.{i}.` in the decoder graph): the state enters through the layer kind's [`StatePorts`] inputs and leaves
-    /// through its outputs; `mixer_output` and `mlp_output` are outputs, as are the mixer's own taps.
+    /// through its outputs; `mixer_output` and `mlp_output` are outputs, as are the mixer's own taps and an MoE block's.
     fn block(
         &self,
         graph: &mut Graph,
@@ -129,7 +141,12 @@ impl<'a> Builder<'a> {
         taps.record(graph, || port(names::MIXER_OUTPUT), mixed)?;
         let h = graph.add(h, mixed)?;
         let x = rms_norm(graph, h, weights.post_attention_layernorm, eps)?;
-        let m = weights.mlp.forward(graph, x)?;
+        let m = match &weights.mlp {
+            FeedForward::Dense(mlp) => mlp.forward(graph, x)?,
+            FeedForward::Moe(moe) => {
+                moe.forward(graph, x, self.opts.moe, taps, &port(names::MLP))?
+            }
+        };
         taps.record(graph, || port(names::MLP_OUTPUT), m)?;
         graph.add(h, m)
     }

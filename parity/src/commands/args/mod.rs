@@ -362,6 +362,7 @@ impl GraphArgs {
                 context,
                 taps: true,
                 embeddings_input: false,
+                moe: npu::graphs::MoeGraphForm::default(),
             },
             compile: self.compile(device)?,
         })
