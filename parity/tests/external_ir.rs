@@ -1,5 +1,6 @@
-//! `qwen35 compare-devices --ir`: optimum-intel's exports of the tiny model (`testdata/ir/`) on the CPU device,
-//! compared with the reference at the logits and token level, and clear errors on a bad IR directory.
+//! `qwen35 compare-devices --ir`: optimum-intel's exports of the tiny model and of the MoE one, tiny-moe
+//! (`testdata/ir/`), on the CPU device, compared with the reference at the logits and token level, and clear errors
+//! on a bad IR directory.
 
 use std::path::Path;
 
@@ -71,6 +72,34 @@ fn exports_agree_with_the_reference_on_the_weights_they_hold() {
     assert!(nmse(&nncf) < 1e-11);
     // The plain rule keeps the DeltaNet conv weights float: that alone fails the f32 thresholds (measured 1.1e-4,
     // 1.8e8 times the NNCF rule's).
+    assert_eq!(plain_code, Some(1));
+    assert!(nmse(&plain) > 1e7 * nmse(&nncf));
+}
+
+/// The MoE decoder through the same seam: the stateful IR takes ids and returns logits, so the manifest needs
+/// nothing new; the reference runs tiny-moe (the manifest's `model`) on the weights the IR holds.
+#[test]
+fn moe_exports_agree_with_the_reference_on_the_weights_they_hold() {
+    let tmp = tempfile::tempdir().unwrap();
+    let nmse = |d: &serde_json::Value| d["logits"]["nmse"].as_f64().unwrap();
+    let (code, f32) = compare("tiny-moe-f32", "f32", tmp.path());
+    let (nncf_code, nncf) = compare("tiny-moe-int4", "int4-nncf:8", tmp.path());
+    let (plain_code, plain) = compare("tiny-moe-int4", "int4:8", tmp.path());
+    println!(
+        "tiny-moe-f32 vs f32: logits NMSE {:.3e}; tiny-moe-int4: {:.3e} vs int4-nncf:8, {:.3e} vs int4:8",
+        nmse(&f32),
+        nmse(&nncf),
+        nmse(&plain)
+    );
+    for (code, d) in [(code, &f32), (nncf_code, &nncf)] {
+        assert_eq!(code, Some(0), "{d}");
+        assert_eq!(d["greedy_matched"], d["greedy_total"]);
+        assert_eq!(d["all"]["same_top1"].as_f64(), Some(1.0));
+        // Measured 9.0e-13 (f32) and 5.9e-13 (int4): f32 rounding only, as for tiny.
+        assert!(nmse(d) < 1e-11, "{d}");
+    }
+    assert_eq!(f32["record"]["backend"], "graph-set");
+    // The plain rule keeps the DeltaNet conv weights float, which alone fails (measured 8.1e-4).
     assert_eq!(plain_code, Some(1));
     assert!(nmse(&plain) > 1e7 * nmse(&nncf));
 }
