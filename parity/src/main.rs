@@ -43,8 +43,8 @@ enum Command {
     Validate(commands::validate::ValidateArgs),
     /// Write the static OpenVINO graphs of a checkpoint (decoder and per-layer) and a manifest of their interfaces.
     ExportIr(commands::export_ir::ExportArgs),
-    /// Write a random checkpoint with the real Qwen3.5-9B shapes and layout (nested config, sharded bf16
-    /// safetensors), seeded and deterministic.
+    /// Write a random checkpoint with the real shapes and layout of Qwen3.5-9B or Qwen3.5-35B-A3B (`--arch`; nested
+    /// config, sharded bf16 safetensors), seeded and deterministic.
     Synth(commands::synth::SynthArgs),
     /// Time loading, a prompt and greedy decoding on a checkpoint: tokens/s, achieved GFLOP/s, peak memory, beside
     /// the machine's measured f32 matrix-product rate and memory bandwidth.

@@ -14,7 +14,7 @@ fn synth_tiny(dir: &Path, seed: &str) {
         "4",
         "--seed",
         seed,
-        "--shape",
+        "--arch",
         "tiny",
         "--shard-bytes",
         "300000",
@@ -163,8 +163,8 @@ fn bad_flags_are_refused_by_name() {
     let f = fresh.to_str().unwrap();
     expect_error(&["synth", "--out", f, "--layers", "0"], &["--layers"]);
     expect_error(
-        &["synth", "--out", f, "--layers", "2", "--shape", "huge"],
-        &["--shape", "huge"],
+        &["synth", "--out", f, "--layers", "2", "--arch", "huge"],
+        &["--arch", "huge", "35b-a3b", "qwen3.5-9b"],
     );
     expect_error(
         &["synth", "--out", m, "--layers", "2"],

@@ -257,7 +257,7 @@ fn synth_writes_its_directory_whole_and_a_stale_sibling_blocks_nothing() {
         out.to_str().unwrap(),
         "--layers",
         "2",
-        "--shape",
+        "--arch",
         "tiny",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -312,7 +312,7 @@ fn os_errors_name_the_flag_and_the_path_once() {
                 "/proc/qwen35-synth",
                 "--layers",
                 "1",
-                "--shape",
+                "--arch",
                 "tiny",
             ],
             "--out",

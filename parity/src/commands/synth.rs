@@ -1,5 +1,5 @@
-//! `qwen35 synth`: a random checkpoint with the real Qwen3.5-9B shapes, in the real layout (see
-//! `reference::synth`), written tensor by tensor.
+//! `qwen35 synth`: a random checkpoint with the real shapes of Qwen3.5-9B or Qwen3.5-35B-A3B, in the real layout
+//! (see `reference::synth`), written tensor by tensor.
 
 use super::Outcome;
 use crate::outputs::{Kind, Paths, StagedDir, catch_interrupts, free_bytes, interrupted};
@@ -7,7 +7,7 @@ use crate::perf::memory;
 use crate::report::{count, size};
 use anyhow::{Result, bail};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use reference::synth::{DEFAULT_SHARD_BYTES, Shape, SynthOptions, planned_bytes, write_checkpoint};
+use reference::synth::{Arch, DEFAULT_SHARD_BYTES, SynthOptions, planned_bytes, write_checkpoint};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -19,15 +19,16 @@ pub struct SynthArgs {
     #[arg(long, value_name = "DIR")]
     out: PathBuf,
     /// Decoder layers, in the real pattern (three linear-attention layers, then a full-attention one, repeated; the
-    /// real model has 32).
+    /// real 9B has 32, the real 35B-A3B 40).
     #[arg(long, value_name = "N")]
     layers: usize,
     /// The seed of every value (the same seed gives byte-identical files).
     #[arg(long, default_value_t = 0, value_name = "S")]
     seed: u64,
-    /// The dimensions: qwen3.5-9b (the real ones) or tiny (toy sizes, for tests).
-    #[arg(long, default_value = "qwen3.5-9b", hide = true)]
-    shape: String,
+    /// The architecture, with its real dimensions and layout: qwen3.5-9b (dense) or 35b-a3b (Qwen3.5-35B-A3B: 256
+    /// experts per layer, 8 per token, and a shared expert). tiny and tiny-moe are the same at toy sizes, for tests.
+    #[arg(long, default_value = "qwen3.5-9b", value_name = "ARCH")]
+    arch: String,
     /// The largest shard in bytes (default 5 GB).
     #[arg(long, value_name = "BYTES", hide = true)]
     shard_bytes: Option<u64>,
@@ -41,13 +42,13 @@ pub fn exec(args: SynthArgs) -> Result<Outcome> {
     if args.layers == 0 {
         bail!("--layers must be at least 1");
     }
-    let shape = Shape::parse(&args.shape).map_err(|e| anyhow::anyhow!("--shape: {e}"))?;
+    let arch = Arch::parse(&args.arch).map_err(|e| anyhow::anyhow!("--arch: {e}"))?;
     let shard_bytes = args.shard_bytes.unwrap_or(DEFAULT_SHARD_BYTES);
     if shard_bytes == 0 {
         bail!("--shard-bytes must be positive");
     }
     let opts = SynthOptions {
-        shape,
+        arch,
         layers: args.layers,
         seed: args.seed,
         shard_bytes,
@@ -95,7 +96,7 @@ pub fn exec(args: SynthArgs) -> Result<Outcome> {
     println!(
         "wrote {}: {} ({} layers), seed {}, {} tensors, {} parameters ({} in the decoder), bf16",
         args.out.display(),
-        shape.name(),
+        arch.name(),
         args.layers,
         args.seed,
         summary.tensors,

@@ -394,7 +394,13 @@ impl<'a> Schema<'a> {
     /// The parameters of layer `layer` of this decoder, in checkpoint order: the mixer's, the MLP's (dense) or the
     /// MoE block's, and the norms.
     pub fn params_of_layer(&self, layer: usize) -> Vec<Param> {
-        let dense = Self::layer_params(self.config.layer_types[layer]);
+        self.params_of_kind(self.config.layer_types[layer])
+    }
+
+    /// The parameters of a layer of this kind in this decoder (dense or MoE), in checkpoint order; also those of
+    /// the multi-token-prediction head's layer, a full-attention layer of the decoder's own kind.
+    pub fn params_of_kind(&self, kind: LayerKind) -> Vec<Param> {
+        let dense = Self::layer_params(kind);
         match &self.config.moe {
             None => dense,
             Some(moe) => {

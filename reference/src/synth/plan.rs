@@ -1,131 +1,12 @@
 //! What a synthetic checkpoint holds: its config and every tensor's name, shape and initialisation.
 
+use super::arch::Arch;
 use crate::config::{Config, LayerKind};
 use crate::error::{Error, Result};
 use crate::schema::vision::{VisionRole, VisionSchema};
-use crate::schema::{Param, Role, Schema};
+use crate::schema::{FusedExpert, Param, Role, Schema};
 use crate::vision::VisionConfig;
 use serde_json::{Value, json};
-
-/// The dimensions of a synthetic checkpoint.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Shape {
-    /// Qwen3.5-9B's real dimensions (SPEC), with the vision tower transformers' `Qwen3_5VisionConfig` defaults to
-    /// (27 blocks of width 1152).
-    Qwen35_9b,
-    /// The same structure at toy sizes (hidden 64, vocabulary 512), for tests.
-    Tiny,
-}
-
-/// The sizes behind a [`Shape`].
-#[derive(Debug, Clone, Copy)]
-struct Dims {
-    hidden: usize,
-    intermediate: usize,
-    vocab: usize,
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    linear_key_heads: usize,
-    linear_value_heads: usize,
-    linear_key_dim: usize,
-    linear_value_dim: usize,
-    conv_kernel: usize,
-    mrope_section: [usize; 3],
-    eos: usize,
-    vision: VisionDims,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct VisionDims {
-    depth: usize,
-    hidden: usize,
-    intermediate: usize,
-    heads: usize,
-    patch: usize,
-    temporal_patch: usize,
-    merge: usize,
-    in_channels: usize,
-    positions: usize,
-}
-
-impl Shape {
-    /// The command-line name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Shape::Qwen35_9b => "qwen3.5-9b",
-            Shape::Tiny => "tiny",
-        }
-    }
-
-    /// The shape of a command-line name.
-    pub fn parse(name: &str) -> Result<Self> {
-        match name {
-            "qwen3.5-9b" => Ok(Shape::Qwen35_9b),
-            "tiny" => Ok(Shape::Tiny),
-            other => Err(Error::Input(format!(
-                "unknown shape `{other}` (expected `qwen3.5-9b` or `tiny`)"
-            ))),
-        }
-    }
-
-    fn dims(self) -> Dims {
-        match self {
-            Shape::Qwen35_9b => Dims {
-                hidden: 4096,
-                intermediate: 12288,
-                vocab: 248320,
-                heads: 16,
-                kv_heads: 4,
-                head_dim: 256,
-                linear_key_heads: 16,
-                linear_value_heads: 32,
-                linear_key_dim: 128,
-                linear_value_dim: 128,
-                conv_kernel: 4,
-                mrope_section: [11, 11, 10],
-                eos: 248044,
-                vision: VisionDims {
-                    depth: 27,
-                    hidden: 1152,
-                    intermediate: 4304,
-                    heads: 16,
-                    patch: 16,
-                    temporal_patch: 2,
-                    merge: 2,
-                    in_channels: 3,
-                    positions: 2304,
-                },
-            },
-            Shape::Tiny => Dims {
-                hidden: 64,
-                intermediate: 128,
-                vocab: 512,
-                heads: 4,
-                kv_heads: 1,
-                head_dim: 32,
-                linear_key_heads: 2,
-                linear_value_heads: 4,
-                linear_key_dim: 16,
-                linear_value_dim: 16,
-                conv_kernel: 4,
-                mrope_section: [2, 1, 1],
-                eos: 511,
-                vision: VisionDims {
-                    depth: 1,
-                    hidden: 32,
-                    intermediate: 64,
-                    heads: 2,
-                    patch: 4,
-                    temporal_patch: 2,
-                    merge: 2,
-                    in_channels: 3,
-                    positions: 16,
-                },
-            },
-        }
-    }
-}
 
 /// The layer kinds of the real pattern: every fourth layer is full attention.
 fn layer_types(layers: usize) -> Vec<&'static str> {
@@ -140,61 +21,91 @@ fn layer_types(layers: usize) -> Vec<&'static str> {
         .collect()
 }
 
-/// The nested `config.json` of a checkpoint of `shape` with `layers` decoder layers, with the fields the real
+/// The nested `config.json` of a checkpoint of `arch` with `layers` decoder layers, with the fields the real
 /// repository's has (and a `synthetic` object saying what made it and from which seed).
-pub fn config_json(shape: Shape, layers: usize, seed: u64) -> Result<Value> {
+pub fn config_json(arch: Arch, layers: usize, seed: u64) -> Result<Value> {
     if layers == 0 {
         return Err(Error::Input("a checkpoint needs at least one layer".into()));
     }
-    let d = shape.dims();
+    let d = arch.dims();
     let v = d.vision;
-    Ok(json!({
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "image_token_id": 248056,
-        "model_type": "qwen3_5",
-        "synthetic": {"generator": "qwen35 synth", "shape": shape.name(), "seed": seed},
-        "text_config": {
-            "attention_bias": false,
-            "attention_dropout": 0.0,
-            "attn_output_gate": true,
-            "bos_token_id": null,
-            "dtype": "bfloat16",
-            "eos_token_id": d.eos,
-            "full_attention_interval": 4,
-            "head_dim": d.head_dim,
-            "hidden_act": "silu",
-            "hidden_size": d.hidden,
-            "initializer_range": 0.02,
-            "intermediate_size": d.intermediate,
-            "layer_types": layer_types(layers),
-            "linear_conv_kernel_dim": d.conv_kernel,
-            "linear_key_head_dim": d.linear_key_dim,
-            "linear_num_key_heads": d.linear_key_heads,
-            "linear_num_value_heads": d.linear_value_heads,
-            "linear_value_head_dim": d.linear_value_dim,
-            "mamba_ssm_dtype": "float32",
-            "max_position_embeddings": 262144,
-            "mlp_only_layers": [],
-            "model_type": "qwen3_5_text",
-            "mtp_num_hidden_layers": 1,
-            "mtp_use_dedicated_embeddings": false,
-            "num_attention_heads": d.heads,
-            "num_hidden_layers": layers,
-            "num_key_value_heads": d.kv_heads,
-            "pad_token_id": null,
+    let mut text = json!({
+        "attention_bias": false,
+        "attention_dropout": 0.0,
+        "attn_output_gate": true,
+        "bos_token_id": null,
+        "dtype": "bfloat16",
+        "eos_token_id": d.eos,
+        "full_attention_interval": 4,
+        "head_dim": d.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": d.hidden,
+        "initializer_range": 0.02,
+        "layer_types": layer_types(layers),
+        "linear_conv_kernel_dim": d.conv_kernel,
+        "linear_key_head_dim": d.linear_key_dim,
+        "linear_num_key_heads": d.linear_key_heads,
+        "linear_num_value_heads": d.linear_value_heads,
+        "linear_value_head_dim": d.linear_value_dim,
+        "mamba_ssm_dtype": "float32",
+        "max_position_embeddings": 262144,
+        "mlp_only_layers": [],
+        "mtp_num_hidden_layers": 1,
+        "mtp_use_dedicated_embeddings": false,
+        "num_attention_heads": d.heads,
+        "num_hidden_layers": layers,
+        "num_key_value_heads": d.kv_heads,
+        "pad_token_id": null,
+        "partial_rotary_factor": 0.25,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "mrope_interleaved": true,
+            "mrope_section": d.mrope_section,
             "partial_rotary_factor": 0.25,
-            "rms_norm_eps": 1e-6,
-            "rope_parameters": {
-                "mrope_interleaved": true,
-                "mrope_section": d.mrope_section,
-                "partial_rotary_factor": 0.25,
-                "rope_theta": 10000000,
-                "rope_type": "default"
-            },
-            "tie_word_embeddings": false,
-            "use_cache": true,
-            "vocab_size": d.vocab
+            "rope_theta": 10000000,
+            "rope_type": "default"
         },
+        "tie_word_embeddings": false,
+        "use_cache": true,
+        "vocab_size": d.vocab
+    });
+    let fields = text.as_object_mut().expect("an object");
+    let (architecture, model_type, vision_type) = match d.moe {
+        None => {
+            fields.insert("intermediate_size".into(), json!(d.intermediate));
+            fields.insert("model_type".into(), json!("qwen3_5_text"));
+            (
+                "Qwen3_5ForConditionalGeneration",
+                "qwen3_5",
+                "qwen3_5_vision",
+            )
+        }
+        Some(m) => {
+            // The released MoE config has no dense `intermediate_size`, and the router's fields.
+            for (key, value) in [
+                ("model_type", json!("qwen3_5_moe_text")),
+                ("moe_intermediate_size", json!(m.expert_width)),
+                ("num_experts", json!(m.experts)),
+                ("num_experts_per_tok", json!(m.per_token)),
+                ("output_router_logits", json!(false)),
+                ("router_aux_loss_coef", json!(0.001)),
+                ("shared_expert_intermediate_size", json!(m.shared_width)),
+            ] {
+                fields.insert(key.into(), value);
+            }
+            (
+                "Qwen3_5MoeForConditionalGeneration",
+                "qwen3_5_moe",
+                "qwen3_5_moe_vision",
+            )
+        }
+    };
+    Ok(json!({
+        "architectures": [architecture],
+        "image_token_id": 248056,
+        "model_type": model_type,
+        "synthetic": {"generator": "qwen35 synth", "arch": arch.name(), "seed": seed},
+        "text_config": text,
         "tie_word_embeddings": false,
         "video_token_id": 248057,
         "vision_config": {
@@ -205,7 +116,7 @@ pub fn config_json(shape: Shape, layers: usize, seed: u64) -> Result<Value> {
             "in_channels": v.in_channels,
             "initializer_range": 0.02,
             "intermediate_size": v.intermediate,
-            "model_type": "qwen3_5_vision",
+            "model_type": vision_type,
             "num_heads": v.heads,
             "num_position_embeddings": v.positions,
             "out_hidden_size": d.hidden,
@@ -304,13 +215,31 @@ fn decoder_init(param: Param, shape: &[usize]) -> Init {
     }
 }
 
-/// Every tensor of a checkpoint of `shape` with `layers` layers, in file order: the decoder (embedding, layers, final
+/// Every tensor of a checkpoint of `arch` with `layers` layers, in file order: the decoder (embedding, layers, final
 /// norm) under `model.language_model.`, `lm_head.weight`, the MTP head, the vision tower.
-pub fn plan(shape: Shape, layers: usize) -> Result<Vec<TensorPlan>> {
-    let config_value = config_json(shape, layers, 0)?;
+///
+/// An MoE decoder's experts are stored as the released Qwen3.5-35B-A3B stores them: fused, each layer's in
+/// `mlp.experts.gate_up_proj` `[E, 2·Im, H]` and `mlp.experts.down_proj` `[E, H, Im]` ([`FusedExpert`]), while
+/// its MTP layer keeps them one by one (`mtp.layers.0.mlp.experts.{e}.gate_proj.weight`, …).
+pub fn plan(arch: Arch, layers: usize) -> Result<Vec<TensorPlan>> {
+    let config_value = config_json(arch, layers, 0)?;
     let config = Config::from_json_str(&config_value.to_string(), "(synthetic config)")?;
+    let h = config.hidden_size;
     let mut out = Vec::new();
     for spec in Schema::new(&config).tensors() {
+        if let (Some(fused), Some(moe)) = (FusedExpert::of(&spec.name), &config.moe) {
+            // Expert 0's gate and down projections stand where the two fused tensors go; the rest are in them.
+            if fused.expert == 0 && fused.half == 0 {
+                let shape = fused.shape(moe, h);
+                out.push(TensorPlan {
+                    name: format!("model.language_model.{}", fused.name),
+                    // Each expert's matrix N(0, 1/fan_in), its fan-in the last dimension.
+                    init: Init::normal(1.0 / (shape[2] as f64).sqrt()),
+                    shape,
+                });
+            }
+            continue;
+        }
         out.push(TensorPlan {
             name: spec.full_name("model.language_model."),
             init: decoder_init(spec.param, &spec.shape),
@@ -318,9 +247,8 @@ pub fn plan(shape: Shape, layers: usize) -> Result<Vec<TensorPlan>> {
         });
     }
 
-    let h = config.hidden_size;
     // Multi-token prediction: norms of the embedding and of the last hidden state, a fusing projection, one full
-    // attention layer, a final norm.
+    // attention layer (with the decoder's MLP or MoE block), a final norm.
     push(&mut out, "mtp.fc.weight", vec![h, 2 * h], None);
     for norm in ["pre_fc_norm_embedding", "pre_fc_norm_hidden"] {
         push(
@@ -330,7 +258,7 @@ pub fn plan(shape: Shape, layers: usize) -> Result<Vec<TensorPlan>> {
             Some(Init::normal(NORM_STD)),
         );
     }
-    for param in Schema::layer_params(LayerKind::Full) {
+    for param in Schema::new(&config).params_of_kind(LayerKind::Full) {
         let shape = param.shape(&config);
         let init = decoder_init(param, &shape);
         push(

@@ -140,7 +140,7 @@ struct Layout {
 
 impl Layout {
     fn new(opts: &SynthOptions) -> Result<Self> {
-        let plan = plan(opts.shape, opts.layers)?;
+        let plan = plan(opts.arch, opts.layers)?;
         let shards = shards(&plan, opts.shard_bytes);
         let mut weight_map = BTreeMap::new();
         for shard in &shards {
@@ -160,7 +160,7 @@ impl Layout {
             Ok(text + "\n")
         };
         Ok(Layout {
-            config: text(&config_json(opts.shape, opts.layers, opts.seed)?)?,
+            config: text(&config_json(opts.arch, opts.layers, opts.seed)?)?,
             index: text(&index)?,
             plan,
             shards,

@@ -19,4 +19,5 @@ mod rope;
 mod store;
 mod strong_decay;
 mod synth;
+mod synth_moe;
 mod vision;

@@ -1,5 +1,6 @@
-//! `reference::synth`: the 9B plan against SPEC's figures, byte-identical files for a seed whatever the thread
-//! count, the real layout loaded by the reference, and the scales it promises.
+//! `reference::synth`: the 9B and 35B-A3B plans against their real figures (planned only: no big writes), byte-identical
+//! files for a seed whatever the thread count, the real layouts (dense and MoE) loaded and run by the reference, and
+//! the scales it promises.
 
 use candle_core::DType;
 use reference::Config;
@@ -7,7 +8,7 @@ use reference::config::LayerKind;
 use reference::model::{Model, RunOptions};
 use reference::schema::Schema;
 use reference::synth::{
-    DEFAULT_SHARD_BYTES, Shape, SynthOptions, config_json, plan, shards, write_checkpoint,
+    Arch, DEFAULT_SHARD_BYTES, SynthOptions, config_json, plan, shards, write_checkpoint,
 };
 use reference::taps::Taps;
 use std::collections::BTreeMap;
@@ -15,7 +16,7 @@ use std::path::Path;
 
 fn tiny(seed: u64, shard_bytes: u64) -> SynthOptions {
     SynthOptions {
-        shape: Shape::Tiny,
+        arch: Arch::Tiny,
         layers: 5,
         seed,
         shard_bytes,
@@ -41,7 +42,7 @@ fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
 
 #[test]
 fn the_9b_plan_has_specs_dimensions_and_layout() {
-    let value = config_json(Shape::Qwen35_9b, 32, 0).unwrap();
+    let value = config_json(Arch::Qwen35_9b, 32, 0).unwrap();
     assert_eq!(value["model_type"], "qwen3_5");
     let c = Config::from_json_str(&value.to_string(), "synth").unwrap();
     assert!(c.nested);
@@ -76,7 +77,7 @@ fn the_9b_plan_has_specs_dimensions_and_layout() {
         .collect();
     assert_eq!(c.layer_types, pattern);
 
-    let p = plan(Shape::Qwen35_9b, 32).unwrap();
+    let p = plan(Arch::Qwen35_9b, 32).unwrap();
     let by_name: BTreeMap<&str, &Vec<usize>> =
         p.iter().map(|t| (t.name.as_str(), &t.shape)).collect();
     assert_eq!(by_name.len(), p.len(), "a name appears twice");
