@@ -109,6 +109,49 @@ fn synth_then_bench_writes_every_figure() {
 }
 
 #[test]
+fn an_moe_checkpoint_benches_reading_k_of_its_experts_per_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("moe");
+    let o = qwen35(&[
+        "synth",
+        "--out",
+        model.to_str().unwrap(),
+        "--layers",
+        "4",
+        "--arch",
+        "tiny-moe",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("tiny-moe (4 layers)"));
+    let json = tmp.path().join("bench.json");
+    let o = qwen35(&[
+        "bench",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt-tokens",
+        "20",
+        "--decode-tokens",
+        "2",
+        "--no-machine",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("active per token"));
+    let r = read_json(&json);
+    // tiny-moe in bf16 (hidden 64): three DeltaNet mixers of 16896 weights and an attention one of 28672, per layer
+    // the router 8·64, the shared expert 3·48·64 and its gate 64, 2 of the 8 experts of 3·32·64, the LM head 512·64.
+    let per_step = 3 * 16896 + 28672 + 4 * (512 + 9216 + 64 + 2 * 3 * 32 * 64) + 512 * 64;
+    assert_eq!(r["decode_weight_bytes_per_token"], 2 * per_step, "{r}");
+    let (all, active) = (
+        r["parameters"].as_u64().unwrap(),
+        r["active_parameters"].as_u64().unwrap(),
+    );
+    assert_eq!(all - active, 4 * 6 * 3 * 32 * 64);
+    assert_eq!(r["generated_ids"].as_array().unwrap().len(), 3);
+}
+
+#[test]
 fn bad_flags_are_refused_by_name() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("model");

@@ -6,7 +6,8 @@
 //!
 //! Per token, every layer's projections: `2·in·out` for each weight of the projection role (`in_proj_qkv`,
 //! `in_proj_z`, `in_proj_b`, `in_proj_a`, `out_proj`; `q_proj` (query and gate), `k_proj`, `v_proj`, `o_proj`;
-//! `gate_proj`, `up_proj`, `down_proj`). The LM head, `2·H·V`, once per forward call (only the last position's
+//! `gate_proj`, `up_proj`, `down_proj`; in an MoE layer the router, the shared expert and its gate, and `k` of the
+//! `E` routed experts: each expert's projections count `k/E` of a token, [`token_share`]). The LM head, `2·H·V`, once per forward call (only the last position's
 //! logits are computed). Full attention, for a query that sees `L` keys (itself and every earlier token):
 //! `4·Hq·D·L` (scores and the weighted sum of values; the causal half only). DeltaNet, per value head (`Dk`, `Dv`):
 //! - sequential and matrix forms: `6·Dk·Dv` per token (`Sᵀk`, `k·deltaᵀ`, `Sᵀq`);
@@ -17,7 +18,7 @@
 
 use reference::config::{Config, LayerKind};
 use reference::deltanet::{Form, Inverse};
-use reference::schema::{Role, Schema};
+use reference::schema::{Param, Role, Schema};
 
 /// FLOPs by kind.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
@@ -57,13 +58,24 @@ pub struct RunShape {
     pub piece: Option<usize>,
 }
 
-/// Projection FLOPs of one token through every layer.
+/// The share of a token's work a parameter's product takes: `k/E` for a routed expert's projections (a token runs
+/// `k` of the `E` experts of its layer), 1 for every other parameter.
+pub fn token_share(c: &Config, param: Param) -> f64 {
+    match (param, &c.moe) {
+        (Param::ExpertGateProj(_) | Param::ExpertUpProj(_) | Param::ExpertDownProj(_), Some(m)) => {
+            m.num_experts_per_tok as f64 / m.num_experts as f64
+        }
+        _ => 1.0,
+    }
+}
+
+/// Projection FLOPs of one token through every layer (an MoE layer's `k` routed experts, not all `E`).
 pub fn projections_per_token(c: &Config) -> f64 {
     let schema = Schema::new(c);
     (0..c.num_layers())
         .flat_map(|i| schema.layer_tensors(i))
         .filter(|t| t.role() == Role::Projection)
-        .map(|t| 2.0 * t.shape.iter().product::<usize>() as f64)
+        .map(|t| 2.0 * t.shape.iter().product::<usize>() as f64 * token_share(c, t.param))
         .sum()
 }
 
@@ -146,6 +158,26 @@ mod tests {
         let mlp = 3 * 48 * 32;
         let expected = 2 * (2 * linear + 2 * attention + 4 * mlp);
         assert_eq!(projections_per_token(&c), expected as f64);
+    }
+
+    #[test]
+    fn an_moe_token_counts_k_of_the_e_experts() {
+        let c = Config::from_file(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../testdata/models/tiny-moe/config.json"),
+        )
+        .unwrap();
+        // hidden 32; linear layers: qkv (2·2·16 + 4·8 = 96), z 32, b 4, a 4, out 32 (all × 32); the attention layer:
+        // q 2·32·2 = 128, k 32, v 32, o 64 (× 32); per layer the router 8 × 32, the shared expert 3 · 24 · 32 and
+        // its gate 32, and 3 of the 8 experts of 3 · 16 · 32.
+        let linear = (96 + 32 + 4 + 4 + 32) * 32;
+        let attention = (128 + 32 + 32 + 64) * 32;
+        let moe = 8 * 32 + 3 * 24 * 32 + 32;
+        let experts = 3.0 / 8.0 * (8 * 3 * 16 * 32) as f64;
+        let expected = 2.0 * ((3 * linear + attention + 4 * moe) as f64 + 4.0 * experts);
+        assert_eq!(projections_per_token(&c), expected);
+        assert_eq!(token_share(&c, Param::ExpertUpProj(7)), 3.0 / 8.0);
+        assert_eq!(token_share(&c, Param::SharedUpProj), 1.0);
     }
 
     #[test]
