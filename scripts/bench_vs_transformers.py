@@ -7,10 +7,12 @@ both engines see the same tokens; both then decode the same number of greedy tok
 run, the medians per engine and the ratios reference / transformers (above 1: the reference is faster, except for
 load time and memory, where above 1 means the reference takes more).
 
-transformers runs `Qwen3_5ForCausalLM` in f32 with eager attention, loading the decoder's weights from the checkpoint
-(a full checkpoint's `model.language_model.` names mapped to `model.`; vision and MTP tensors left out), with
-`flash-linear-attention` hidden from the process so that its own torch kernels run
-(`torch_chunk_gated_delta_rule` for the prompt, `torch_recurrent_gated_delta_rule` for decode steps).
+transformers runs `Qwen3_5ForCausalLM` (an MoE checkpoint: `Qwen3_5MoeForCausalLM`, its experts eager, a loop over
+the experts the tokens chose) in f32 with eager attention, loading the decoder's weights from the checkpoint (a full
+checkpoint's `model.language_model.` names mapped to `model.`; vision and MTP tensors left out; experts stored one by
+one stacked into the fused tensors transformers holds), with `flash-linear-attention` hidden from the process so that
+its own torch kernels run (`torch_chunk_gated_delta_rule` for the prompt, `torch_recurrent_gated_delta_rule` for
+decode steps).
 
     scripts/.venv/bin/python scripts/bench_vs_transformers.py --model DIR --threads 2 --runs 3 \
         --prompt-tokens 439 --decode-tokens 4
@@ -22,6 +24,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -76,6 +79,27 @@ class AnonSampler:
         return self.peak
 
 
+EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fuse_experts(state: dict, experts: dict, torch) -> None:
+    """Stacks experts stored one by one ({prefix: {e: {proj: tensor}}}) into the tensors transformers holds:
+    `{prefix}.gate_up_proj` [E, 2·Im, H] (each expert's gate rows, then its up rows) and `{prefix}.down_proj`
+    [E, H, Im]."""
+    for prefix, by_expert in experts.items():
+        order = sorted(by_expert)
+        if order != list(range(len(order))):
+            raise SystemExit(f"{prefix}: experts {order} are not 0..E-1")
+        state[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]]) for e in order])
+        state[f"{prefix}.down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in order])
+
+
+def is_moe(config_json: dict) -> bool:
+    text = config_json.get("text_config", config_json)
+    return config_json.get("model_type") == "qwen3_5_moe" or text.get("model_type") == "qwen3_5_moe_text"
+
+
 def worker(args) -> None:
     """One transformers run (in its own process): load, prompt, greedy decode; writes a JSON like qwen35 bench's."""
     hide_kernel_packages()
@@ -83,15 +107,23 @@ def worker(args) -> None:
     import torch
     import transformers
     from safetensors import safe_open
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 
     torch.set_num_threads(args.threads)
     start = time.perf_counter()  # after the imports: load time is reading the config and the weights
     model_dir = Path(args.model)
     config_json = json.loads((model_dir / "config.json").read_text())
+    moe = is_moe(config_json)
     text = config_json.get("text_config", config_json)
     text = {k: v for k, v in text.items() if k not in ("model_type", "dtype")}
-    config = transformers.Qwen3_5TextConfig(**text)
+    if moe:
+        modeling, config = modeling_qwen3_5_moe, transformers.Qwen3_5MoeTextConfig(**text)
+        causal_lm, rotary = modeling.Qwen3_5MoeForCausalLM, modeling.Qwen3_5MoeTextRotaryEmbedding
+        config._experts_implementation = args.experts
+    else:
+        modeling, config = modeling_qwen3_5, transformers.Qwen3_5TextConfig(**text)
+        causal_lm, rotary = modeling.Qwen3_5ForCausalLM, modeling.Qwen3_5TextRotaryEmbedding
     config._attn_implementation = "eager"
 
     index_path = model_dir / "model.safetensors.index.json"
@@ -101,8 +133,8 @@ def worker(args) -> None:
         weight_map = {None: "model.safetensors"}
     files = sorted(set(weight_map.values()))
     with torch.device("meta"):
-        model = transformers.Qwen3_5ForCausalLM(config)
-    state = {}
+        model = causal_lm(config)
+    state, experts = {}, {}
     for name in files:
         with safe_open(str(model_dir / name), framework="pt") as f:
             for key in f.keys():
@@ -114,7 +146,14 @@ def worker(args) -> None:
                     target = key
                 else:
                     continue  # vision tower, MTP head
-                state[target] = f.get_tensor(key).to(torch.float32)
+                tensor = f.get_tensor(key).to(torch.float32)
+                one = EXPERT.match(target)
+                if one:
+                    experts.setdefault(one[1], {}).setdefault(int(one[2]), {})[one[3]] = tensor
+                else:
+                    state[target] = tensor
+    fuse_experts(state, experts, torch)
+    del experts
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
@@ -122,7 +161,7 @@ def worker(args) -> None:
         raise SystemExit(f"{model_dir}: tensors missing {missing[:5]}, unexpected {unexpected[:5]}")
     del state
     # Buffers that are not in the checkpoint (the rotary frequencies) were created on the meta device: rebuild them.
-    model.model.rotary_emb = modeling.Qwen3_5TextRotaryEmbedding(config=config)
+    model.model.rotary_emb = rotary(config=config)
     model.eval()
     for name, buf in model.named_buffers():
         if buf.is_meta:
@@ -154,6 +193,7 @@ def worker(args) -> None:
     peak_anon = sampler.stop()
     report = {
         "engine": "transformers",
+        "experts_implementation": args.experts if moe else None,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "threads": torch.get_num_threads(),
         "prompt_tokens": len(ids),
@@ -177,12 +217,27 @@ def thread_env(threads: int) -> dict:
     return env
 
 
+def warm_page_cache(model: Path) -> float:
+    """Reads every safetensors file of the checkpoint once (16 MB at a time), so that the reference, which maps the
+    checkpoint and reads its pages on first use, starts from the page cache as transformers starts from the weights
+    its load read; returns the seconds it took."""
+    start = time.perf_counter()
+    for path in sorted(model.glob("*.safetensors")):
+        with open(path, "rb", buffering=0) as f:
+            while f.read(16 << 20):
+                pass
+    return time.perf_counter() - start
+
+
 def run_reference(args, out: Path, machine: bool) -> dict:
+    warm = warm_page_cache(args.model) if args.warm_cache else None
     cmd = [
         str(args.qwen35), "bench", "--model", str(args.model),
         "--prompt-tokens", str(args.prompt_tokens), "--decode-tokens", str(args.decode_tokens),
         "--seed", str(args.seed), "--json", str(out),
     ]
+    if args.weights:
+        cmd += ["--weights", args.weights]
     if not machine:
         cmd.append("--no-machine")
     result = subprocess.run(cmd, env=thread_env(args.threads), capture_output=True, text=True)
@@ -190,14 +245,16 @@ def run_reference(args, out: Path, machine: bool) -> dict:
         raise SystemExit(f"qwen35 bench failed ({result.returncode}):\n{result.stderr}")
     if machine:
         sys.stdout.write(result.stdout)
-    return json.loads(out.read_text())
+    report = json.loads(out.read_text())
+    report["warm_seconds"] = warm
+    return report
 
 
 def run_transformers(args, ids_file: Path, out: Path) -> dict:
     cmd = [
         sys.executable, str(Path(__file__).resolve()), "--worker", "--model", str(args.model),
         "--ids", str(ids_file), "--decode-tokens", str(args.decode_tokens), "--threads", str(args.threads),
-        "--json", str(out),
+        "--experts", args.experts, "--json", str(out),
     ]
     result = subprocess.run(cmd, env=thread_env(args.threads), capture_output=True, text=True)
     if result.returncode != 0:
@@ -228,6 +285,14 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=4)
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt's token ids (qwen35 bench --seed)")
     p.add_argument("--json", type=Path, help="write every run and the medians to this file")
+    p.add_argument("--warm-cache", action="store_true",
+                   help="read the checkpoint's files before each reference run (untimed by qwen35 bench), so that its "
+                        "prompt is not timed reading the disk where the transformers run before it pushed the "
+                        "checkpoint out of the page cache")
+    p.add_argument("--weights", help="the reference's weight format (qwen35 bench --weights; default: as stored)")
+    p.add_argument("--experts", default="eager",
+                   help="an MoE checkpoint's experts implementation in transformers (eager: a loop over the chosen "
+                        "experts; grouped_mm or batched_mm, transformers' batched forms)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ids", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -258,13 +323,16 @@ def main() -> None:
                 else:
                     r = run_transformers(args, ids_file, out)
                 runs[engine].append(r)
+                warm = f" (page cache warmed in {r['warm_seconds']:.1f} s)" if r.get("warm_seconds") else ""
                 print(f"run {i + 1} {engine:>12}: " + ", ".join(
-                    f"{label} " + fmt.format(shown(k, r[k])) for k, label, fmt in KEYS), flush=True)
+                    f"{label} " + fmt.format(shown(k, r[k])) for k, label, fmt in KEYS) + warm, flush=True)
 
     ref0, hf0 = runs["reference"][0], runs["transformers"][0]
     print(f"\n{args.model}: {args.prompt_tokens} prompt tokens, {args.decode_tokens} decode tokens, "
           f"{args.threads} threads, {args.runs} alternating runs each; transformers {hf0['versions']['transformers']}, "
-          f"torch {hf0['versions']['torch']} (f32, eager); reference {ref0['record']['dtype']}, "
+          f"torch {hf0['versions']['torch']} (f32, eager attention"
+          + (f", {hf0['experts_implementation']} experts" if hf0.get("experts_implementation") else "")
+          + f"); reference {ref0['record']['dtype']}, weights {ref0['record']['weights']}, "
           f"{ref0['record']['deltanet_prefill']} / {ref0['record']['deltanet_decode']}")
     if ref0.get("machine"):
         m = ref0["machine"]
