@@ -7,7 +7,7 @@ use super::eval::{Evaluator, V, Val, broadcast, broadcast_index};
 use super::kernel::{Dense, Rows, products};
 use super::numeric::Accumulation;
 use super::ops::transpose;
-use super::weights::{Form, Packed, Weight};
+use super::weights::{Form, Offset, Packed, Weight};
 use crate::error::{Error, Result};
 use std::borrow::Cow;
 
@@ -178,57 +178,84 @@ impl Evaluator {
         out
     }
 
-    /// `x @ wᵀ` for a checkpoint matrix `w` `[n, k]` read where it lies: `[.., k]` → `[.., n]`.
+    /// `x @ wᵀ` for a checkpoint matrix `w` `[n, k]` read where it lies: `[.., k]` → `[.., n]`. For a stack of
+    /// matrices `[E, n, k]` (an MoE block's experts), the batched product with `x`'s batch dims broadcast against
+    /// `[E]`: `[.., m, k]` → `[.., E (broadcast), m, n]`, each expert's matrix read as rows of the stack.
     pub(super) fn weight_product(&self, x: &V, w: &Weight) -> Result<V> {
         let r = x.shape.len();
         if r < 2 || x.shape[r - 1] != w.cols {
             return Err(Error::Interface(format!(
-                "MatMul {:?} x [{}, {}]ᵀ",
-                x.shape, w.rows, w.cols
+                "MatMul {:?} x [{}, {}, {}]ᵀ",
+                x.shape, w.experts, w.rows, w.cols
             )));
         }
         let xs = x.floats()?;
-        let m = xs.len() / w.cols.max(1);
-        let out = self.with_weight(w, |p| products(&self.model, xs, m, w.cols, w.rows, p))?;
-        let mut shape = x.shape[..r - 1].to_vec();
-        shape.push(w.rows);
+        if w.experts == 1 {
+            let m = xs.len() / w.cols.max(1);
+            let out = self.with_weight(w, |p| products(&self.model, xs, m, w.cols, w.rows, p))?;
+            let mut shape = x.shape[..r - 1].to_vec();
+            shape.push(w.rows);
+            return Ok(Val::f(shape, out));
+        }
+        let (m, k, n) = (x.shape[r - 2], w.cols, w.rows);
+        let batch = broadcast(&x.shape[..r - 2], &[w.experts])?;
+        let ia = broadcast_index(&x.shape[..r - 2], &batch);
+        let ie = broadcast_index(&[w.experts], &batch);
+        let out = self.with_weight(w, |p| {
+            let mut out = Vec::with_capacity(ia.len() * m * n);
+            for (&a, &e) in ia.iter().zip(&ie) {
+                let a0 = &xs[a * m * k..(a + 1) * m * k];
+                out.extend(products(&self.model, a0, m, k, n, &Offset(p, e * n))?);
+            }
+            Ok(out)
+        })?;
+        let mut shape = batch;
+        shape.extend([m, n]);
         Ok(Val::f(shape, out))
     }
 
-    /// The rows `indices` of a checkpoint matrix `w` (a `Gather` on axis 0): `indices.shape + [cols]`.
+    /// The rows `indices` of a checkpoint matrix `w` (a `Gather` on axis 0): `indices.shape + [cols]`; of a stack
+    /// `[E, rows, cols]`, whole matrices: `indices.shape + [rows, cols]`.
     pub(super) fn weight_gather(&self, w: &Weight, indices: &V) -> Result<V> {
         let idx = indices.ints()?;
-        let dim = w.rows as i64;
-        let mut out = vec![0f32; idx.len() * w.cols];
+        let (dim, per) = match w.experts {
+            1 => (w.rows, 1),
+            e => (e, w.rows),
+        };
+        let size = per * w.cols;
+        let mut out = vec![0f32; idx.len() * size];
         self.with_weight(w, |p| {
-            for (&i, o) in idx.iter().zip(out.chunks_exact_mut(w.cols.max(1))) {
-                let i = if i < 0 { i + dim } else { i };
-                if !(0..dim).contains(&i) {
+            for (&i, o) in idx.iter().zip(out.chunks_exact_mut(size.max(1))) {
+                let i = if i < 0 { i + dim as i64 } else { i };
+                if !(0..dim as i64).contains(&i) {
                     return Err(Error::Interface(format!(
                         "Gather index {i} outside 0..{dim}"
                     )));
                 }
                 let i = i as usize;
-                self.model_rows(p, i, o)?;
+                self.model_rows(p, i * per, (i + 1) * per, o)?;
             }
             Ok(())
         })?;
         let mut shape = indices.shape.clone();
+        if w.experts > 1 {
+            shape.push(w.rows);
+        }
         shape.push(w.cols);
         Ok(Val::f(shape, out))
     }
 
-    /// Row `i` of `p` as the model stores it.
-    fn model_rows(&self, p: &Packed<'_>, i: usize, out: &mut [f32]) -> Result<()> {
+    /// Rows `r0..r1` of `p` as the model stores them.
+    fn model_rows(&self, p: &Packed<'_>, r0: usize, r1: usize, out: &mut [f32]) -> Result<()> {
         use super::kernel::{BF16, F16, F32};
         use super::numeric::Storage;
         match (self.model.storage, self.model.flush_subnormals) {
-            (Storage::F16, true) => p.rows::<F16, true>(i, i + 1, out),
-            (Storage::F16, false) => p.rows::<F16, false>(i, i + 1, out),
-            (Storage::Bf16, true) => p.rows::<BF16, true>(i, i + 1, out),
-            (Storage::Bf16, false) => p.rows::<BF16, false>(i, i + 1, out),
-            (Storage::F32, true) => p.rows::<F32, true>(i, i + 1, out),
-            (Storage::F32, false) => p.rows::<F32, false>(i, i + 1, out),
+            (Storage::F16, true) => p.rows::<F16, true>(r0, r1, out),
+            (Storage::F16, false) => p.rows::<F16, false>(r0, r1, out),
+            (Storage::Bf16, true) => p.rows::<BF16, true>(r0, r1, out),
+            (Storage::Bf16, false) => p.rows::<BF16, false>(r0, r1, out),
+            (Storage::F32, true) => p.rows::<F32, true>(r0, r1, out),
+            (Storage::F32, false) => p.rows::<F32, false>(r0, r1, out),
         }
     }
 }

@@ -3,6 +3,10 @@
 //! and decoded a tile of rows at a time, from the `.bin` as it stores them, by the one product or gather that reads
 //! them, instead of every op of the chain writing the whole matrix in f32.
 //!
+//! An MoE block's experts stacked `[E, rows, cols]` (one projection of every expert, in the same forms) are read the
+//! same way, an expert's matrix being `rows` consecutive rows of the stack: by the `Gather` that picks whole experts
+//! and by the batched product over every expert.
+//!
 //! A decoded value is what the chain's ops would store: the storage rounding of the constant on entry and of every
 //! op's result, that is `round(round(code) · round(scale))` for codes and `round(value)` for floats (rounding twice
 //! is rounding once: a stored value rounds to itself).
@@ -15,6 +19,9 @@ use std::collections::{HashMap, HashSet};
 /// Where a matrix's values lie in the `.bin`, and how they are stored.
 #[derive(Debug, Clone)]
 pub(super) struct Weight {
+    /// 1 for a matrix `[rows, cols]`; `E` for `E` matrices stacked `[E, rows, cols]` (an MoE block's experts).
+    pub(super) experts: usize,
+    /// Rows of each matrix.
     pub(super) rows: usize,
     pub(super) cols: usize,
     /// `(offset, size)` of the values (or the codes).
@@ -57,18 +64,22 @@ fn is_convert_to_f32(n: &Node) -> bool {
     n.op == "Convert" && n.attr("destination_type") == Some("f32")
 }
 
-/// The matrix `[rows, cols]` node `id` computes from constants alone, in one of the builder's weight forms.
+/// The matrix `[rows, cols]` (or the stack `[E, rows, cols]`) node `id` computes from constants alone, in one of the
+/// builder's weight forms.
 pub(super) fn recognise(nodes: &[Node], id: usize) -> Option<Weight> {
     let n = &nodes[id];
     let shape = &n.outputs[0].shape;
-    let &[rows, cols] = shape.as_slice() else {
-        return None;
+    let (experts, rows, cols) = match *shape.as_slice() {
+        [rows, cols] => (1, rows, cols),
+        [experts, rows, cols] => (experts, rows, cols),
+        _ => return None,
     };
     if n.outputs[0].ty != ElemType::F32 {
         return None;
     }
     let weight = |data, form, nodes: Vec<usize>| {
         Some(Weight {
+            experts,
             rows,
             cols,
             data,
@@ -101,7 +112,7 @@ pub(super) fn recognise(nodes: &[Node], id: usize) -> Option<Weight> {
             let &[r, groups, group] = codes_shape else {
                 return None;
             };
-            if r != rows || groups * group != cols || scales_shape != [rows, groups, 1] {
+            if r != experts * rows || groups * group != cols || scales_shape != [r, groups, 1] {
                 return None;
             }
             weight(
@@ -129,7 +140,7 @@ impl Packed<'_> {
     /// Checks that the bytes hold the matrix.
     pub(super) fn check(&self) -> Result<()> {
         let w = self.weight;
-        let n = w.rows * w.cols;
+        let n = w.experts * w.rows * w.cols;
         let need = match w.form {
             Form::F32 => 4 * n,
             Form::F16 => 2 * n,
@@ -144,13 +155,28 @@ impl Packed<'_> {
         };
         if self.data.len() < need {
             return Err(Error::Interface(format!(
-                "a [{}, {}] matrix needs {need} bytes, the .bin holds {}",
+                "{} [{}, {}] matrices need {need} bytes, the .bin holds {}",
+                w.experts,
                 w.rows,
                 w.cols,
                 self.data.len()
             )));
         }
         Ok(())
+    }
+}
+
+/// The rows of one matrix of a stack: rows `first..` of the source.
+pub(super) struct Offset<'a, W>(pub &'a W, pub usize);
+
+impl<W: Rows> Rows for Offset<'_, W> {
+    fn rows<const S: u8, const FTZ: bool>(
+        &self,
+        r0: usize,
+        r1: usize,
+        out: &mut [f32],
+    ) -> Result<()> {
+        self.0.rows::<S, FTZ>(self.1 + r0, self.1 + r1, out)
     }
 }
 
