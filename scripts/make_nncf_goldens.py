@@ -8,8 +8,9 @@ scripts/make_testdata.py (it reads testdata/models/tiny-full):
     scripts/.venv-nncf/bin/python scripts/make_nncf_goldens.py
 
 It builds a small OpenVINO model with the opset API, one MatMul per weight (constant f32 weight [out, in],
-transpose_b=True, PyTorch's Linear layout), a Gather embedding and a last MatMul that depends on every other output
-(so that NNCF sees it as the last layer, the LM head), and compresses it twice:
+transpose_b=True, PyTorch's Linear layout), a batched MatMul on one stacked constant [E, out, in] (transpose_b=True,
+as optimum-intel exports an MoE layer's experts), a Gather embedding and a last MatMul that depends on every other
+output (so that NNCF sees it as the last layer, the LM head), and compresses it twice:
 
 - `int4_sym.*`: the call optimum-intel makes for `--weight-format int4 --sym --group-size 128 --ratio 1.0
   --backup-precision int8_sym` (nothing else set): INT4 symmetric, group 128, for the MatMuls; INT8 symmetric per
@@ -18,11 +19,14 @@ transpose_b=True, PyTorch's Linear layout), a Gather embedding and a last MatMul
 
 Each compression runs twice, once as NNCF chooses (its OpenVINO-graph implementation for weights of 10 000
 elements or more, numpy below that) and once with NNCF_DISABLE_OPTIMIZED_COMPRESSION set (numpy for all); the script
-fails unless both give identical constants. The codes and scales are read back from the compressed model's
-constants (int4 nibbles unpacked here) and saved to testdata/goldens/nncf.safetensors: per case `{case}.weight` f32
-[rows, cols] (the input), `{case}.codes` i8 [rows, cols], `{case}.scales` f16 [rows, cols / group] or [rows, 1]. The
-metadata lists every case (kind, group, shape, source, which NNCF implementation made it), the versions and the
-exact calls. The manifest gets the file's entry and an `nncf_goldens` section.
+fails unless both give identical constants, and unless the first run used the OpenVINO implementation for exactly
+the weights of 10 000 elements or more and the second for none (recorded by wrapping NNCF's entry point to it). The
+codes and scales are read back from the compressed model's constants (int4 nibbles unpacked here) and saved to
+testdata/goldens/nncf.safetensors: per case `{case}.weight` f32 [rows, cols] (the input), `{case}.codes` i8
+[rows, cols], `{case}.scales` f16 [rows, cols / group] or [rows, 1], each with a leading [experts] for the stacked
+experts (whose case has `experts`). The metadata lists every case (kind, group, shape, source, which NNCF
+implementation made it), the versions and the exact calls. The manifest gets the file's entry and an `nncf_goldens`
+section.
 
 Weights: real bf16 projections of tiny-full (upcast to f32, exact) and seeded synthetic matrices whose rows are of
 different kinds (see ROW_KINDS). Deterministic: fixed seed, safetensors header with sorted metadata.
@@ -30,6 +34,7 @@ different kinds (see ROW_KINDS). Deterministic: fixed seed, safetensors header w
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -43,6 +48,7 @@ from safetensors.numpy import load_file, save_file
 from testdata_files import REPO, TESTDATA, add_golden, canonicalize_safetensors_header, sha256
 
 import nncf
+import nncf.openvino.optimized_functions as nncf_ov_functions
 from nncf.quantization.algorithms.weight_compression.constants import MIN_INPUT_SIZE_FOR_OPTIMIZED_COMPRESSION
 
 OUT = TESTDATA / "goldens" / "nncf.safetensors"
@@ -50,7 +56,8 @@ CHECKPOINT = TESTDATA / "models" / "tiny-full"
 PREFIX = "model.language_model."
 SEED = 5000
 GROUP = 128
-MAX_BYTES = 450_000
+EXPERTS = (4, 10, 256)  # [E, out, in]: 10 240 elements, above NNCF's threshold; two groups of 128 per row
+MAX_BYTES = 600_000
 
 # The calls, as text for the metadata and as keyword arguments. optimum-intel's OVWeightQuantizationConfig.to_nncf_dict
 # passes these for `--weight-format int4 --sym --group-size 128 --ratio 1.0 --backup-precision int8_sym` (awq,
@@ -213,11 +220,12 @@ def build_model(matmuls: dict[str, np.ndarray], embedding: tuple[str, np.ndarray
     depends on every other output. The constants are named after the cases."""
     params, results, sums = [], [], []
     for name, w in matmuls.items():
-        x = ops.parameter([1, w.shape[1]], ov.Type.f32, name=f"x:{name}")
+        # [1, in] for a matrix; [E, 1, in] for stacked experts [E, out, in], a batched MatMul (one token per expert).
+        x = ops.parameter([*w.shape[:-2], 1, w.shape[-1]], ov.Type.f32, name=f"x:{name}")
         y = ops.matmul(x, ops.constant(w, ov.Type.f32, name=name), False, True)
         params.append(x)
         results.append(y)
-        sums.append(ops.reduce_sum(y, [0, 1], False))
+        sums.append(ops.reduce_sum(y, list(range(w.ndim)), False))
     if embedding is not None:
         name, w = embedding
         ids = ops.parameter([1, 4], ov.Type.i32, name="ids")
@@ -262,30 +270,59 @@ def extract(model: ov.Model, names: list[str]) -> dict[str, dict]:
             raise AssertionError(f"{name}: unexpected compressed type {etype}")
         assert scale_op.get_element_type() == ov.Type.f16, (name, scale_op.get_element_type())
         scales = scale_op.get_data().astype(np.float16)
-        if kind == "int4_sym":  # [rows, groups, group] and [rows, groups, 1]
-            rows, groups, group = shape
-            codes = codes.reshape(rows, groups * group)
-            scales = scales.reshape(rows, groups)
-        else:  # [rows, cols] and [rows, 1]
-            rows, cols = shape
+        # `lead` is (rows,) for a matrix, (experts, rows) for stacked experts.
+        if kind == "int4_sym":  # [*lead, groups, group] and [*lead, groups, 1]
+            *lead, groups, group = shape
+            assert tuple(scale_op.get_output_shape(0)) == (*lead, groups, 1), (name, scale_op.get_output_shape(0))
+            codes = codes.reshape(*lead, groups * group)
+            scales = scales.reshape(*lead, groups)
+        else:  # [*lead, cols] and [*lead, 1]
+            *lead, cols = shape
+            assert tuple(scale_op.get_output_shape(0)) == (*lead, 1), (name, scale_op.get_output_shape(0))
             group = cols
-            scales = scales.reshape(rows, 1)
+            scales = scales.reshape(*lead, 1)
         out[name] = {"kind": kind, "group": group, "codes": np.ascontiguousarray(codes),
-                     "scales": np.ascontiguousarray(scales)}
+                     "scales": np.ascontiguousarray(scales), "stored_shape": shape}
     return out
+
+
+@contextlib.contextmanager
+def openvino_implementation_calls():
+    """The shapes of the weights that NNCF's OpenVINO-graph implementation quantises meanwhile (nncf 3.4.0's
+    weight_lowering imports `do_integer_quantization` from nncf.openvino.optimized_functions at each call, so it
+    meets the wrapper). A grouped weight arrives as NNCF stores its codes, [*lead, groups, group]."""
+    original = nncf_ov_functions.do_integer_quantization
+    shapes = []
+
+    def recorded(weight, *args, **kwargs):
+        shapes.append(tuple(weight.shape))
+        return original(weight, *args, **kwargs)
+
+    nncf_ov_functions.do_integer_quantization = recorded
+    try:
+        yield shapes
+    finally:
+        nncf_ov_functions.do_integer_quantization = original
 
 
 def compress(build, kwargs: dict, names: list[str]) -> dict[str, dict]:
     """Compress a fresh model as NNCF chooses and again with its optimised (OpenVINO-graph) implementation
-    disabled; the two must agree exactly."""
+    disabled; the two must agree exactly. The first run must have used the OpenVINO implementation for exactly the
+    weights of MIN_INPUT_SIZE_FOR_OPTIMIZED_COMPRESSION elements or more, the second for none."""
     key = "NNCF_DISABLE_OPTIMIZED_COMPRESSION"
     assert key not in os.environ, f"unset {key}: the goldens must come from NNCF's default path"
-    chosen = extract(nncf.compress_weights(build(), **kwargs), names)
+    with openvino_implementation_calls() as chosen_calls:
+        chosen = extract(nncf.compress_weights(build(), **kwargs), names)
     os.environ[key] = "1"
     try:
-        reference = extract(nncf.compress_weights(build(), **kwargs), names)
+        with openvino_implementation_calls() as reference_calls:
+            reference = extract(nncf.compress_weights(build(), **kwargs), names)
     finally:
         del os.environ[key]
+    large = sorted(chosen[n]["stored_shape"] for n in names
+                   if np.prod(chosen[n]["stored_shape"]) >= MIN_INPUT_SIZE_FOR_OPTIMIZED_COMPRESSION)
+    assert sorted(chosen_calls) == large, (chosen_calls, large)
+    assert reference_calls == [], reference_calls
     for name in names:
         a, b = chosen[name], reference[name]
         for part in ("codes", "scales"):
@@ -317,11 +354,19 @@ def main() -> None:
     small, small_kinds = synthetic(rng, 16, 256)
     large, large_kinds = synthetic(rng, 20, 512)
     assert small.size < MIN_INPUT_SIZE_FOR_OPTIMIZED_COMPRESSION <= large.size
+    # Stacked MoE experts [E, out, in] as optimum-intel exports them (drawn after the matrices, which thus stay as
+    # they were): the row kinds run on across the experts, so every expert holds several of them.
+    experts_flat, experts_kinds = synthetic(rng, EXPERTS[0] * EXPERTS[1], EXPERTS[2])
+    experts = experts_flat.reshape(EXPERTS)
+    assert experts.size >= MIN_INPUT_SIZE_FOR_OPTIMIZED_COMPRESSION
+    experts_source = (f"synthetic, seed {SEED}, stacked experts {list(EXPERTS)}, row kinds (expert by expert) "
+                      f"{experts_kinds}")
 
     cases = []  # (case, weight, source)
     int4_matmuls = {
         "int4_sym.synthetic.small": (small, f"synthetic, seed {SEED}, row kinds {small_kinds}"),
         "int4_sym.synthetic.large": (large, f"synthetic, seed {SEED}, row kinds {large_kinds}"),
+        "int4_sym.synthetic.experts": (experts, experts_source),
     }
     for n in ("layers.0.mlp.down_proj", "layers.0.linear_attn.out_proj", "layers.3.self_attn.o_proj"):
         int4_matmuls[f"int4_sym.tiny-full.{n}"] = (real[n], f"tiny-full {PREFIX}{n}.weight (bf16)")
@@ -334,6 +379,7 @@ def main() -> None:
     int8_matmuls = {
         "int8_sym.synthetic.small": (small, int4_matmuls["int4_sym.synthetic.small"][1]),
         "int8_sym.synthetic.large": (large, int4_matmuls["int4_sym.synthetic.large"][1]),
+        "int8_sym.synthetic.experts": (experts, experts_source),
         "int8_sym.tiny-full.layers.0.linear_attn.in_proj_qkv": (
             real["layers.0.linear_attn.in_proj_qkv"][:160],
             f"tiny-full {PREFIX}layers.0.linear_attn.in_proj_qkv.weight rows 0..160 (bf16)"),
@@ -362,12 +408,16 @@ def main() -> None:
         assert g["codes"].shape == w.shape, (case, g["codes"].shape, w.shape)
         role = ("embedding (Gather), backup precision" if case == embedding[0] else
                 "last MatMul, backup precision" if case == last[0] else
+                "batched MatMul on stacked experts, primary precision" if w.ndim == 3 else
                 "MatMul, primary precision")
-        cases.append({
+        entry = {
             "case": case, "kind": g["kind"], "group": g["group"] if g["kind"] == "int4_sym" else -1,
-            "rows": int(w.shape[0]), "cols": int(w.shape[1]), "role": role, "source": source,
+            "rows": int(w.shape[-2]), "cols": int(w.shape[-1]), "role": role, "source": source,
             "nncf_implementation": ("openvino" if w.size >= MIN_INPUT_SIZE_FOR_OPTIMIZED_COMPRESSION else "numpy"),
-        })
+        }
+        if w.ndim == 3:  # [experts, rows, cols]; the matrices' entries stay as they were
+            entry["experts"] = int(w.shape[0])
+        cases.append(entry)
         tensors[f"{case}.weight"] = np.ascontiguousarray(w, dtype=np.float32)
         tensors[f"{case}.codes"] = g["codes"]
         tensors[f"{case}.scales"] = g["scales"]
@@ -390,12 +440,18 @@ def main() -> None:
         "optimum_flags": "--weight-format int4 --sym --group-size 128 --ratio 1.0 --backup-precision int8_sym",
         "case_names": ("int4_sym.* come from int4_call (the embedding and the last MatMul among them get the int8_sym "
                        "backup), int8_sym.* from int8_call; `kind` says what NNCF stored"),
-        "codes": "i8 [rows, cols]; int4 nibbles unpacked (two's complement, element 2k in the low nibble)",
-        "scales": "f16 [rows, cols / group] (int4_sym) or [rows, 1] (int8_sym), as stored in the IR",
+        "codes": ("i8 [rows, cols], or [experts, rows, cols] for a case with `experts`; int4 nibbles unpacked (two's "
+                  "complement, element 2k in the low nibble)"),
+        "scales": ("f16 [rows, cols / group] (int4_sym) or [rows, 1] (int8_sym), with a leading [experts] for a case "
+                   "with `experts`, as stored in the IR (without its last axis of 1 for int4)"),
+        "experts": (f"cases with `experts` are one stacked constant {list(EXPERTS)} = [experts, out, in] read by a "
+                    "batched MatMul with transpose_b, as optimum-intel exports an MoE layer's experts; NNCF reduces "
+                    "over the last axis, per expert and row"),
         "nncf_implementations": (
             f"NNCF quantises weights of {MIN_INPUT_SIZE_FOR_OPTIMIZED_COMPRESSION} elements or more with an OpenVINO "
             "graph, smaller ones with numpy; each compression was repeated with NNCF_DISABLE_OPTIMIZED_COMPRESSION=1 "
-            "(numpy for all) and gave identical codes and scales"),
+            "(numpy for all) and gave identical codes and scales; which weights the OpenVINO implementation took was "
+            "recorded and checked"),
     }
     OUT.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(OUT), metadata=metadata)
@@ -415,7 +471,9 @@ def main() -> None:
         "optimum_flags": metadata["optimum_flags"],
         "case_names": metadata["case_names"],
         "cases": {c["case"]: {k: v for k, v in c.items() if k not in ("case", "source")} for c in cases},
-        "paths_agree": "NNCF's OpenVINO-graph and numpy implementations gave identical codes and scales",
+        "paths_agree": ("NNCF's OpenVINO-graph and numpy implementations gave identical codes and scales, the stacked "
+                        "experts included"),
+        "experts": metadata["experts"],
     })
     counts = {k: sum(c["kind"] == k for c in cases) for k in ("int4_sym", "int8_sym")}
     print(f"wrote {OUT.relative_to(REPO)} ({size} bytes, sha256 {sha256(OUT)}): {len(cases)} cases {counts}",

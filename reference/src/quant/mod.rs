@@ -63,8 +63,11 @@
 //!   INT4 like every other projection, not the backup. The rule here needs nothing for MoE: every one of them is a
 //!   [`Role::Projection`](crate::schema::Role::Projection), and `npu/tests/external.rs` finds every expert's codes
 //!   and scales in that export bit for bit equal to [`WeightFormat::Int4Nncf`]'s. tiny-moe's tensors are below
-//!   NNCF's 10 000-element threshold, so they went through its numpy implementation; the two implementations
-//!   agree on the dense cases of `tests/all/nncf.rs`.
+//!   NNCF's 10 000-element threshold, so they went through its numpy implementation. Above it the OpenVINO
+//!   implementation does the same: `tests/all/nncf.rs` holds stacked experts `[4, 10, 256]` (INT4 group 128, NNCF
+//!   reshaping them to `[4, 10, 2, 128]` and reducing over the last axis; and INT8_SYM, scales `[4, 10, 1]`),
+//!   which both of NNCF's implementations quantise alike and which equal, expert by expert, what
+//!   [`quantize_int4_sym`] and [`quantize_int8_sym`] give each expert's `[10, 256]` matrix.
 //!
 //! # Checked against NNCF itself
 //!
@@ -72,11 +75,12 @@
 //! nncf 3.4.0 (OpenVINO 2026.4.1) stored in a compressed model (`testdata/goldens/nncf.safetensors`, written by
 //! `scripts/make_nncf_goldens.py`): real bf16 projections of `tiny-full` and synthetic rows built to tell the
 //! conventions above apart (exact rounding ties, a positive extreme, `|min| == max`, scales below the floor, f16
-//! subnormal scales, f32 scales exactly halfway between two f16 values), from both of NNCF's implementations (numpy
-//! below 10 000 elements, the OpenVINO graph above). Every code and every scale bit is the same. Each rule above is
-//! needed: rounding half away from zero, an unsigned scale, codes divided by the f16-rounded scale, no floor, or a
-//! scale rounded to f16 with ties away from zero each make that test fail. Exact ties are not rare: the bf16
-//! weights of `tiny-full` alone have some in every projection tried.
+//! subnormal scales, f32 scales exactly halfway between two f16 values), as matrices and as stacked MoE experts
+//! (one expert at a time), from both of NNCF's implementations (numpy below 10 000 elements, the OpenVINO graph
+//! above). Every code and every scale bit is the same. Each rule above is needed: rounding half away from zero, an
+//! unsigned scale, codes divided by the f16-rounded scale, no floor, or a scale rounded to f16 with ties away from
+//! zero each make that test fail. Exact ties are not rare: the bf16 weights of `tiny-full` alone have some in every
+//! projection tried.
 //!
 //! # The f16 export (optimum-intel `--weight-format fp16`)
 //!

@@ -2,6 +2,10 @@
 //! f16 scales that `nncf.compress_weights` stored for it in the compressed OpenVINO model (made by
 //! `scripts/make_nncf_goldens.py`; the metadata lists the cases, the calls and the versions). Every code and every
 //! scale bit must be the same.
+//!
+//! A case with `experts` is one stacked constant `[experts, rows, cols]` read by a batched MatMul with `transpose_b`,
+//! as optimum-intel exports an MoE layer's experts; each expert's slice must be what our quantiser gives that
+//! expert's own `[rows, cols]` matrix.
 
 use crate::common::testdata;
 use half::f16;
@@ -18,8 +22,12 @@ struct Case {
     kind: String,
     /// The int4 group size, −1 for int8 (per output row).
     group: i64,
+    /// Rows and columns of the matrix, of each expert's matrix for stacked experts.
     rows: usize,
     cols: usize,
+    /// The number of stacked experts (`[experts, rows, cols]`); absent for a matrix.
+    #[serde(default)]
+    experts: Option<usize>,
     role: String,
     /// `openvino` (NNCF's OpenVINO-graph implementation) or `numpy`.
     nncf_implementation: String,
@@ -45,6 +53,9 @@ struct Coverage {
     openvino_cases: usize,
     numpy_cases: usize,
     backup_cases: usize,
+    /// Stacked-experts cases that NNCF's OpenVINO implementation made, int4 and int8.
+    experts_int4_openvino: usize,
+    experts_int8_openvino: usize,
     /// Scales < 0: the largest magnitude of the group was positive.
     negative_scales: usize,
     /// Scales at NNCF's floor, f32 machine epsilon.
@@ -59,8 +70,15 @@ struct Coverage {
     f16_scale_ties: usize,
 }
 
-/// The mismatches of one case as a labelled report (empty when ours equals NNCF's).
-fn compare(c: &Case, w: &[f32], codes: &[i8], scales: &[f16], ours: &QuantizedMatrix) -> String {
+/// The mismatches of one case (of one expert of it, `expert`) as a labelled report (empty when ours equals NNCF's).
+fn compare(
+    c: &Case,
+    expert: Option<usize>,
+    w: &[f32],
+    codes: &[i8],
+    scales: &[f16],
+    ours: &QuantizedMatrix,
+) -> String {
     let mut report = String::new();
     let group = ours.group_size();
     let per_row = ours.scale_shape()[1];
@@ -75,8 +93,12 @@ fn compare(c: &Case, w: &[f32], codes: &[i8], scales: &[f16], ours: &QuantizedMa
     }
     let _ = writeln!(
         report,
-        "{} ({} {}, [{}, {}], {}, NNCF {}): {} of {} scales and {} of {} codes differ",
+        "{}{} ({} {}, [{}, {}], {}, NNCF {}): {} of {} scales and {} of {} codes differ",
         c.case,
+        expert.map_or(String::new(), |e| format!(
+            " expert {e} of {}",
+            c.experts.unwrap_or(0)
+        )),
         c.kind,
         if c.group > 0 {
             format!("group {}", c.group)
@@ -141,44 +163,67 @@ fn quantiser_matches_nncf_codes_and_scales() {
     let mut coverage = Coverage::default();
     let mut report = String::new();
     for c in &cases {
+        // A matrix is `[rows, cols]`; stacked experts are `[experts, rows, cols]`, compared expert by expert.
+        let experts = c.experts.unwrap_or(1);
+        let shape =
+            |last: usize| -> Vec<usize> { c.experts.into_iter().chain([c.rows, last]).collect() };
         let w: Vec<f32> = tensor(
             &st,
             &format!("{}.weight", c.case),
             Dtype::F32,
-            &[c.rows, c.cols],
+            &shape(c.cols),
         )
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         .collect();
-        let codes: Vec<i8> = tensor(
-            &st,
-            &format!("{}.codes", c.case),
-            Dtype::I8,
-            &[c.rows, c.cols],
-        )
-        .iter()
-        .map(|&b| b as i8)
-        .collect();
-        let (ours, per_row) = match (c.kind.as_str(), c.group) {
-            ("int4_sym", g) if g > 0 => (
-                quantize_int4_sym(&w, c.rows, c.cols, g as usize),
-                c.cols / g as usize,
-            ),
-            ("int8_sym", -1) => (quantize_int8_sym(&w, c.rows, c.cols), 1),
+        let codes: Vec<i8> = tensor(&st, &format!("{}.codes", c.case), Dtype::I8, &shape(c.cols))
+            .iter()
+            .map(|&b| b as i8)
+            .collect();
+        let per_row = match (c.kind.as_str(), c.group) {
+            ("int4_sym", g) if g > 0 => c.cols / g as usize,
+            ("int8_sym", -1) => 1,
             (kind, group) => panic!("{}: unknown kind {kind} with group {group}", c.case),
         };
-        let ours = ours.unwrap_or_else(|e| panic!("{}: our quantiser refused it: {e}", c.case));
         let scales: Vec<f16> = tensor(
             &st,
             &format!("{}.scales", c.case),
             Dtype::F16,
-            &[c.rows, per_row],
+            &shape(per_row),
         )
         .chunks_exact(2)
         .map(|b| f16::from_bits(u16::from_le_bytes([b[0], b[1]])))
         .collect();
-        assert_eq!(ours.scale_shape(), [c.rows, per_row], "{}", c.case);
-        report.push_str(&compare(c, &w, &codes, &scales, &ours));
+        // Each expert's matrix quantised on its own, as the reference and this project's graphs store experts.
+        let (size, scale_size) = (c.rows * c.cols, c.rows * per_row);
+        let mut quantised = Vec::with_capacity(experts);
+        for e in 0..experts {
+            let w_e = &w[e * size..(e + 1) * size];
+            let ours = match c.kind.as_str() {
+                "int4_sym" => quantize_int4_sym(w_e, c.rows, c.cols, c.group as usize),
+                _ => quantize_int8_sym(w_e, c.rows, c.cols),
+            }
+            .unwrap_or_else(|err| {
+                panic!("{} (expert {e}): our quantiser refused it: {err}", c.case)
+            });
+            assert_eq!(ours.scale_shape(), [c.rows, per_row], "{}", c.case);
+            report.push_str(&compare(
+                c,
+                c.experts.map(|_| e),
+                w_e,
+                &codes[e * size..(e + 1) * size],
+                &scales[e * scale_size..(e + 1) * scale_size],
+                &ours,
+            ));
+            quantised.push(ours);
+        }
+        let ours = &quantised[0];
+        if c.experts.is_some() && c.nncf_implementation == "openvino" {
+            match c.kind.as_str() {
+                "int4_sym" => coverage.experts_int4_openvino += 1,
+                _ => coverage.experts_int8_openvino += 1,
+            }
+        }
 
         match c.kind.as_str() {
             "int4_sym" => coverage.int4_cases += 1,
@@ -226,14 +271,16 @@ fn quantiser_matches_nncf_codes_and_scales() {
         report.is_empty(),
         "our quantiser differs from NNCF:\n{report}"
     );
-    // What the comparison covered: both kinds, both of NNCF's implementations, the backup precision, and the rows
-    // built to tell rounding, sign, floor and f16 conventions apart.
+    // What the comparison covered: both kinds, both of NNCF's implementations, the backup precision, stacked experts
+    // above NNCF's threshold in both kinds, and the rows built to tell rounding, sign, floor and f16 conventions apart.
     let Coverage {
         int4_cases,
         int8_cases,
         openvino_cases,
         numpy_cases,
         backup_cases,
+        experts_int4_openvino,
+        experts_int8_openvino,
         negative_scales,
         floor_scales,
         subnormal_scales,
@@ -247,6 +294,14 @@ fn quantiser_matches_nncf_codes_and_scales() {
         ("cases from NNCF's OpenVINO implementation", openvino_cases),
         ("cases from NNCF's numpy implementation", numpy_cases),
         ("backup-precision cases", backup_cases),
+        (
+            "int4 stacked-experts cases from NNCF's OpenVINO implementation",
+            experts_int4_openvino,
+        ),
+        (
+            "int8 stacked-experts cases from NNCF's OpenVINO implementation",
+            experts_int8_openvino,
+        ),
         ("negative scales", negative_scales),
         ("scales at the floor", floor_scales),
         ("f16 subnormal scales", subnormal_scales),
