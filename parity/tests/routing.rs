@@ -144,6 +144,9 @@ fn diff_scores_routing_agreement_and_classifies_flips() {
     );
     assert!(gap > 0.0 && gap < 1e-4 && gap <= 2.0 * err, "{f}");
     assert_eq!(f["upstream"], Value::Null);
+    // The router error there is far below the layer's median margin (1.5e-2): not a router that is off.
+    assert_eq!(f["router_off"], false);
+    assert_eq!(r["router_off_flips"], 0);
     assert!(f["mlp_nrmse"].as_f64().unwrap() > 0.0);
     let failures = d["failures"].to_string();
     assert!(!failures.contains("routing"), "{failures}");
@@ -152,6 +155,13 @@ fn diff_scores_routing_agreement_and_classifies_flips() {
         "{text}"
     );
     no_index_scored_by_nrmse(&d);
+
+    // A stated router error adds to the measured one.
+    let (_, _, d) = diff(&f16w, &f32, &["--router-tolerance", "1e-3"]);
+    let g = &d["routing"]["first_flip"];
+    assert_eq!(g["router_error_source"], "measured_plus_stated");
+    let sum = g["router_error"].as_f64().unwrap();
+    assert!((sum - (err + 1e-3)).abs() < 1e-12, "{g}");
 
     // Without the device's router logits the flip is unclassified, unless a router error is stated: within twice
     // 1e-3 it is a near tie, beyond twice 1e-6 a confident flip, which fails the diff by itself.

@@ -139,7 +139,7 @@ pub struct DeviceReport {
     /// Where the device first leaves tolerance.
     pub first_divergence: FirstDivergence,
     /// An MoE model's routing against the reference's over every prompt, where both sides expose the chosen
-    /// experts; flips without the device's router logits are judged against `thresholds.router_tolerance`.
+    /// experts; flips are judged against the measured router error plus `thresholds.router_tolerance`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub routing: Option<RoutingReport>,
     /// The first tensor (in computation order, of the first prompt that has one) where the device produced NaN or

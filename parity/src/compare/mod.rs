@@ -42,8 +42,9 @@ pub struct Thresholds {
     pub max_layer_nrmse: f64,
     /// Largest NRMSE of a state after the prompt.
     pub max_state_nrmse: f64,
-    /// The router probability error to assume for a device that gives no router logits, against which its routing
-    /// flips are classified (`None`: they stay unclassified; see [`crate::routing`]).
+    /// A router probability error the device's router logits do not show (all of it for a device that outputs
+    /// none), added to the measured one when its routing flips are classified (`None`: the measured error alone;
+    /// see [`crate::routing`]).
     pub router_tolerance: Option<f64>,
 }
 

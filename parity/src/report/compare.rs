@@ -18,13 +18,14 @@
 //! `first` (the index of the first non-finite element)}}: where the device's NaN or infinity first appears, in the
 //! order the decoder computes), `routing` (an MoE model whose chosen experts both sides expose, merged over the
 //! prompts; absent otherwise: `top_k`, `pairs`, `same_set`, `same_order`, `set_agreement`, `near_tie_flips`,
-//! `confident_flips`, `unclassified_flips`, `downstream_flips`, `stated_router_error`, `first_flip`,
-//! `first_confident`, `layers` ([{`layer`, `tokens`, `same_set`, `same_order`, `set_agreement`, the four flip
-//! counts, `router_error_max`, `mlp_nrmse_flipped`, `mlp_nrmse_agreeing`}]) and `flips` ([{`prompt`, `layer`,
-//! `token`, `reference`, `device`, `experts_in`, `experts_out`, `reference_margin`, `gap`, `measured_router_error`,
-//! `router_error`, `router_error_source` (`measured`|`stated`), `repeated`, `class`
-//! (`near_tie`|`confident`|`unclassified`), `mlp_nrmse`, `output_nrmse`, `input_nrmse`, `upstream` ({`layer`,
-//! `token`} or null)}]); see [`crate::routing`]; `diff` scores the chosen experts there, not in `tensors`),
+//! `confident_flips`, `unclassified_flips`, `downstream_flips`, `router_off_flips`, `stated_router_error`,
+//! `first_flip`, `first_confident`, `layers` ([{`layer`, `tokens`, `same_set`, `same_order`, `set_agreement`, the
+//! five flip counts, `router_error_max`, `router_error_independent`, `margin_median`, `mlp_nrmse_flipped`,
+//! `mlp_nrmse_agreeing`}]) and `flips` ([{`prompt`, `layer`, `token`, `reference`, `device`, `experts_in`,
+//! `experts_out`, `reference_margin`, `gap`, `measured_router_error`, `router_error`, `router_error_source`
+//! (`measured`|`stated`|`measured_plus_stated`), `repeated`, `class` (`near_tie`|`confident`|`unclassified`),
+//! `mlp_nrmse`, `output_nrmse`, `input_nrmse`, `mixer_nrmse`, `upstream` ({`layer`, `token`} or null),
+//! `router_off`}]); see [`crate::routing`]; `diff` scores the chosen experts there, not in `tensors`),
 //! `prompt_tokens_per_s`, `decode_tokens_per_s` and `prompts` (every prompt's own comparison, with every
 //! teacher-forced position, and `non_finite` / `reference_non_finite`: every tensor of either side holding NaN or
 //! infinity, in computation order). A measure that is undefined (NaN: a side held a non-finite value) is `null`.

@@ -43,7 +43,7 @@ pub fn summary_line(r: &RoutingReport) -> String {
     };
     format!(
         "routing: {}/{} token-layer pairs chose the reference's experts ({:.1}%{order}); {} flip(s): {} near tie, \
-         {} confident, {} unclassified ({} after an earlier flip)",
+         {} confident, {} unclassified ({} after an earlier flip, {} with the router off)",
         r.same_set,
         r.pairs,
         100.0 * r.set_agreement,
@@ -51,7 +51,8 @@ pub fn summary_line(r: &RoutingReport) -> String {
         r.near_tie_flips,
         r.confident_flips,
         r.unclassified_flips,
-        r.downstream_flips
+        r.downstream_flips,
+        r.router_off_flips
     )
 }
 
@@ -60,6 +61,7 @@ fn judged(f: &Flip) -> String {
     let source = match f.router_error_source {
         Some(ErrorSource::Measured) => "measured",
         Some(ErrorSource::Stated) => "stated",
+        Some(ErrorSource::MeasuredPlusStated) => "measured + stated",
         None => "unknown",
     };
     let gap = num(f.gap);
@@ -75,8 +77,13 @@ fn judged(f: &Flip) -> String {
             format!("gap {gap}, the device's router error unknown")
         }
     };
+    let off = if f.router_off {
+        "; router off: its error there exceeds the reference's median margin"
+    } else {
+        ""
+    };
     format!(
-        "{}: {rule}; reference margin p_k − p_k+1 {}",
+        "{}: {rule}{off}; reference margin p_k − p_k+1 {}",
         f.class.name(),
         num(f.reference_margin)
     )
@@ -105,8 +112,14 @@ pub fn flip_line(f: &Flip, layer: Option<&LayerRouting>) -> String {
         }
         None => s.push_str("; no earlier flip reaches it"),
     }
-    if let Some(e) = f.input_nrmse {
-        let _ = write!(s, " (input NRMSE there {e:.2e})");
+    match (f.input_nrmse, f.mixer_nrmse) {
+        (Some(i), Some(m)) => {
+            let _ = write!(s, " (input NRMSE there {i:.2e}, mixer output {m:.2e})");
+        }
+        (Some(i), None) => {
+            let _ = write!(s, " (input NRMSE there {i:.2e})");
+        }
+        _ => {}
     }
     s
 }
@@ -141,25 +154,47 @@ pub fn next_step(r: &RoutingReport) -> String {
         return "nothing: the experts are the reference's, so any error is in what they compute"
             .into();
     };
-    let worst = r
-        .layers
-        .iter()
-        .filter_map(|l| Some((l.layer, l.router_error_max?)))
-        .max_by(|a, b| a.1.total_cmp(&b.1));
     let mut s = format!(
-        "every flip is a near tie the router error decides, the first at layer {} token {}; {} of {} follow an \
-         earlier flip. Their cost is in the MLP output errors above",
+        "every flip is a near tie by the rule, the first at layer {} token {}; {} of {} follow an earlier flip",
         first.layer,
         first.token,
         r.downstream_flips,
         r.flip_count()
     );
-    if let Some((l, e)) = worst {
-        let _ = write!(
-            s,
-            "; the router probabilities are off by up to {e:.2e} (layer {l}): if that is more than the device's \
-             precision explains, its router weights or the router's input (the layers before) are off"
-        );
+    // A near tie by the rule only because the router is far off there, where no earlier flip reaches.
+    let off = r
+        .flips
+        .iter()
+        .filter(|f| f.router_off && !f.downstream())
+        .min_by_key(|f| (f.layer, f.token));
+    let median = |f: &Flip| {
+        r.layers
+            .iter()
+            .find(|l| l.layer == f.layer)
+            .and_then(|l| l.margin_median)
+    };
+    match off {
+        Some(f) => {
+            let _ = write!(
+                s,
+                ". But at layer {} token {}, where no earlier flip reaches, the router is off by {}, more than the \
+                 reference's median margin there ({}): that is no rounding of a near tie; the router's output is off \
+                 there (its weights, its arithmetic, or its input: the layer's input NRMSE there {}, its mixer \
+                 output's {}; `layers.{}.mlp.router_logits`, `layers.{}.mixer_output`)",
+                f.layer,
+                f.token,
+                num(f.router_error),
+                num(median(f)),
+                num(f.input_nrmse),
+                num(f.mixer_nrmse),
+                f.layer,
+                f.layer
+            );
+        }
+        None => s.push_str(
+            ". Where no earlier flip reaches, no flip's router error exceeds the reference's median margin: \
+             rounding decided them, and what they cost is the MLP output error at the flipped tokens",
+        ),
     }
     s
 }
@@ -176,12 +211,19 @@ pub fn terminal_lines(r: &RoutingReport) -> Vec<String> {
         .filter(|l| l.same_order < l.tokens)
         .collect();
     lines.push(format!(
-        "  {:>5} {:>14} {:>10} {:>8} {:>9} {:>12} {:>12}  MLP NRMSE flipped / agreeing",
-        "layer", "same set", "order only", "near tie", "confident", "unclassified", "router error"
+        "  {:>5} {:>14} {:>10} {:>8} {:>9} {:>12} {:>20} {:>13}  MLP NRMSE flipped / agreeing",
+        "layer",
+        "same set",
+        "order only",
+        "near tie",
+        "confident",
+        "unclassified",
+        "router error all / own",
+        "median margin"
     ));
     for l in off.iter().take(TERMINAL_LAYERS) {
         lines.push(format!(
-            "  {:>5} {:>14} {:>10} {:>8} {:>9} {:>12} {:>12}  {} / {}",
+            "  {:>5} {:>14} {:>10} {:>8} {:>9} {:>12} {:>20} {:>13}  {} / {}",
             l.layer,
             format!(
                 "{}/{} {:.1}%",
@@ -193,7 +235,12 @@ pub fn terminal_lines(r: &RoutingReport) -> Vec<String> {
             l.near_tie_flips,
             l.confident_flips,
             l.unclassified_flips,
-            num(l.router_error_max),
+            format!(
+                "{} / {}",
+                num(l.router_error_max),
+                num(l.router_error_independent)
+            ),
+            num(l.margin_median),
             num(l.mlp_nrmse_flipped),
             num(l.mlp_nrmse_agreeing)
         ));
@@ -227,18 +274,23 @@ pub fn markdown(s: &mut String, r: &RoutingReport) {
         "A flip is a token whose chosen expert set differs from the reference's. It is a near tie when the \
          reference's gap between the experts the device swapped (max p(out) − min p(in); for a swap of the k-th and \
          (k+1)-th, the margin p_k − p_k+1) is within twice the device's router error at that token (max |p_dev − \
-         p_ref| over the experts, measured from its router logits, else the stated --router-tolerance); confident \
-         beyond it. A flip is downstream when an earlier layer flipped at the same or an earlier token.\n"
+         p_ref| over the experts, measured from its router logits, plus --router-tolerance if stated); confident \
+         beyond it. A flip is downstream when an earlier layer flipped at the same or an earlier token; the router's \
+         own error is its largest over the tokens no earlier flip reaches; a flip is router-off when its router error \
+         exceeds the reference's median margin (a near tie only because the router is far off there).\n"
     );
     let _ = writeln!(
         s,
-        "| layer | tokens | same set | same order | near tie | confident | unclassified | downstream | router error max | MLP NRMSE flipped | MLP NRMSE agreeing |"
+        "| layer | tokens | same set | same order | near tie | confident | unclassified | downstream | router error max | own (no earlier flip) | median margin | router off | MLP NRMSE flipped | MLP NRMSE agreeing |"
     );
-    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(
+        s,
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    );
     for l in &r.layers {
         let _ = writeln!(
             s,
-            "| {} | {} | {} ({:.1}%) | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} ({:.1}%) | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             l.layer,
             l.tokens,
             l.same_set,
@@ -249,6 +301,9 @@ pub fn markdown(s: &mut String, r: &RoutingReport) {
             l.unclassified_flips,
             l.downstream_flips,
             num(l.router_error_max),
+            num(l.router_error_independent),
+            num(l.margin_median),
+            l.router_off_flips,
             num(l.mlp_nrmse_flipped),
             num(l.mlp_nrmse_agreeing)
         );
@@ -271,7 +326,11 @@ pub fn markdown(s: &mut String, r: &RoutingReport) {
                 num(f.reference_margin),
                 num(f.gap),
                 num(f.router_error),
-                f.class.name(),
+                if f.router_off {
+                    format!("{} (router off)", f.class.name())
+                } else {
+                    f.class.name().to_string()
+                },
                 num(f.mlp_nrmse),
                 num(f.input_nrmse),
                 f.upstream

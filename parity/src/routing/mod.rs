@@ -16,7 +16,9 @@
 //!   `in` above every `out`, so each of those pairs was reversed. For the usual flip (the reference's k-th expert
 //!   swapped for its (k+1)-th) the gap is the reference's **margin** `p_k − p_{k+1}`, which is reported too.
 //! - the device's **router error** `δ` at the token is `max_e |p_dev(e) − p(e)|` from the device's own
-//!   `router_logits` (*measured*); without them, a bound the caller states (`--router-tolerance`), else none.
+//!   `router_logits` (*measured*), plus the error the caller states for what those logits do not show
+//!   (`--router-tolerance`: a softmax or top-k computed more coarsely than the logits it outputs); without the
+//!   device's router logits the stated error alone, without either none.
 //! - the flip is a **near tie** when `gap ≤ 2δ`: reversing two probabilities `gap` apart moves one of them by at
 //!   least `gap / 2`, so an error of `δ` at that token can have decided it (as compare-devices calls a token flip a
 //!   near tie within twice the logit error). It is **confident** when `gap > 2δ` (or the device chose one expert
@@ -31,7 +33,11 @@
 //! token `t'` moves every later layer's input at tokens `t ≥ t'` (through the residual stream and the mixers), so a
 //! flip at `(l, t)` with such a flip at `l' < l` is *downstream* and names it ([`Flip::upstream`]); its input error
 //! (the previous layer's output, or the embeddings, at the token) is reported too. The first flip, by layer then
-//! token, is the one to look at first.
+//! token, is the one to look at first. A flip is a near tie by the rule whenever the router error is large, however
+//! it got large: a flip whose measured router error exceeds the reference's median margin at the layer is marked
+//! [`Flip::router_off`] (an error that size would flip a typical token), and on an independent flip that says the
+//! router, or its input, is computed wrongly there rather than rounding a near tie. Per layer the router's *own*
+//! error, its largest over the tokens no earlier flip reaches, is reported beside its largest overall.
 
 mod taps;
 #[cfg(test)]
@@ -39,7 +45,7 @@ mod tests;
 
 pub use taps::{chosen_name, from_taps};
 
-use crate::metrics::{log_softmax, nan_max};
+use crate::metrics::{log_softmax, nan_max, percentile};
 use anyhow::{Result, bail};
 use serde::Serialize;
 
@@ -67,6 +73,8 @@ pub struct LayerSides {
     pub output_nrmse: Option<Vec<f64>>,
     /// `[T]`: the NRMSE of the layer's input at each token (the previous layer's output, or the embeddings).
     pub input_nrmse: Option<Vec<f64>>,
+    /// `[T]`: the NRMSE of the layer's mixer output at each token (with the input, what the router reads).
+    pub mixer_nrmse: Option<Vec<f64>>,
 }
 
 /// What a flip is, by the rule of the module docs.
@@ -100,6 +108,8 @@ pub enum ErrorSource {
     Measured,
     /// A bound the caller stated (`--router-tolerance`), the device giving no router logits.
     Stated,
+    /// The measured error plus the stated one.
+    MeasuredPlusStated,
 }
 
 /// A layer and token.
@@ -134,7 +144,7 @@ pub struct Flip {
     pub gap: Option<f64>,
     /// `max_e |p_dev(e) − p_ref(e)|` at the token, when the device has its router logits.
     pub measured_router_error: Option<f64>,
-    /// The router error the flip was judged against (measured, else stated).
+    /// The router error the flip was judged against (measured, stated, or their sum).
     pub router_error: Option<f64>,
     /// Where `router_error` comes from.
     pub router_error_source: Option<ErrorSource>,
@@ -148,9 +158,14 @@ pub struct Flip {
     pub output_nrmse: Option<f64>,
     /// The NRMSE of the layer's input at the token.
     pub input_nrmse: Option<f64>,
+    /// The NRMSE of the layer's mixer output at the token (the router reads the norm of input plus mixer output).
+    pub mixer_nrmse: Option<f64>,
     /// The first earlier flip that reaches this one (an earlier layer, this token or one before); `None`: this one
     /// is independent.
     pub upstream: Option<At>,
+    /// The measured router error at the token exceeds the reference's median margin at the layer: a near tie only
+    /// because the router is far off there (on an independent flip: the router, or its input, computed wrongly).
+    pub router_off: bool,
 }
 
 impl Flip {
@@ -183,6 +198,16 @@ pub struct LayerRouting {
     pub downstream_flips: usize,
     /// The largest measured router error over the layer's tokens (`None`: the device has no router logits).
     pub router_error_max: Option<f64>,
+    /// The largest measured router error over the tokens no earlier flip reaches: the router's own error, before
+    /// any routing divergence feeds it.
+    pub router_error_independent: Option<f64>,
+    /// The reference's median `p_k − p_{k+1}` over the layer's tokens: how close its choices typically are.
+    pub margin_median: Option<f64>,
+    /// Flips whose measured router error exceeds the median margin ([`Flip::router_off`]).
+    pub router_off_flips: usize,
+    /// The reference's margin at every token (for the median of merged prompts).
+    #[serde(skip)]
+    margins: Vec<f64>,
     /// The worst MLP output NRMSE at a flipped token.
     pub mlp_nrmse_flipped: Option<f64>,
     /// The worst MLP output NRMSE at a token with the reference's set.
@@ -210,7 +235,9 @@ pub struct RoutingReport {
     pub unclassified_flips: usize,
     /// Flips an earlier flip reaches.
     pub downstream_flips: usize,
-    /// The router error stated for a device without router logits (`None`: not given).
+    /// Flips whose router error exceeds the reference's median margin ([`Flip::router_off`]).
+    pub router_off_flips: usize,
+    /// The router error stated for what the device's router logits do not show (`None`: not given).
     pub stated_router_error: Option<f64>,
     /// The first flip, by layer then token (then prompt).
     pub first_flip: Option<Flip>,
@@ -276,7 +303,7 @@ pub fn classify(gap: Option<f64>, delta: Option<f64>, repeated: bool) -> FlipCla
 
 /// Compares the routing of one prompt, layer by layer (`layers` in the decoder's order). Fails when the two sides
 /// do not hold the same tokens or the same number of experts per token; flips are classified against the measured
-/// router error only ([`RoutingReport::classify`] applies a stated one).
+/// router error only ([`RoutingReport::classify`] adds a stated one).
 pub fn compare(prompt: &str, layers: &[LayerSides]) -> Result<RoutingReport> {
     let mut flips: Vec<Flip> = Vec::new();
     // Each earlier layer's first flipped token, in layer order: the first of them at or before a token reaches it.
@@ -310,7 +337,12 @@ pub fn compare(prompt: &str, layers: &[LayerSides]) -> Result<RoutingReport> {
         let at = |v: &Option<Vec<f64>>, t: usize| v.as_ref().and_then(|v| v.get(t)).copied();
         let (mut same_set, mut same_order) = (0, 0);
         let mut deltas = Vec::new();
+        let mut independent = Vec::new();
         let mut agreeing = Vec::new();
+        let margins: Vec<f64> = (0..r.chosen.len())
+            .filter_map(|t| margin(probs(r, t)?, k))
+            .collect();
+        let median = (!margins.is_empty()).then(|| percentile(&margins, 0.5));
         for (t, (a, b)) in r.chosen.iter().zip(&d.chosen).enumerate() {
             let delta = match (probs(r, t), probs(d, t)) {
                 (Some(pr), Some(pd)) if pr.len() == pd.len() => {
@@ -320,6 +352,9 @@ pub fn compare(prompt: &str, layers: &[LayerSides]) -> Result<RoutingReport> {
                 _ => None,
             };
             deltas.extend(delta);
+            if !firsts.iter().any(|f| f.token <= t) {
+                independent.extend(delta);
+            }
             if as_set(a) == as_set(b) {
                 same_set += 1;
                 same_order += usize::from(a == b);
@@ -353,7 +388,9 @@ pub fn compare(prompt: &str, layers: &[LayerSides]) -> Result<RoutingReport> {
                 mlp_nrmse: at(&sides.mlp_nrmse, t),
                 output_nrmse: at(&sides.output_nrmse, t),
                 input_nrmse: at(&sides.input_nrmse, t),
+                mixer_nrmse: at(&sides.mixer_nrmse, t),
                 upstream,
+                router_off: matches!((delta, median), (Some(d), Some(m)) if d > m),
             });
         }
         if let Some(f) = flips.iter().find(|f| f.layer == l) {
@@ -374,6 +411,10 @@ pub fn compare(prompt: &str, layers: &[LayerSides]) -> Result<RoutingReport> {
             unclassified_flips: 0,
             downstream_flips: 0,
             router_error_max: (!deltas.is_empty()).then(|| nan_max(deltas)),
+            router_error_independent: (!independent.is_empty()).then(|| nan_max(independent)),
+            margin_median: median,
+            router_off_flips: 0,
+            margins,
             mlp_nrmse_flipped: None,
             mlp_nrmse_agreeing: (!agreeing.is_empty()).then(|| nan_max(agreeing)),
         });
@@ -388,6 +429,7 @@ pub fn compare(prompt: &str, layers: &[LayerSides]) -> Result<RoutingReport> {
         confident_flips: 0,
         unclassified_flips: 0,
         downstream_flips: 0,
+        router_off_flips: 0,
         stated_router_error: None,
         first_flip: None,
         first_confident: None,
@@ -408,13 +450,15 @@ fn share(n: usize, of: usize) -> f64 {
 }
 
 impl RoutingReport {
-    /// Judges every flip whose device gave no router logits against `stated` (a probability error the caller
-    /// assumes; `None`: they stay unclassified), and recounts.
+    /// Judges every flip against its measured router error plus `stated` (a probability error the caller
+    /// assumes for what the device's router logits do not show; without them, the whole error; `None`: the
+    /// measured one alone, and a flip without it stays unclassified), and recounts.
     pub fn classify(&mut self, stated: Option<f64>) {
         self.stated_router_error = stated;
         for f in &mut self.flips {
             (f.router_error, f.router_error_source) = match (f.measured_router_error, stated) {
-                (Some(d), _) => (Some(d), Some(ErrorSource::Measured)),
+                (Some(d), Some(s)) => (Some(d + s), Some(ErrorSource::MeasuredPlusStated)),
+                (Some(d), None) => (Some(d), Some(ErrorSource::Measured)),
                 (None, Some(s)) => (Some(s), Some(ErrorSource::Stated)),
                 (None, None) => (None, None),
             };
@@ -437,6 +481,9 @@ impl RoutingReport {
                         m.same_set += l.same_set;
                         m.same_order += l.same_order;
                         m.router_error_max = max_of(m.router_error_max, l.router_error_max);
+                        m.router_error_independent =
+                            max_of(m.router_error_independent, l.router_error_independent);
+                        m.margins.extend(&l.margins);
                         m.mlp_nrmse_agreeing = max_of(m.mlp_nrmse_agreeing, l.mlp_nrmse_agreeing);
                     }
                     None => merged.layers.push(l.clone()),
@@ -461,6 +508,8 @@ impl RoutingReport {
             let worst: Vec<f64> = mine.iter().filter_map(|f| f.mlp_nrmse).collect();
             l.mlp_nrmse_flipped = (!worst.is_empty()).then(|| nan_max(worst));
             l.set_agreement = share(l.same_set, l.tokens);
+            l.margin_median = (!l.margins.is_empty()).then(|| percentile(&l.margins, 0.5));
+            l.router_off_flips = mine.iter().filter(|f| f.router_off).count();
         }
         let sum = |f: fn(&LayerRouting) -> usize| self.layers.iter().map(f).sum::<usize>();
         self.pairs = sum(|l| l.tokens);
@@ -471,6 +520,7 @@ impl RoutingReport {
         self.confident_flips = sum(|l| l.confident_flips);
         self.unclassified_flips = sum(|l| l.unclassified_flips);
         self.downstream_flips = sum(|l| l.downstream_flips);
+        self.router_off_flips = sum(|l| l.router_off_flips);
         // By layer then token; `min_by_key` keeps the earlier prompt on a tie.
         let first = |only_confident: bool| {
             self.flips

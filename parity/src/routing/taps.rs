@@ -1,6 +1,6 @@
 //! The routing report from two sides' taps under the dump's names: per layer `mlp.experts_chosen` `[T, k]` (integers,
 //! any dtype holding them exactly), `mlp.router_logits` `[T, E]` where a side has it, and the per-token errors of
-//! `mlp_output`, `output` and the layer's input.
+//! `mlp_output`, `output`, `mixer_output` and the layer's input.
 
 use super::{LayerSides, Router, RoutingReport, compare, probabilities};
 use crate::metrics::{per_slice, values};
@@ -142,6 +142,7 @@ pub fn from_taps(
             mlp_nrmse: per_token(&names::layer(layer, names::MLP_OUTPUT), reference, device)?,
             output_nrmse: per_token(&names::layer(layer, names::OUTPUT), reference, device)?,
             input_nrmse: per_token(&input, reference, device)?,
+            mixer_nrmse: per_token(&names::layer(layer, names::MIXER_OUTPUT), reference, device)?,
         });
     }
     if sides.is_empty() {

@@ -59,8 +59,10 @@ fn a_swap_within_twice_the_router_error_is_a_near_tie() {
     // The device moved the 3rd and 4th probabilities by 5e-5 each and swapped them: gap 4e-5 ≤ 2 × 5e-5.
     let mut q = P;
     (q[2], q[3]) = (0.14997, 0.15003);
-    let reference = router(&[&[0, 1, 2], &[0, 1, 2]], Some(&[P, P]));
-    let device = router(&[&[0, 1, 3], &[0, 1, 2]], Some(&[q, P]));
+    // A second token the reference chooses with a wide margin, 0.05.
+    const R: [f64; 5] = [0.5, 0.2, 0.15, 0.1, 0.05];
+    let reference = router(&[&[0, 1, 2], &[0, 1, 2]], Some(&[P, R]));
+    let device = router(&[&[0, 1, 3], &[0, 1, 2]], Some(&[q, R]));
     let mut sides = layer(2, reference, device);
     sides.mlp_nrmse = Some(vec![3e-2, 1e-4]);
     let report = compare("p", &[sides]).unwrap();
@@ -86,6 +88,12 @@ fn a_swap_within_twice_the_router_error_is_a_near_tie() {
     // The flip's cost against the token that agreed.
     assert_eq!(report.layers[0].mlp_nrmse_flipped, Some(3e-2));
     assert_eq!(report.layers[0].mlp_nrmse_agreeing, Some(1e-4));
+    // The median margin of 4e-5 and 0.05; the router's own error is the larger of its two, 5e-5, well within it.
+    let median = report.layers[0].margin_median.unwrap();
+    assert!((median - (4e-5 + 0.05) / 2.0).abs() < 1e-12, "{median}");
+    assert!((report.layers[0].router_error_independent.unwrap() - 5e-5).abs() < 1e-12);
+    assert!(!f.router_off);
+    assert_eq!(report.layers[0].router_off_flips, 0);
     assert_eq!(report.set_agreement, 0.5);
 }
 
@@ -103,6 +111,22 @@ fn a_swap_the_router_error_cannot_explain_is_confident() {
     assert_eq!(f.router_error, Some(0.0));
     assert_eq!(report.confident_flips, 1);
     assert_eq!(report.first_confident.as_ref().map(|f| f.layer), Some(1));
+}
+
+#[test]
+fn a_near_tie_only_because_the_router_is_far_off_is_marked() {
+    // The device's router moved the 1st expert's probability by 0.3 and took the 4th for it: gap 0.25 ≤ 2 × 0.3, a
+    // near tie by the rule, but an error larger than any margin of the reference's (4e-5 and 0.05).
+    let q = [0.1, 0.25, 0.15, 0.45, 0.05];
+    const R: [f64; 5] = [0.5, 0.2, 0.15, 0.1, 0.05];
+    let reference = router(&[&[0, 1, 2], &[0, 1, 2], &[0, 1, 2]], Some(&[P, R, R]));
+    let device = router(&[&[3, 1, 2], &[0, 1, 2], &[0, 1, 2]], Some(&[q, R, R]));
+    let report = compare("p", &[layer(0, reference, device)]).unwrap();
+    let f = &report.flips[0];
+    assert_eq!(f.class, FlipClass::NearTie);
+    assert!(f.router_off, "{f:?}");
+    assert_eq!(report.layers[0].router_off_flips, 1);
+    assert!((report.layers[0].margin_median.unwrap() - 0.05).abs() < 1e-12);
 }
 
 #[test]
@@ -145,7 +169,7 @@ fn without_the_devices_router_logits_a_stated_bound_classifies() {
     assert_eq!(report.confident_flips, 1);
     report.classify(None);
     assert_eq!(report.flips[0].class, FlipClass::Unclassified);
-    // A measured error is never replaced by a stated one.
+    // A stated error adds to a measured one: 0 + 0.06 covers the gap of 0.10002, 0 + 0.05 does not.
     let mut measured = compare(
         "p",
         &[layer(
@@ -155,8 +179,16 @@ fn without_the_devices_router_logits_a_stated_bound_classifies() {
         )],
     )
     .unwrap();
-    measured.classify(Some(1.0));
+    measured.classify(Some(0.06));
+    assert_eq!(measured.flips[0].class, FlipClass::NearTie);
+    assert_eq!(
+        measured.flips[0].router_error_source,
+        Some(ErrorSource::MeasuredPlusStated)
+    );
+    measured.classify(Some(0.05));
     assert_eq!(measured.flips[0].class, FlipClass::Confident);
+    assert_eq!(measured.flips[0].router_error, Some(0.05));
+    measured.classify(None);
     assert_eq!(
         measured.flips[0].router_error_source,
         Some(ErrorSource::Measured)
@@ -241,6 +273,9 @@ fn a_flip_after_an_earlier_one_at_or_before_its_token_is_downstream() {
     assert_eq!(report.downstream_flips, 1);
     assert_eq!(report.layers[1].downstream_flips, 1);
     assert_eq!(report.flips[2].input_nrmse, Some(4e-3));
+    // The router's own error at layer 1 is measured on tokens 0 and 1 only (layer 0's flip at token 2 reaches the
+    // rest): there the device's probabilities are the reference's.
+    assert_eq!(report.layers[1].router_error_independent, Some(0.0));
     let first = report.first_flip.unwrap();
     assert_eq!((first.layer, first.token), (0, 2));
     // These are confident: the router error is 0 while the gap is 4e-5.

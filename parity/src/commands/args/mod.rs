@@ -502,8 +502,9 @@ pub struct ThresholdArgs {
     /// Largest NRMSE of a state after the prompt (default 1e-4 at f32, 5e-2 at f16/bf16).
     #[arg(long, value_name = "X")]
     pub max_state_nrmse: Option<f64>,
-    /// MoE: the router probability error to assume where the device gives no router logits, to classify its
-    /// routing flips (a flip is a near tie when the reference's gap is within twice it; default: unclassified).
+    /// MoE: a router probability error the device's router logits do not show (all of it when it outputs none),
+    /// added to the measured one to classify routing flips: a near tie when the reference's gap is within twice
+    /// the total (default: the measured error alone; without router logits, unclassified).
     #[arg(long, value_name = "P")]
     pub router_tolerance: Option<f64>,
 }
