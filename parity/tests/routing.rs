@@ -2,6 +2,7 @@
 //! 71-token prompt) scores the chosen experts as routing agreement, never by NRMSE, and classifies each flip. The
 //! reference at f64 routes as at f32; on f16-rounded weights one near tie flips; an expert swapped in a dump by
 //! hand is a confident flip; without the device's router logits a flip is classified only against a stated bound.
+//! validate on the CPU device carries the report (compare-devices on CPU and FP16SIM: `moe_devices.rs`).
 
 use candle_core::{DType, Tensor};
 use parity::dump::Dump;
@@ -240,4 +241,51 @@ fn diff_scores_routing_agreement_and_classifies_flips() {
     assert_eq!(r["same_set"], 284);
     assert_eq!(r["same_order"], 283);
     assert_eq!(r["flips"].as_array().unwrap().len(), 0);
+}
+
+/// validate on the CPU device carries the routing: its compare check names it beside the verdict, and the compare
+/// report in its JSON holds the whole routing report (every token routed as the reference at f32).
+#[test]
+fn validate_reports_routing_on_the_cpu_device() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("v.json");
+    let prompts = common::two_prompts(tmp.path());
+    let model = testdata().join("models/tiny-moe");
+    let o = qwen35(&[
+        "validate",
+        "--device",
+        "CPU",
+        "--model",
+        model.to_str().unwrap(),
+        "--context",
+        "128",
+        "--tokens",
+        "4",
+        "--lookup-tokens",
+        "12",
+        "--blocks",
+        "1,16",
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), stderr(&o));
+    assert_eq!(o.status.code(), Some(0), "{text}");
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let compare = v["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["id"] == "compare")
+        .unwrap();
+    let notes = compare["notes"].to_string();
+    assert!(
+        notes.contains("routing: every token chose the reference's 3 experts"),
+        "{notes}"
+    );
+    let r = &v["compare"]["devices"][0]["routing"];
+    assert_eq!(r["set_agreement"], 1.0, "{r}");
+    assert_eq!(r["layers"].as_array().unwrap().len(), 4);
+    assert!(r["pairs"].as_u64().unwrap() > 4 * 20, "{r}");
 }

@@ -160,7 +160,15 @@ fn compare_finding(report: &DeviceReport) -> Finding {
             report.logits.nmse,
         ),
         failures: report.failures.clone(),
-        notes: vec![crate::report::compare::first_divergence_line(report)],
+        // An MoE model's routing in one line beside the verdict (its whole report is in the compare JSON).
+        notes: std::iter::once(crate::report::compare::first_divergence_line(report))
+            .chain(
+                report
+                    .routing
+                    .iter()
+                    .map(crate::report::routing::summary_line),
+            )
+            .collect(),
         details: serde_json::Value::Null,
         ..Finding::default()
     }
