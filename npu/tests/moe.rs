@@ -151,6 +151,13 @@ fn has_moe_taps(label: &str, out: &Outputs, config: &Config) {
     }
 }
 
+/// The graph shapes both tests run: prompt blocks of 16 in each MoE form, and one token (which always gathers).
+const FORMS: [(usize, MoeGraphForm); 3] = [
+    (16, MoeGraphForm::Masked),
+    (16, MoeGraphForm::Gather),
+    (1, MoeGraphForm::Gather),
+];
+
 /// The decoder graphs in both forms, and single-token graphs alone, on the CPU device: the prompt's every tap
 /// against the reference's and transformers' (the same experts at every token and layer), then four decode steps
 /// after it, each against the reference's, then 16 greedy tokens equal to transformers'.
@@ -162,11 +169,7 @@ fn decoder_graphs_match_the_reference_in_both_forms() {
     let generated = ids_of(&g["generated"]);
     let decode = &generated[..4];
     let reference = reference_steps(&config, &weights, &ids, decode);
-    for (block, moe) in [
-        (16, MoeGraphForm::Masked),
-        (16, MoeGraphForm::Gather),
-        (1, MoeGraphForm::Gather),
-    ] {
+    for (block, moe) in FORMS {
         let opts = GraphOptions {
             context: 96,
             moe,
@@ -266,11 +269,7 @@ fn layer_graphs_match_the_reference_in_both_forms() {
     let (config, weights) = open("f32");
     let ids = ids_of(&golden()["token_ids"]);
     let (taps, _) = reference_taps(&config, &weights, &ids);
-    for (tokens, moe) in [
-        (16, MoeGraphForm::Masked),
-        (16, MoeGraphForm::Gather),
-        (1, MoeGraphForm::Gather),
-    ] {
+    for (tokens, moe) in FORMS {
         let opts = GraphOptions {
             context: 96,
             moe,

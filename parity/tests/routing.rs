@@ -249,27 +249,17 @@ fn diff_scores_routing_agreement_and_classifies_flips() {
 fn validate_reports_routing_on_the_cpu_device() {
     let tmp = tempfile::tempdir().unwrap();
     let json = tmp.path().join("v.json");
-    let prompts = common::two_prompts(tmp.path());
     let model = testdata().join("models/tiny-moe");
-    let o = qwen35(&[
-        "validate",
-        "--device",
-        "CPU",
-        "--model",
-        model.to_str().unwrap(),
-        "--context",
-        "128",
-        "--tokens",
-        "4",
-        "--lookup-tokens",
-        "12",
-        "--blocks",
-        "1,16",
-        "--prompts",
-        prompts.to_str().unwrap(),
-        "--json",
-        json.to_str().unwrap(),
-    ]);
+    let mut args = vec![
+        "validate".to_string(),
+        "--model".into(),
+        model.to_str().unwrap().into(),
+        "--json".into(),
+        json.to_str().unwrap().into(),
+    ];
+    args.extend(common::small_validate_args(tmp.path()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let o = qwen35(&args);
     let text = format!("{}{}", String::from_utf8_lossy(&o.stdout), stderr(&o));
     assert_eq!(o.status.code(), Some(0), "{text}");
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();

@@ -6,7 +6,7 @@ use serde_json::Value;
 use std::path::Path;
 
 mod common;
-use common::{expect_error, qwen35, stderr};
+use common::{expect_error, qwen35, small_validate_args as small, stderr};
 
 /// Each fault of the device failing the one check that looks for it.
 #[path = "validate/faults.rs"]
@@ -62,27 +62,6 @@ fn failed(v: &Value) -> Vec<String> {
         .filter(|c| c["passed"] == false)
         .map(|c| c["id"].as_str().unwrap().to_string())
         .collect()
-}
-
-/// Small runs for the fault and precision tests: two prompts, few tokens, blocks of 1 and 16.
-fn small(dir: &Path) -> Vec<String> {
-    let prompts = common::two_prompts(dir);
-    [
-        "--device",
-        "CPU",
-        "--context",
-        "128",
-        "--tokens",
-        "4",
-        "--lookup-tokens",
-        "12",
-        "--blocks",
-        "1,16",
-        "--prompts",
-        prompts.to_str().unwrap(),
-    ]
-    .map(String::from)
-    .to_vec()
 }
 
 #[test]

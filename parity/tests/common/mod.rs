@@ -197,6 +197,28 @@ pub fn two_prompts(dir: &Path) -> PathBuf {
     prompts
 }
 
+/// validate's small settings on the CPU device: [`two_prompts`] written into `dir`, 4 tokens, a context of 128,
+/// 12 lookup tokens, blocks of 1 and 16.
+pub fn small_validate_args(dir: &Path) -> Vec<String> {
+    let prompts = two_prompts(dir);
+    [
+        "--device",
+        "CPU",
+        "--context",
+        "128",
+        "--tokens",
+        "4",
+        "--lookup-tokens",
+        "12",
+        "--blocks",
+        "1,16",
+        "--prompts",
+        prompts.to_str().unwrap(),
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
 /// Checks that every tensor of `a` equals `b`'s bit for bit, and so does the metadata but for the run's times and
 /// the model directory.
 pub fn same_dump(label: &str, a: &parity::dump::Dump, b: &parity::dump::Dump) {
