@@ -9,6 +9,7 @@
 //! it; its plain evaluator (`kernels=plain`) decodes every constant of a graph, integer codes to i64.
 
 use crate::error::{Error, Result};
+use crate::graphs::MoeGraphForm;
 use reference::config::Config;
 use reference::quant::{Storage, WeightFormat};
 use reference::schema::{Param, Schema, TensorSpec};
@@ -67,24 +68,41 @@ fn coded(specs: &[TensorSpec], format: WeightFormat) -> u64 {
         .sum()
 }
 
-/// The resident bytes of `graphs` compiled copies of the constants of `specs` on `device`; `in_memory`: an FP16SIM
-/// graph built in memory (a per-layer graph) rather than on a mapped `.bin` (the decoder graphs).
+/// The resident bytes of compiled graphs of the constants of `specs` on `device`, one per entry of `tokens` (the
+/// graph's tokens per call), an MoE block's experts in `moe`'s form; `in_memory`: an FP16SIM graph built in memory
+/// (a per-layer graph) rather than on a mapped `.bin` (the decoder graphs).
 fn graph_bytes(
+    config: &Config,
     specs: &[TensorSpec],
     format: WeightFormat,
     device: &str,
-    graphs: usize,
+    tokens: &[usize],
+    moe: MoeGraphForm,
     in_memory: bool,
 ) -> u64 {
+    let graphs = tokens.len() as u64;
     let ir = stored(specs, format);
     if !crate::sim::NumericModel::is_sim(device) {
-        // The CPU plugin keeps an MoE block's stacked experts in neither form compressed: on the 35B-A3B's layer 0
-        // with INT4 weights (0.4 GB of codes in the `.bin`) compiling added 3.1 GB gathered and 6.2 GB masked, twice
-        // the stacks' f32 values. Every graph is counted so (a decode graph, which gathers, at twice what it holds).
+        // The CPU plugin keeps an MoE block's stacked experts compressed in neither form: on the 35B-A3B's layer 0
+        // with INT4 weights (0.4 GB of codes in the `.bin`, 3.2 GB as f32) compiling a block graph added 3.1 GB
+        // gathered and 6.2 GB masked, once and twice the stacks' f32 values; a one-token graph (which gathers) once.
         let (experts, rest): (Vec<TensorSpec>, Vec<TensorSpec>) =
             specs.iter().cloned().partition(is_routed_expert);
-        let per_graph = stored(&rest, format) + 2 * 4 * values(&experts);
-        return graphs as u64 * per_graph;
+        let expert_f32 = 4 * values(&experts);
+        let (e, k) = config
+            .moe
+            .as_ref()
+            .map_or((0, 0), |m| (m.num_experts, m.num_experts_per_tok));
+        return tokens
+            .iter()
+            .map(|&t| {
+                let copies = match moe.resolve(t, e, k) {
+                    MoeGraphForm::Masked => 2,
+                    _ => 1,
+                };
+                stored(&rest, format) + copies * expert_f32
+            })
+            .sum();
     }
     let kernels =
         crate::sim::parse_device(device, &[]).map_or(crate::sim::Kernels::Tiled, |(_, k)| k);
@@ -92,7 +110,7 @@ fn graph_bytes(
         // Every graph: the IR's bytes; every constant decoded, floats to f32 and integer codes to i64; and while a
         // product over a quantized matrix runs, its codes and its dequantized values in f32.
         let codes = coded(specs, format);
-        return graphs as u64 * (ir + 4 * (values(specs) - codes) + 8 * codes + 8 * largest(specs));
+        return graphs * (ir + 4 * (values(specs) - codes) + 8 * codes + 8 * largest(specs));
     }
     // The tiled kernels read each matrix where the `.bin` stores it, one at a time (its pages handed back after
     // it), so the graphs on one mapped `.bin` hold the largest matrix as stored, and each its other constants
@@ -105,39 +123,57 @@ fn graph_bytes(
         .max()
         .unwrap_or(0);
     let own = 4 * values(&rest) + if in_memory { ir } else { 0 };
-    graphs as u64 * own + largest_stored
+    graphs * own + largest_stored
 }
 
-/// One compiled copy of this project's whole decoder graph (embedding, every layer, final norm, LM head) on
-/// `device` (an OpenVINO device, or FP16SIM) with weights in `format`.
-pub fn decoder_graph_bytes(config: &Config, format: WeightFormat, device: &str) -> u64 {
-    decoder_graphs_bytes(config, format, device, 1)
+/// One compiled decoder graph of `tokens` tokens per call (embedding, every layer, final norm, LM head) on `device`
+/// (an OpenVINO device, or FP16SIM) with weights in `format` and an MoE block's experts in `moe`'s form.
+pub fn decoder_graph_bytes(
+    config: &Config,
+    format: WeightFormat,
+    device: &str,
+    tokens: usize,
+    moe: MoeGraphForm,
+) -> u64 {
+    decoder_graphs_bytes(config, format, device, &[tokens], moe)
 }
 
-/// `graphs` compiled decoder graphs (an engine's prompt-block and 1-token graphs) on `device`: on an OpenVINO
-/// device each its own copy of the weights, on FP16SIM one mapped `.bin` for all.
+/// An engine's compiled decoder graphs, one per entry of `tokens` (its prompt-block and 1-token graphs), on
+/// `device`: on an OpenVINO device each its own copy of the weights, on FP16SIM one mapped `.bin` for all.
 pub fn decoder_graphs_bytes(
     config: &Config,
     format: WeightFormat,
     device: &str,
-    graphs: usize,
+    tokens: &[usize],
+    moe: MoeGraphForm,
 ) -> u64 {
     graph_bytes(
+        config,
         &Schema::new(config).tensors(),
         format,
         device,
-        graphs,
+        tokens,
+        moe,
         false,
     )
 }
 
-/// One compiled copy of layer `layer`'s graph on `device` with weights in `format`.
-pub fn layer_graph_bytes(config: &Config, format: WeightFormat, layer: usize, device: &str) -> u64 {
+/// One compiled copy of layer `layer`'s graph of `tokens` tokens per call on `device` with weights in `format`.
+pub fn layer_graph_bytes(
+    config: &Config,
+    format: WeightFormat,
+    layer: usize,
+    device: &str,
+    tokens: usize,
+    moe: MoeGraphForm,
+) -> u64 {
     graph_bytes(
+        config,
         &Schema::new(config).layer_tensors(layer),
         format,
         device,
-        1,
+        &[tokens],
+        moe,
         true,
     )
 }
@@ -187,36 +223,68 @@ mod tests {
     fn int4_graph_is_smaller_than_f16_smaller_than_f32() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/models/tiny");
         let config = Config::from_file(&dir.join("config.json")).unwrap();
-        let f32 = decoder_graph_bytes(&config, WeightFormat::F32, "CPU");
-        let f16 = decoder_graph_bytes(&config, WeightFormat::F16, "CPU");
-        let int4 = decoder_graph_bytes(&config, WeightFormat::Int4Sym { group: 32 }, "CPU");
+        let f32 = decoder_graph_bytes(&config, WeightFormat::F32, "CPU", 16, MoeGraphForm::Auto);
+        let f16 = decoder_graph_bytes(&config, WeightFormat::F16, "CPU", 16, MoeGraphForm::Auto);
+        let int4 = decoder_graph_bytes(
+            &config,
+            WeightFormat::Int4Sym { group: 32 },
+            "CPU",
+            16,
+            MoeGraphForm::Auto,
+        );
         assert_eq!(f32, 2 * f16, "f16 halves every constant");
         assert!(int4 < f16, "{int4} {f16}");
-        let plain = decoder_graph_bytes(&config, WeightFormat::F32, "FP16SIM:kernels=plain");
+        let plain = decoder_graph_bytes(
+            &config,
+            WeightFormat::F32,
+            "FP16SIM:kernels=plain",
+            16,
+            MoeGraphForm::Auto,
+        );
         assert!(
             plain > 2 * f32,
             "the plain evaluator decodes its constants: {plain} {f32}"
         );
-        let tiled = decoder_graph_bytes(&config, WeightFormat::F32, "FP16SIM");
+        let tiled = decoder_graph_bytes(
+            &config,
+            WeightFormat::F32,
+            "FP16SIM",
+            16,
+            MoeGraphForm::Auto,
+        );
         assert!(
             tiled < f32,
             "the tiled kernels read matrices in place: {tiled} {f32}"
         );
-        let two = decoder_graphs_bytes(&config, WeightFormat::F32, "FP16SIM", 2);
+        let two = decoder_graphs_bytes(
+            &config,
+            WeightFormat::F32,
+            "FP16SIM",
+            &[16, 1],
+            MoeGraphForm::Auto,
+        );
         assert!(
             tiled < two && two < 2 * tiled,
             "two graphs share one .bin: {two} {tiled}"
         );
-        let two_cpu = decoder_graphs_bytes(&config, WeightFormat::F32, "CPU", 2);
+        let two_cpu = decoder_graphs_bytes(
+            &config,
+            WeightFormat::F32,
+            "CPU",
+            &[16, 1],
+            MoeGraphForm::Auto,
+        );
         assert_eq!(two_cpu, 2 * f32, "a plugin copies the weights per graph");
         let layers: u64 = (0..config.num_layers())
-            .map(|l| layer_graph_bytes(&config, WeightFormat::F32, l, "CPU"))
+            .map(|l| {
+                layer_graph_bytes(&config, WeightFormat::F32, l, "CPU", 16, MoeGraphForm::Auto)
+            })
             .sum();
         assert!(layers < f32, "the layers hold less than the whole decoder");
     }
 
     #[test]
-    fn a_plugin_holds_routed_experts_at_twice_their_f32_values_whatever_the_format() {
+    fn a_plugin_holds_routed_experts_at_f32_once_gathered_and_twice_masked_whatever_the_format() {
         let dir =
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/models/tiny-moe");
         let config = Config::from_file(&dir.join("config.json")).unwrap();
@@ -229,17 +297,27 @@ mod tests {
         let moe = config.moe.as_ref().unwrap();
         let per_layer = 3 * moe.num_experts * moe.moe_intermediate_size * config.hidden_size;
         assert_eq!(expert_values, (config.num_layers() * per_layer) as u64);
+        let rest: Vec<TensorSpec> = specs
+            .iter()
+            .filter(|s| !is_routed_expert(s))
+            .cloned()
+            .collect();
         for format in [WeightFormat::F32, WeightFormat::Int4Sym { group: 16 }] {
-            let rest: Vec<TensorSpec> = specs
-                .iter()
-                .filter(|s| !is_routed_expert(s))
-                .cloned()
-                .collect();
-            let cpu = decoder_graph_bytes(&config, format, "CPU");
-            assert_eq!(cpu, stored(&rest, format) + 8 * expert_values, "{format:?}");
+            let rest = stored(&rest, format);
+            let cpu = |tokens, form| decoder_graph_bytes(&config, format, "CPU", tokens, form);
+            assert_eq!(cpu(16, MoeGraphForm::Masked), rest + 8 * expert_values);
+            assert_eq!(cpu(16, MoeGraphForm::Gather), rest + 4 * expert_values);
+            // One token gathers whatever the option; tiny-moe's 8 experts of 3 chosen are masked under auto.
+            assert_eq!(cpu(1, MoeGraphForm::Masked), rest + 4 * expert_values);
+            assert_eq!(cpu(16, MoeGraphForm::Auto), rest + 8 * expert_values);
+            assert_eq!(
+                decoder_graphs_bytes(&config, format, "CPU", &[16, 1], MoeGraphForm::Masked),
+                2 * rest + 12 * expert_values
+            );
         }
         // FP16SIM reads the stacks where the `.bin` stores them: not counted at f32.
         let int4 = WeightFormat::Int4Sym { group: 16 };
-        assert!(decoder_graph_bytes(&config, int4, "FP16SIM") < 4 * expert_values);
+        let sim = decoder_graph_bytes(&config, int4, "FP16SIM", 16, MoeGraphForm::Masked);
+        assert!(sim < 4 * expert_values);
     }
 }

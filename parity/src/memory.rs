@@ -4,6 +4,7 @@
 //! out-of-memory kill halfway. The estimate goes in the report beside the peak the run measured.
 
 use anyhow::{Result, bail};
+use npu::graphs::MoeGraphForm;
 use npu::memory::{GIB, MEMORY_ENV, available, decoder_graph_bytes, peak_resident};
 use reference::config::Config;
 use reference::quant::WeightFormat;
@@ -219,31 +220,49 @@ pub fn check_formats(
     check(command, &plan_for(format)?, &alternatives)
 }
 
-/// The compiled copies of this project's decoder graph a set of `graphs` graphs holds on `device`, with weights in
-/// `format`, and the runtime beside them: a plan's parts.
+/// The compiled copies of this project's decoder graph an engine holds on `device`, one graph per entry of `tokens`
+/// (its tokens per call), with weights in `format` and an MoE block's experts in `moe`'s form, and the runtime
+/// beside them: a plan's parts.
 pub fn graph_parts(
     config: &Config,
     format: WeightFormat,
     device: &str,
-    graphs: usize,
+    tokens: &[usize],
+    moe: MoeGraphForm,
 ) -> Vec<(String, u64)> {
+    let graphs = tokens.len();
     if npu::sim::NumericModel::is_sim(device) {
         return vec![(
             format!(
                 "{graphs} graph(s) reading one mapped .bin of {} weights a matrix at a time",
                 format.name()
             ),
-            npu::memory::decoder_graphs_bytes(config, format, device, graphs),
+            npu::memory::decoder_graphs_bytes(config, format, device, tokens, moe),
         )];
     }
-    let one = decoder_graph_bytes(config, format, device);
-    vec![
-        (
-            format!("{graphs} × {} of {} weights", gib(one), format.name()),
-            graphs as u64 * one,
-        ),
-        ("the runtime".into(), RUNTIME_BYTES),
-    ]
+    let mut parts: Vec<(String, u64)> = tokens
+        .iter()
+        .map(|&t| {
+            let form = match &config.moe {
+                Some(m) => format!(
+                    ", experts {}",
+                    moe.resolve(t, m.num_experts, m.num_experts_per_tok).name()
+                ),
+                None => String::new(),
+            };
+            let bytes = decoder_graph_bytes(config, format, device, t, moe);
+            (
+                format!(
+                    "the graph of {t} token(s): {} of {} weights{form}",
+                    gib(bytes),
+                    format.name()
+                ),
+                bytes,
+            )
+        })
+        .collect();
+    parts.push(("the runtime".into(), RUNTIME_BYTES));
+    parts
 }
 
 /// What a run keeps of `prompts` prompts of `tokens` positions each with every layer's taps, per side compared: the

@@ -149,6 +149,8 @@ fn an_exported_moe_set_runs_through_ir_and_ranges_reads_the_model() {
     assert!(manifest.contains("int4:16"), "{manifest}");
     let xml = std::fs::read_to_string(set.join("decoder_t16.xml")).unwrap();
     assert!(xml.contains("type=\"TopK\"") && xml.contains("layers.2.mlp.experts_chosen"));
+    // tiny-moe's 8 experts of 3 chosen: `--moe-form auto` masks its prompt blocks (OneHot builds the routing matrix).
+    assert!(xml.contains("type=\"OneHot\""));
     let (code, v) = compare(
         dir.path(),
         &[
@@ -164,4 +166,61 @@ fn an_exported_moe_set_runs_through_ir_and_ranges_reads_the_model() {
     routes_as_the_reference(&v["devices"][0]);
     let o = qwen35(&["ranges", "--model", &model]);
     assert!(o.status.success(), "{}", stderr(&o));
+}
+
+/// `--moe-form` reaches the graphs: gathered prompt blocks have no routing matrix, masked ones do, one token gathers
+/// either way; the reference and a set made elsewhere refuse the flag, naming it.
+#[test]
+fn moe_form_chooses_the_prompt_blocks_form() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = model();
+    for (form, one_hot) in [("gather", false), ("masked", true)] {
+        let set = dir.path().join(form);
+        let o = qwen35(&[
+            "export-ir",
+            "--model",
+            &model,
+            "--moe-form",
+            form,
+            "--blocks",
+            "1,16",
+            "--out",
+            set.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let xml = |n| std::fs::read_to_string(set.join(format!("decoder_t{n}.xml"))).unwrap();
+        assert_eq!(xml(16).contains("type=\"OneHot\""), one_hot, "{form}");
+        assert!(
+            !xml(1).contains("type=\"OneHot\""),
+            "{form}: one token gathers"
+        );
+    }
+    let out = dir.path().join("ref.safetensors");
+    let o = qwen35(&[
+        "dump",
+        "--model",
+        &model,
+        "--moe-form",
+        "gather",
+        "--token-ids",
+        "1,2",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("--moe-form"), "{}", stderr(&o));
+    let set = dir.path().join("gather");
+    let o = qwen35(&[
+        "compare-devices",
+        "--model",
+        &model,
+        "--ir",
+        set.to_str().unwrap(),
+        "--devices",
+        "CPU",
+        "--moe-form",
+        "masked",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("--moe-form"), "{}", stderr(&o));
 }

@@ -91,30 +91,45 @@ impl DeltaNetGraphForm {
 /// up, `[E, H, Im]` down) and give the same numbers up to the order of a sum (see `docs/moe.md`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MoeGraphForm {
+    /// Gathered where the experts are many against the chosen (`E ≥ 16·k`), masked otherwise: the form that was
+    /// faster on the CPU device at each measured shape ([`MoeGraphForm::resolve`]).
+    #[default]
+    Auto,
     /// The chosen experts' matrices gathered by index (`[T·k]` of them), batched products, weighted and summed over
     /// the `k` chosen.
     Gather,
     /// Every expert on every token, combined with a dense `[T, E]` matrix of routing weights (zero for an expert
     /// not chosen) built from the chosen indices: static work, each matrix read once per block.
-    #[default]
     Masked,
 }
 
+/// [`MoeGraphForm::Auto`] gathers when there are at least this many experts per chosen one. Measured on the CPU
+/// device (docs/moe.md): at `E/k` 8 (64 experts, 8 chosen) masked blocks of 16 and 64 tokens were 2.5x and 2.8x
+/// faster than gathered ones; at `E/k` 32 (the 35B-A3B's 256 and 8) gathered blocks were 1.6x and 1.4x faster and
+/// compiled to half the memory.
+pub const GATHER_FROM_EXPERTS_PER_CHOSEN: usize = 16;
+
 impl MoeGraphForm {
-    /// `gather` or `masked`.
+    /// `auto`, `gather` or `masked`.
     pub fn name(self) -> &'static str {
         match self {
+            MoeGraphForm::Auto => "auto",
             MoeGraphForm::Gather => "gather",
             MoeGraphForm::Masked => "masked",
         }
     }
 
-    /// The form a graph of `tokens` tokens uses: a single token gathers its `k` experts whatever the option.
-    pub fn for_tokens(self, tokens: usize) -> MoeGraphForm {
-        if tokens == 1 {
-            MoeGraphForm::Gather
-        } else {
-            self
+    /// The form a graph of `tokens` tokens uses in a block of `experts` routed experts with `top_k` chosen per
+    /// token: a single token gathers its `k` experts whatever the option; [`MoeGraphForm::Auto`] gathers when
+    /// `experts ≥ 16·top_k` ([`GATHER_FROM_EXPERTS_PER_CHOSEN`]). Never [`MoeGraphForm::Auto`].
+    pub fn resolve(self, tokens: usize, experts: usize, top_k: usize) -> MoeGraphForm {
+        match self {
+            _ if tokens == 1 => MoeGraphForm::Gather,
+            MoeGraphForm::Auto if experts >= GATHER_FROM_EXPERTS_PER_CHOSEN * top_k => {
+                MoeGraphForm::Gather
+            }
+            MoeGraphForm::Auto => MoeGraphForm::Masked,
+            form => form,
         }
     }
 }
@@ -142,7 +157,7 @@ pub struct GraphOptions {
 
 impl Default for GraphOptions {
     /// The NPU port's graphs: chunked with block doubling, the ×1024 rescaling, a context of 1024; with taps; MoE
-    /// prompt blocks masked.
+    /// prompt blocks in the form [`MoeGraphForm::Auto`] chooses.
     fn default() -> Self {
         GraphOptions {
             form: DeltaNetGraphForm::Chunked(Inverse::Doubling),
@@ -419,5 +434,27 @@ impl<'a> Builder<'a> {
     /// A layer's weight matrix in the graph.
     fn layer_matrix(&self, graph: &mut Graph, layer: usize, param: Param) -> Result<Value> {
         self.matrix(graph, &self.schema().layer(layer, param))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::MoeGraphForm::{self, Auto, Gather, Masked};
+
+    #[test]
+    fn auto_gathers_where_experts_are_many_against_the_chosen() {
+        // The 35B-A3B's 256 experts of 8 chosen gather; 64 of 8 and tiny-moe's 8 of 3 are masked; a token gathers.
+        assert_eq!(Auto.resolve(16, 256, 8), Gather);
+        assert_eq!(Auto.resolve(16, 128, 8), Gather);
+        assert_eq!(Auto.resolve(16, 127, 8), Masked);
+        assert_eq!(Auto.resolve(64, 64, 8), Masked);
+        assert_eq!(Auto.resolve(16, 8, 3), Masked);
+        for form in [Auto, Gather, Masked] {
+            assert_eq!(form.resolve(1, 8, 3), Gather, "{form:?}");
+        }
+        let explicit: [(MoeGraphForm, usize); 2] = [(Gather, 8), (Masked, 256)];
+        for (form, experts) in explicit {
+            assert_eq!(form.resolve(16, experts, 8), form);
+        }
     }
 }

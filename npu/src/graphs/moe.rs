@@ -131,9 +131,10 @@ impl SparseMoe {
             || names::mixer(scope, names::EXPERT_WEIGHTS),
             routing.weights,
         )?;
-        let out = match form.for_tokens(t) {
-            MoeGraphForm::Gather => self.experts.gathered(graph, x, &routing)?,
+        let experts = graph.shape(self.experts.gate_proj)[0];
+        let out = match form.resolve(t, experts, self.top_k) {
             MoeGraphForm::Masked => self.experts.masked(graph, x, &routing)?,
+            _ => self.experts.gathered(graph, x, &routing)?,
         };
         let gate = linear(graph, x, self.shared_expert_gate)?;
         let gate = sigmoid(graph, gate)?;

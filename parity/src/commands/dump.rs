@@ -164,7 +164,9 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
                         ("its graphs".into(), memory::set_graph_bytes(&set.set)),
                         ("the runtime".into(), memory::RUNTIME_BYTES),
                     ],
-                    None => memory::graph_parts(&config, format, &s.device, 1),
+                    None => {
+                        memory::graph_parts(&config, format, &s.device, &[s.block], s.graph.moe)
+                    }
                 };
                 parts.push(run);
                 m.phase(format!("{}: the graphs with taps", s.device), parts)

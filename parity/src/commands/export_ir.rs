@@ -148,7 +148,7 @@ pub fn exec(args: ExportArgs) -> Result<Outcome> {
         taps: !args.no_taps,
         // A set that runs images: its decoder takes the image rows with the text's.
         embeddings_input: !grids.is_empty(),
-        moe: npu::graphs::MoeGraphForm::default(),
+        moe: args.form.moe_form(),
     };
     let builder = Builder::new(&config, &store, opts)?;
     // Written into a sibling and moved into place whole: an error or an interruption leaves no partial set behind.

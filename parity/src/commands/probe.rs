@@ -82,6 +82,7 @@ fn memory_plan(
     prompt: &crate::prompts::LabelledPrompt,
     layers: &[usize],
     mode: crate::probe::Mode,
+    (block, moe): (usize, npu::graphs::MoeGraphForm),
 ) -> Result<Plan> {
     let trace = (
         "the trace".to_string(),
@@ -121,7 +122,7 @@ fn memory_plan(
                 ),
                 compiled
                     .iter()
-                    .map(|&l| npu::memory::layer_graph_bytes(config, format, l, d))
+                    .map(|&l| npu::memory::layer_graph_bytes(config, format, l, d, block, moe))
                     .max()
                     .unwrap_or(0),
             ),
@@ -166,6 +167,7 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
     }
     let target = Target::open(&args.model, args.ir.as_deref(), &args.form, &args.graph)?;
     let settings = args.graph.settings(&device, &args.form)?;
+    let graph_shape = (settings.block, settings.graph.moe);
     let baseline_settings = match &args.tolerance_from {
         Some(b) => {
             check_device(b).context("--tolerance-from")?;
@@ -244,6 +246,7 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
             &prompt,
             layers,
             plan.mode,
+            graph_shape,
         )
     };
     let mut fewer = Vec::new();

@@ -132,17 +132,19 @@ fn memory_plan(
             );
         }
         None => {
-            let graphs = if settings.block > 1 { 2 } else { 1 };
+            let block = settings.block;
+            let graphs: &[usize] = if block > 1 { &[block, 1] } else { &[1] };
+            let moe = settings.graph.moe;
             plan.phase(
                 format!("{d}: deployed graphs (and each other block size, the fresh copy)"),
-                base(memory::graph_parts(config, format, d, graphs)),
+                base(memory::graph_parts(config, format, d, graphs, moe)),
             );
             plan.phase(
                 format!("{d}: graphs with taps"),
-                base(memory::graph_parts(config, format, d, 1)),
+                base(memory::graph_parts(config, format, d, &[block], moe)),
             );
             let layer = (0..config.num_layers())
-                .map(|l| npu::memory::layer_graph_bytes(config, format, l, d))
+                .map(|l| npu::memory::layer_graph_bytes(config, format, l, d, block, moe))
                 .max()
                 .unwrap_or(0);
             plan.phase(

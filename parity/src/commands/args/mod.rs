@@ -13,7 +13,7 @@ use anyhow::{Context, Result, bail};
 use candle_core::DType;
 use clap::{Args, ValueEnum};
 use npu::devices::{CompileOptions, InferencePrecision, device_config};
-use npu::graphs::{DEFAULT_CONTEXT, DeltaNetGraphForm, GraphOptions};
+use npu::graphs::{DEFAULT_CONTEXT, DeltaNetGraphForm, GraphOptions, MoeGraphForm};
 use npu::sim::NumericModel;
 use reference::config::Config;
 use reference::deltanet::{DEFAULT_CHUNK, Form, Inverse};
@@ -62,6 +62,17 @@ pub enum DecodeForm {
     Sequential,
     /// The NPU decoder's matrix form.
     Matrix,
+}
+
+/// How an MoE block's routed experts run in OpenVINO prompt-block graphs (one token always gathers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum MoeFormArg {
+    /// Gather where experts are many against the chosen (E ≥ 16·k, as the 35B-A3B's 256 and 8), else masked.
+    Auto,
+    /// The chosen experts' matrices gathered by index, per token and rank.
+    Gather,
+    /// Every expert on every token, masked by the routing (optimum-intel's exported form).
+    Masked,
 }
 
 /// Triangular inverse of the chunked form.
@@ -154,6 +165,10 @@ pub struct FormArgs {
     /// the reference, 1024 on OpenVINO (as the NPU port).
     #[arg(long, value_name = "S")]
     pub output_scale: Option<f64>,
+    /// OpenVINO only, MoE models: how prompt blocks run the routed experts (one token always gathers). Default
+    /// auto: gathered when the experts number at least 16 times the chosen, masked otherwise.
+    #[arg(long, value_enum)]
+    pub moe_form: Option<MoeFormArg>,
 }
 
 impl FormArgs {
@@ -170,6 +185,11 @@ impl FormArgs {
         }
         if self.prefill_block == Some(0) {
             bail!("--prefill-block must be at least 1");
+        }
+        if self.moe_form.is_some() {
+            bail!(
+                "--moe-form applies to OpenVINO graphs; the reference runs each token's chosen experts only"
+            );
         }
         let output_scale = self.output_scale(1.0)?;
         let inverse = self.inverse(Inverse::Substitution);
@@ -231,6 +251,15 @@ impl FormArgs {
                 "--deltanet-form sequential is the reference's oracle; OpenVINO graphs use matrix, chunked or loop"
             ),
         })
+    }
+
+    /// `--moe-form` (auto by default) as the graphs take it.
+    pub fn moe_form(&self) -> MoeGraphForm {
+        match self.moe_form {
+            None | Some(MoeFormArg::Auto) => MoeGraphForm::Auto,
+            Some(MoeFormArg::Gather) => MoeGraphForm::Gather,
+            Some(MoeFormArg::Masked) => MoeGraphForm::Masked,
+        }
     }
 
     /// `--inverse`, or `default`.
@@ -362,7 +391,7 @@ impl GraphArgs {
                 context,
                 taps: true,
                 embeddings_input: false,
-                moe: npu::graphs::MoeGraphForm::default(),
+                moe: form.moe_form(),
             },
             compile: self.compile(device)?,
         })
@@ -441,6 +470,7 @@ pub fn refuse_graph_flags(form: &FormArgs, graph: &GraphArgs, ir: &Path) -> Resu
         ("--decode-form", form.decode_form.is_some()),
         ("--prefill-block", form.prefill_block.is_some()),
         ("--output-scale", form.output_scale.is_some()),
+        ("--moe-form", form.moe_form.is_some()),
         ("--block", graph.block.is_some()),
         ("--context", graph.context.is_some()),
     ];
