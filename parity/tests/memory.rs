@@ -95,6 +95,43 @@ fn a_refusal_offers_the_weights_that_would_fit() {
     );
 }
 
+/// An MoE model's masked prompt blocks compile its experts twice over on a plugin: a refusal offers the gathered
+/// form, and a single one-token graph, when they would fit.
+#[test]
+fn a_refusal_offers_gathered_experts_and_one_token_graphs() {
+    let model = testdata().join("models/tiny-moe").display().to_string();
+    let run = |extra: &[&str], budget: &str| {
+        let mut args = vec![
+            "compare-devices",
+            "--model",
+            &model,
+            "--devices",
+            "CPU",
+            "--token-ids",
+            IDS,
+            "--tokens",
+            "2",
+        ];
+        args.extend_from_slice(extra);
+        qwen35_env(&args, &[("QWEN35_MEMORY_GIB", budget)])
+    };
+    let masked = ["--moe-form", "masked", "--block", "16"];
+    let gather = stated_mib(&stderr(&run(&["--moe-form", "gather"], "0.00001")));
+    let one = stated_mib(&stderr(&run(&["--block", "1"], "0.00001")));
+    let full = stated_mib(&stderr(&run(&masked, "0.00001")));
+    assert!(
+        gather < full && one < full,
+        "gather {gather}, block 1 {one}, masked {full} MiB"
+    );
+    let budget = (gather.max(one) + 0.01) / 1024.0;
+    assert!(budget * 1024.0 < full, "the budget must sit between them");
+    let err = stderr(&run(&masked, &format!("{budget}")));
+    assert!(
+        err.contains("--moe-form gather (about") && err.contains("--block 1 (about"),
+        "{err}"
+    );
+}
+
 #[test]
 fn probe_offers_fewer_layers() {
     let model = tiny();

@@ -223,13 +223,13 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
     let eos = eos_ids(dir, config);
     let positions = set.iter().map(|p| p.ids.len()).max().unwrap_or(0) + args.tokens;
     let dtype = args.model.dtype.dtype();
-    let plan_for = |format: WeightFormat| {
+    let plan_with = |format: WeightFormat, settings: &[crate::device::DeviceSettings]| {
         let mut plan = memory_plan(
             dir,
             config,
             dtype,
             format,
-            &settings,
+            settings,
             target.set(),
             set.len(),
             positions,
@@ -240,7 +240,38 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
         }
         Ok(plan)
     };
-    let memory = memory::check_formats("compare-devices", store.format(), plan_for, Vec::new())?;
+    // Besides smaller weights, this project's graphs can be made smaller: one graph of one token instead of a
+    // prompt-block graph beside it, or an MoE model's experts gathered instead of masked.
+    let mut smaller = Vec::new();
+    if target.set().is_none() {
+        let with = |change: &dyn Fn(&mut crate::device::DeviceSettings)| {
+            let mut s = settings.clone();
+            s.iter_mut().for_each(change);
+            s
+        };
+        if settings.iter().any(|s| s.block > 1) {
+            smaller.push(("--block 1", with(&|s| s.block = 1)));
+        }
+        if let Some(m) = &config.moe {
+            let masked = |s: &crate::device::DeviceSettings| {
+                s.graph
+                    .moe
+                    .resolve(s.block, m.num_experts, m.num_experts_per_tok)
+                    == npu::graphs::MoeGraphForm::Masked
+            };
+            if settings.iter().any(masked) {
+                let gather = npu::graphs::MoeGraphForm::Gather;
+                smaller.push(("--moe-form gather", with(&|s| s.graph.moe = gather)));
+            }
+        }
+    }
+    let format = store.format();
+    let extra = smaller
+        .iter()
+        .map(|(flag, s)| Ok((flag.to_string(), plan_with(format, s)?)))
+        .collect::<Result<Vec<_>>>()?;
+    let plan_for = |format: WeightFormat| plan_with(format, &settings);
+    let memory = memory::check_formats("compare-devices", format, plan_for, extra)?;
 
     let progress = Progress::new(set.len() * (1 + devices.len()));
     let mut reference = open_reference(config, store, RunOptions::default(), true)?;
