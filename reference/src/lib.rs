@@ -4,11 +4,12 @@
 //! Layout: [`config`] reads `config.json`; [`schema`] lists every decoder tensor (name, shape, role) once;
 //! [`weights`] opens safetensors checkpoints and [`quant`] compresses their weights as the OpenVINO exports do;
 //! [`deltanet`] holds the delta rule in all its forms as pure functions; [`linear_attn`], [`attention`], [`mlp`],
-//! [`moe`] (the MoE decoder's sparse block) and [`rope`] are the blocks, their weights [`linear`] layers read in place; [`model`] assembles the decoder with a separate [`model::State`]; [`taps`] records
-//! intermediates under the dump's names; [`backend`] is the interface every backend implements, with the one greedy
-//! loop; [`masks`] are the causal masks and bands the reference and the OpenVINO graphs share; [`io`] writes
-//! safetensors files; [`tokenizer`] encodes prompts through the checkpoint's chat template; [`vision`] is the vision
-//! tower and a multimodal prompt's positions.
+//! [`moe`] (the MoE decoder's sparse block) and [`rope`] are the blocks, their weights [`linear`] layers read in
+//! place; [`model`] assembles the decoder with a separate [`model::State`], handing back the checkpoint pages it
+//! reads as [`pages`] says; [`taps`] records intermediates under the dump's names; [`backend`] is the interface
+//! every backend implements, with the one greedy loop; [`masks`] are the causal masks and bands the reference and the
+//! OpenVINO graphs share; [`io`] writes safetensors files; [`tokenizer`] encodes prompts through the checkpoint's
+//! chat template; [`vision`] is the vision tower and a multimodal prompt's positions.
 #![deny(missing_docs)]
 
 pub mod attention;
@@ -25,6 +26,7 @@ pub mod mlp;
 pub mod model;
 pub mod moe;
 pub mod ops;
+pub mod pages;
 pub mod quant;
 pub mod rope;
 pub mod schema;

@@ -44,6 +44,13 @@ impl Mlp {
         })
     }
 
+    /// Hands back the pages of its weights read in place ([`Linear::release_pages`]).
+    pub fn release_pages(&self) {
+        for l in [&self.gate_proj, &self.up_proj, &self.down_proj] {
+            l.release_pages();
+        }
+    }
+
     /// `x`: `[T, hidden]` → `[T, hidden]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let h = (silu(&self.gate_proj.forward(x)?)? * self.up_proj.forward(x)?)?;

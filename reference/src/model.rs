@@ -9,6 +9,7 @@ use crate::linear_attn::{DeltaNetOptions, GatedDeltaNet, LinearState};
 use crate::mlp::Mlp;
 use crate::moe::SparseMoe;
 use crate::ops::rms_norm;
+use crate::pages::Pages;
 use crate::rope::{Positions, Rope};
 use crate::schema::{Param, Schema};
 use crate::taps::{Taps, names};
@@ -189,9 +190,13 @@ pub struct Model {
     lm_head: Linear,
     rope: Rope,
     dtype: DType,
-    /// The checkpoint's maps, whose pages a forward call hands back after each layer: the weights read in place
-    /// stay in the page cache, not in this process's resident memory (the 9B's bf16 is 18 GB).
-    pages: Vec<crate::linear::SharedMap>,
+    /// The checkpoint's maps, whose pages a forward call hands back as [`Model::pages`] says: the weights read in
+    /// place stay in the page cache, not in this process's resident memory (the 9B's bf16 is 18 GB).
+    maps: Vec<crate::linear::SharedMap>,
+    /// Which pages a forward call hands back.
+    pages: Pages,
+    /// The always-read weights' bytes read in place ([`crate::pages::always_read_bytes`]).
+    always_read_bytes: u64,
 }
 
 impl Model {
@@ -228,23 +233,43 @@ impl Model {
         } else {
             w.linear(&s.global(Param::LmHead))?
         };
+        let always_read_bytes = crate::pages::always_read_bytes(&config, w)?;
         Ok(Model {
             rope: Rope::new(&config),
+            pages: Pages::auto(always_read_bytes, crate::pages::mem_available()),
+            always_read_bytes,
             config,
             embed_tokens,
             layers,
             norm,
             lm_head,
             dtype: w.dtype(),
-            pages: w.maps(),
+            maps: w.maps(),
         })
     }
 
     /// Hands back the pages of the checkpoint read so far (see [`crate::linear::SharedMap::release`]).
     fn release_pages(&self) {
-        for m in &self.pages {
+        for m in &self.maps {
             m.release_all();
         }
+    }
+
+    /// Which checkpoint pages a forward call hands back: chosen at load by [`Pages::auto`] from
+    /// [`Model::always_read_bytes`] and the memory available then, unless [`Model::set_pages`] set it.
+    pub fn pages(&self) -> Pages {
+        self.pages
+    }
+
+    /// Sets the pages policy (the values computed never change with it).
+    pub fn set_pages(&mut self, pages: Pages) {
+        self.pages = pages;
+    }
+
+    /// The bytes of the weights every token reads that the model reads in place: what [`Pages::KeepAlwaysRead`]
+    /// keeps resident.
+    pub fn always_read_bytes(&self) -> u64 {
+        self.always_read_bytes
     }
 
     /// The configuration.
@@ -309,6 +334,9 @@ impl Model {
         }
         self.check_ids(ids)?;
         let h = self.embed_tokens.gather(ids)?;
+        if self.pages == Pages::KeepAlwaysRead && !self.config.tie_word_embeddings {
+            self.embed_tokens.release_pages();
+        }
         self.forward_embedded(h, positions, state, opts, taps)
     }
 
@@ -372,12 +400,19 @@ impl Model {
             let x = rms_norm(&h, &layer.post_attention_layernorm, eps)?;
             let m = match &layer.mlp {
                 FeedForward::Dense(mlp) => mlp.forward(&x)?,
-                FeedForward::Moe(moe) => moe.forward(&x, taps, &names::layer(i, names::MLP))?,
+                FeedForward::Moe(moe) => moe.forward(
+                    &x,
+                    taps,
+                    &names::layer(i, names::MLP),
+                    self.pages == Pages::KeepAlwaysRead,
+                )?,
             };
             taps.record(|| names::layer(i, names::MLP_OUTPUT), &m)?;
             h = (h + m)?;
             taps.record(|| names::layer(i, names::OUTPUT), &h)?;
-            self.release_pages();
+            if self.pages == Pages::Release {
+                self.release_pages();
+            }
         }
         let normed = rms_norm(&h, &self.norm, eps)?;
         taps.record(|| names::FINAL_NORM.into(), &normed)?;
@@ -394,7 +429,9 @@ impl Model {
                 .forward(&normed.narrow(0, t - 1, 1)?)?
                 .squeeze(0)?
         };
-        self.release_pages();
+        if self.pages == Pages::Release {
+            self.release_pages();
+        }
         Ok(logits)
     }
 

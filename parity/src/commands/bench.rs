@@ -5,7 +5,7 @@
 use super::Outcome;
 use super::args::{Backend, DeviceArgs, Dtype, FormArgs, ModelArgs};
 use crate::device::own::engine;
-use crate::device::{DeviceSettings, check_context, check_positions, open_reference};
+use crate::device::{DeviceSettings, check_context, check_positions, reference_on};
 use crate::outputs::Paths;
 use crate::perf::flops::{self, Flops, RunShape};
 use crate::perf::machine::{self, Machine};
@@ -15,6 +15,8 @@ use npu::graphs::DeltaNetGraphForm;
 use reference::backend::{RunRecord, greedy};
 use reference::config::Config;
 use reference::deltanet::Form;
+use reference::model::Model;
+use reference::pages::Pages;
 use reference::quant::WeightFormat;
 use reference::schema::{Param, Role, Schema, TensorSpec};
 use reference::synthetic::Rng;
@@ -50,10 +52,28 @@ pub struct BenchArgs {
     /// Timed runs of the vision tower (the median is reported).
     #[arg(long, default_value_t = 3, value_name = "N", requires = "image_grid")]
     image_runs: usize,
+    /// The reference only: which checkpoint pages a forward call hands back (`reference::pages`). auto: keep the
+    /// weights every token reads mapped when they take at most half of MemAvailable at load, else release;
+    /// release: every page after each layer and the LM head (resident memory bounded by a layer, whatever the
+    /// model's size); keep-always-read: keep them mapped whatever their size. Routed experts' pages are handed
+    /// back after their product unless release hands back everything anyway.
+    #[arg(long, value_enum, default_value_t = PagesArg::Auto)]
+    pages: PagesArg,
     #[command(flatten)]
     form: FormArgs,
     #[command(flatten)]
     device: DeviceArgs,
+}
+
+/// `--pages`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum PagesArg {
+    /// The model's rule.
+    Auto,
+    /// [`Pages::Release`].
+    Release,
+    /// [`Pages::KeepAlwaysRead`].
+    KeepAlwaysRead,
 }
 
 /// Everything `qwen35 bench` measured (`schema_version` 1). Rates are per second of wall time; FLOPs follow
@@ -73,6 +93,9 @@ pub struct BenchReport {
     pub active_parameters: u64,
     /// What ran (backend, device, forms, precision).
     pub record: RunRecord,
+    /// The reference's pages policy (`release` or `keep-always-read`, [`Pages::name`]) and the bytes of the
+    /// always-read weights it reads in place (what `keep-always-read` keeps resident); absent on OpenVINO.
+    pub pages: Option<PagesReport>,
     /// Threads (candle's count for the reference: `RAYON_NUM_THREADS`, else every core).
     pub threads: usize,
     /// Prompt tokens.
@@ -111,6 +134,17 @@ pub struct BenchReport {
     pub prompt_ids: Vec<u32>,
     /// The greedy tokens chosen: `decode_tokens + 1`, the first from the prompt's logits, then one per decode step.
     pub generated_ids: Vec<u32>,
+}
+
+/// The reference's pages policy in a [`BenchReport`].
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PagesReport {
+    /// [`Pages::name`] of the policy that ran.
+    pub policy: String,
+    /// Whether `--pages auto` chose it.
+    pub auto: bool,
+    /// [`Model::always_read_bytes`].
+    pub always_read_bytes: u64,
 }
 
 /// What a benchmark runs, validated before any work.
@@ -217,6 +251,9 @@ pub fn exec(args: BenchArgs) -> Result<Outcome> {
             Plan::Reference(args.form.run_options()?)
         }
         Backend::Openvino => {
+            if args.pages != PagesArg::Auto {
+                bail!("--pages applies to the reference (--backend reference)");
+            }
             if args.model.dtype != Dtype::F32 {
                 bail!(
                     "--dtype f64 applies to the reference; OpenVINO graphs compute in f32 or f16 (--precision)"
@@ -243,13 +280,25 @@ pub fn exec(args: BenchArgs) -> Result<Outcome> {
         "--prompt-tokens and --decode-tokens",
     )?;
     let ids = prompt_ids(args.prompt_tokens, config.vocab_size, args.seed);
+    let mut pages = None;
     let (mut backend, shape, decode_weight_bytes_per_token): (
         Box<dyn reference::backend::Backend>,
         RunShape,
         Option<u64>,
     ) = match &plan {
         Plan::Reference(opts) => {
-            let b = open_reference(&config, &store, *opts, false)?;
+            let mut model = Model::from_weights(config.clone(), &store)?;
+            match args.pages {
+                PagesArg::Auto => {}
+                PagesArg::Release => model.set_pages(Pages::Release),
+                PagesArg::KeepAlwaysRead => model.set_pages(Pages::KeepAlwaysRead),
+            }
+            pages = Some(PagesReport {
+                policy: model.pages().name().into(),
+                auto: args.pages == PagesArg::Auto,
+                always_read_bytes: model.always_read_bytes(),
+            });
+            let b = reference_on(model, &store, *opts, false)?;
             let shape = RunShape {
                 prefill: opts.prefill,
                 decode: opts.decode,
@@ -327,6 +376,7 @@ pub fn exec(args: BenchArgs) -> Result<Outcome> {
             .sum(),
         active_parameters: active_parameters(&config),
         record,
+        pages,
         threads: candle_core::utils::get_num_threads(),
         prompt_tokens: ids.len(),
         decode_tokens: args.decode_tokens,
@@ -389,6 +439,18 @@ pub fn terminal(r: &BenchReport) -> String {
         "  DeltaNet: prompt {}, decode {}\n",
         r.record.deltanet_prefill, r.record.deltanet_decode
     );
+    if let Some(p) = &r.pages {
+        out += &format!(
+            "  pages    {}{} (the weights every token reads: {} read in place)\n",
+            p.policy,
+            if p.auto {
+                ", by the rule"
+            } else {
+                ", as asked"
+            },
+            size(p.always_read_bytes)
+        );
+    }
     out += &format!("  load     {:>9.2} s\n", r.load_seconds);
     let gflop = |f: &Flops, n: usize| f.total() / 1e9 / n as f64;
     out += &format!(

@@ -71,7 +71,7 @@ impl Elem {
 /// A row-major `[rows, cols]` matrix read in place from a byte buffer (a memory-mapped checkpoint shard).
 #[derive(Clone)]
 pub struct MappedMatrix {
-    bytes: Arc<dyn AsRef<[u8]> + Send + Sync>,
+    map: SharedMap,
     offset: usize,
     rows: usize,
     cols: usize,
@@ -183,7 +183,7 @@ impl MappedMatrix {
             )));
         }
         Ok(MappedMatrix {
-            bytes: map.0.clone(),
+            map: map.clone(),
             offset,
             rows,
             cols,
@@ -206,9 +206,19 @@ impl MappedMatrix {
         self.elem
     }
 
+    /// Where its bytes lie in the buffer.
+    fn range(&self) -> std::ops::Range<usize> {
+        self.offset..self.offset + self.rows * self.cols * self.elem.size()
+    }
+
     fn data(&self) -> &[u8] {
-        let len = self.rows * self.cols * self.elem.size();
-        &(*self.bytes).as_ref()[self.offset..self.offset + len]
+        &self.map.bytes()[self.range()]
+    }
+
+    /// Hands back this process's pages of the matrix's bytes ([`SharedMap::release`]): for a matrix read now and
+    /// then, such as an MoE block's routed expert.
+    pub fn release_pages(&self) {
+        self.map.release(self.range());
     }
 
     fn row_bytes(&self, r: usize) -> &[u8] {
@@ -308,6 +318,14 @@ impl Linear {
                 Ok(w.index_select(&ids, 0)?)
             }
             Linear::OnRead(m) => m.gather(ids),
+        }
+    }
+
+    /// Hands back the pages of a weight read in place from a file map ([`MappedMatrix::release_pages`]); nothing
+    /// for the other kinds, which hold their own memory.
+    pub fn release_pages(&self) {
+        if let Linear::Mapped(m) = self {
+            m.release_pages();
         }
     }
 
