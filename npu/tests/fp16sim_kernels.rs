@@ -172,18 +172,19 @@ fn tiled_kernels_equal_the_plain_evaluator_on_every_model_format_and_form() {
     }
 }
 
-/// The MoE block (tiny-moe): its router's TopK on fp16 probabilities, its stacked experts gathered or masked, in f32
-/// and INT4/INT8 (gate and up INT4, down INT8), tiled equal to plain bit for bit.
+/// The MoE block (tiny-moe): its router's TopK on fp16 probabilities, its stacked experts gathered (the tiled
+/// evaluator's products read each chosen expert from the stack, the plain one the gathered copies) or masked, in f32
+/// and INT4/INT8 (gate and up INT4, down INT8), with f32 and fp16 accumulation, tiled equal to plain bit for bit.
 #[test]
 fn tiled_kernels_equal_the_plain_evaluator_on_the_moe_block() {
     for moe in [MoeGraphForm::Gather, MoeGraphForm::Masked] {
-        for format in ["f32", "int4:32"] {
+        for (format, options) in [("f32", ""), ("int4:32", ""), ("int4:32", "acc=f16")] {
             check_moe(
                 "tiny-moe",
                 format,
                 DeltaNetGraphForm::Chunked(Inverse::Doubling),
                 8,
-                "",
+                options,
                 moe,
             );
         }

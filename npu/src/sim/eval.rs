@@ -13,7 +13,7 @@ use super::ops::{
     binary, binary_int, concat, convert, from_tensor, gather, gelu_erf, gelu_tanh, one_hot_node,
     slice, softmax, to_tensor, topk_node, transpose, unary,
 };
-use super::weights::{Weight, find_weights};
+use super::weights::{GatheredProduct, Weight, find_gathered_products, find_weights};
 use crate::error::{Error, Result};
 use crate::ir::{ElemType, Graph, LoopBody, Node, Value};
 use candle_core::Tensor;
@@ -127,6 +127,9 @@ pub struct Evaluator {
     /// their weight chains, which is not evaluated.
     weights: HashMap<usize, Weight>,
     deferred: HashSet<usize>,
+    /// The products over experts gathered from a stack, by the product's node (their `Gather` and `Reshape` are
+    /// among `deferred`).
+    gathered: HashMap<usize, GatheredProduct>,
     /// The graph's `.bin` mapped, when it is a file.
     pub(super) map: Option<memmap2::Mmap>,
     /// Decoded constants by node id (top level and Loop bodies share the `.bin`).
@@ -160,10 +163,12 @@ impl Evaluator {
         state_outputs: &[String],
         kernels: Kernels,
     ) -> Result<Self> {
-        let (weights, deferred) = match kernels {
+        let (weights, mut deferred) = match kernels {
             Kernels::Plain => Default::default(),
             Kernels::Tiled => find_weights(&graph),
         };
+        let (gathered, replaced) = find_gathered_products(&graph, &weights);
+        deferred.extend(replaced);
         let map = match kernels {
             Kernels::Plain => None,
             Kernels::Tiled => graph.bin_map()?,
@@ -188,6 +193,7 @@ impl Evaluator {
             kernels,
             weights,
             deferred,
+            gathered,
             map,
             consts,
             state_inputs: state_inputs.iter().cloned().collect(),
@@ -264,6 +270,12 @@ impl Evaluator {
             }
         }
         let top = scope == 0;
+        if top {
+            // A gathered product reads its indices where its Gather would have.
+            for (&id, g) in &self.gathered {
+                last[g.indices.node] = last[g.indices.node].max(id);
+            }
+        }
         let mut values: Vec<Vec<V>> = Vec::with_capacity(nodes.len());
         for (id, node) in nodes.iter().enumerate() {
             if top && self.deferred.contains(&id) {
@@ -309,7 +321,17 @@ impl Evaluator {
                             .then(|| self.weights.get(&node.inputs[i].node))
                             .flatten()
                     };
+                    let gathered = top.then(|| self.gathered.get(&id)).flatten();
                     let v = match (op, weight(0), weight(1)) {
+                        ("MatMul", ..) if let Some(g) = gathered => {
+                            let indices = &values[g.indices.node][g.indices.port];
+                            self.gathered_product(
+                                &args[0],
+                                &self.weights[&g.weight],
+                                indices,
+                                &g.batch,
+                            )
+                        }
                         ("MatMul", _, Some(w)) => self.weight_product(&args[0], w),
                         ("Gather", Some(w), _) => self.weight_gather(w, &args[1]),
                         _ => self.op(op, node, &args, fused),

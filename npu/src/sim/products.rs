@@ -245,6 +245,68 @@ impl Evaluator {
         Ok(Val::f(shape, out))
     }
 
+    /// `x @ wᵀ` for the matrices of the stack `w` `[E, n, k]` chosen by `indices` (`batch`, `[T, k]` in an MoE
+    /// block), as `MatMul(x, Reshape(Gather(w, indices)), transpose_b)` computes it: `x` `[.., m, k]` with its batch
+    /// dims broadcast against `batch` → `[.., m, n]`. Each chosen expert's matrix is decoded once, for all the rows
+    /// that chose it; every row's products are the ones the gathered matrices give (the kernels' sums do not depend
+    /// on the rows computed beside them).
+    pub(super) fn gathered_product(
+        &self,
+        x: &V,
+        w: &Weight,
+        indices: &V,
+        batch: &[usize],
+    ) -> Result<V> {
+        let r = x.shape.len();
+        if r < 2 || x.shape[r - 1] != w.cols {
+            return Err(Error::Interface(format!(
+                "MatMul {:?} x gathered [{}, {}]ᵀ",
+                x.shape, w.rows, w.cols
+            )));
+        }
+        let idx = indices.ints()?;
+        if idx.len() != batch.iter().product::<usize>() {
+            return Err(Error::Interface(format!(
+                "{} expert indices for gathered matrices {batch:?}",
+                idx.len()
+            )));
+        }
+        let (m, k, n) = (x.shape[r - 2], w.cols, w.rows);
+        let out_batch = broadcast(&x.shape[..r - 2], batch)?;
+        let ia = broadcast_index(&x.shape[..r - 2], &out_batch);
+        let ie = broadcast_index(batch, &out_batch);
+        let mut by_expert: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
+        for (b, &i) in ie.iter().enumerate() {
+            let e = idx[i];
+            let e = if e < 0 { e + w.experts as i64 } else { e };
+            if !(0..w.experts as i64).contains(&e) {
+                return Err(Error::Interface(format!(
+                    "Gather index {} outside 0..{}",
+                    idx[i], w.experts
+                )));
+            }
+            by_expert.entry(e as usize).or_default().push(b);
+        }
+        let xs = x.floats()?;
+        let mut out = vec![0f32; ia.len() * m * n];
+        self.with_weight(w, |p| {
+            for (&e, entries) in &by_expert {
+                let mut a = Vec::with_capacity(entries.len() * m * k);
+                for &b in entries {
+                    a.extend_from_slice(&xs[ia[b] * m * k..(ia[b] + 1) * m * k]);
+                }
+                let y = products(&self.model, &a, entries.len() * m, k, n, &Offset(p, e * n))?;
+                for (j, &b) in entries.iter().enumerate() {
+                    out[b * m * n..(b + 1) * m * n].copy_from_slice(&y[j * m * n..(j + 1) * m * n]);
+                }
+            }
+            Ok(())
+        })?;
+        let mut shape = out_batch;
+        shape.extend([m, n]);
+        Ok(Val::f(shape, out))
+    }
+
     /// Rows `r0..r1` of `p` as the model stores them.
     fn model_rows(&self, p: &Packed<'_>, r0: usize, r1: usize, out: &mut [f32]) -> Result<()> {
         use super::kernel::{BF16, F16, F32};

@@ -304,3 +304,77 @@ pub(super) fn find_weights(graph: &Graph) -> (HashMap<usize, Weight>, HashSet<us
     }
     (weights, deferred)
 }
+
+/// A product over experts gathered by index, `MatMul(x, Reshape(Gather(stack, indices, 0)), transpose_b)` (an MoE
+/// block's gather form), computed from the stack where it lies: each chosen expert's matrix read once for every row
+/// that chose it, instead of the `T·k` gathered matrices written out before their products.
+#[derive(Debug, Clone)]
+pub(super) struct GatheredProduct {
+    /// The stack's [`Weight`] (its chain's last node).
+    pub(super) weight: usize,
+    /// The expert indices, as the `Gather` reads them.
+    pub(super) indices: crate::ir::Value,
+    /// The leading dims of the gathered matrices after the reshape (`[T, k]`).
+    pub(super) batch: Vec<usize>,
+}
+
+/// The gathered products of the graph's top level over the stacks of `weights`, by the product's node, and the
+/// `Gather` and `Reshape` nodes they replace (each read by the next alone).
+pub(super) fn find_gathered_products(
+    graph: &Graph,
+    weights: &HashMap<usize, Weight>,
+) -> (HashMap<usize, GatheredProduct>, HashSet<usize>) {
+    let nodes = &graph.nodes;
+    let mut readers: Vec<Vec<(usize, usize)>> = vec![Vec::new(); nodes.len()];
+    for (id, n) in nodes.iter().enumerate() {
+        for (i, v) in n.inputs.iter().enumerate() {
+            readers[v.node].push((id, i));
+        }
+    }
+    let only_reader = |id: usize| match readers[id].as_slice() {
+        [one] => Some(*one),
+        _ => None,
+    };
+    let (mut found, mut replaced) = (HashMap::new(), HashSet::new());
+    for (g, n) in nodes.iter().enumerate() {
+        // `find_weights` admits a Gather as a stack's reader only on axis 0 with three inputs.
+        let Some(w) = input(n, 0).and_then(|s| weights.get(&s).map(|w| (s, w))) else {
+            continue;
+        };
+        if n.op != "Gather" || w.1.experts < 2 || n.outputs.len() != 1 {
+            continue;
+        }
+        let Some((r, 0)) = only_reader(g) else {
+            continue;
+        };
+        let Some((m, 1)) = only_reader(r) else {
+            continue;
+        };
+        let (reshape, product) = (&nodes[r], &nodes[m]);
+        let shape = &reshape.outputs[0].shape;
+        let indices = n.inputs[1];
+        let count: usize = nodes[indices.node].outputs[indices.port]
+            .shape
+            .iter()
+            .product();
+        let fits = reshape.op == "Reshape"
+            && product.op == "MatMul"
+            && product.attr("transpose_b") == Some("true")
+            && product.attr("transpose_a") != Some("true")
+            && shape.len() >= 3
+            && shape[shape.len() - 2..] == [w.1.rows, w.1.cols]
+            && shape[..shape.len() - 2].iter().product::<usize>() == count;
+        if fits {
+            found.insert(
+                m,
+                GatheredProduct {
+                    weight: w.0,
+                    indices,
+                    batch: shape[..shape.len() - 2].to_vec(),
+                },
+            );
+            replaced.extend([g, r]);
+        }
+    }
+    (found, replaced)
+}
