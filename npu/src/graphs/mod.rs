@@ -22,6 +22,11 @@
 //! (i64), expert_weights [T, k], shared_output [T, H]}`. The names match the dump format's, less the
 //! `layers.{i}.` prefix.
 //!
+//! # MoE block graph (the probe's fed routing), `T` tokens
+//! Inputs `hidden` `[T, H]` (the residual stream after the mixer), `experts_chosen` `[T, k]` (i64) and
+//! `expert_weights` `[T, k]`; outputs `mlp_output` `[T, H]` and `mlp.shared_output`: an MoE layer's block from its
+//! post-attention norm on, on the routing given ([`Builder::moe_block_graph`]).
+//!
 //! # Decoder graph
 //! Inputs `input_ids` `[T]` (i64), `token_valid`, `positions`, `attention_mask` and every layer's state as
 //! `layers.{i}.{conv_state, recurrent_state, past_keys, past_values}`; outputs `logits` `[T, V]`, `embeddings`,

@@ -1,11 +1,12 @@
-//! The decoder block and the two graphs built from it (`reference::model`): the per-layer graph, the probe's unit,
-//! and the whole decoder with every cache an explicit input and output (see the module docs of [`super`]).
+//! The decoder block and the graphs built from it (`reference::model`): the per-layer graph, the probe's unit, and
+//! the whole decoder with every cache an explicit input and output (see the module docs of [`super`]); and an MoE
+//! layer's block on a routing given to it, with which the probe judges the experts apart from the router.
 
 use super::Builder;
 use super::attention::{Attention, KvCache};
 use super::linear_attn::{DeltaNetOptions, GatedDeltaNet, LinearState};
 use super::mlp::Mlp;
-use super::moe::SparseMoe;
+use super::moe::{Routing, SparseMoe};
 use super::ops::rms_norm;
 use super::ports::{self, StatePorts};
 use super::rope::{self, RotaryTables};
@@ -212,6 +213,53 @@ impl<'a> Builder<'a> {
         let inputs = self.block_inputs(&mut graph, tokens, &[kind])?;
         let out = self.block(&mut graph, h, layer, &inputs, "")?;
         graph.result(out, names::OUTPUT)?; // a per-layer graph's output is its purpose, taps or not
+        Ok(graph)
+    }
+
+    /// Layer `layer`'s MoE block for blocks of `tokens` tokens on the routing given to it, the probe's fed-routing
+    /// graph: the layer's `post_attention_layernorm`, then its routed experts on that routing and its gated shared
+    /// expert, as the layer's own graph computes them from the norm on, less the router.
+    ///
+    /// # Shapes
+    /// Inputs `hidden` `[T, H]`, the residual stream after the mixer (the layer's input plus its mixer output),
+    /// `experts_chosen` `[T, k]` (i64, each token's experts) and `expert_weights` `[T, k]` (their weights).
+    /// Outputs `mlp_output` `[T, H]` and, with taps, `mlp.shared_output` `[T, H]`.
+    pub fn moe_block_graph(&self, layer: usize, tokens: usize) -> Result<Graph> {
+        self.check_tokens(tokens)?;
+        let c = self.config;
+        let moe = c.moe.as_ref().ok_or_else(|| {
+            Error::Config(format!(
+                "layer {layer}: the config has no MoE block (not a qwen3_5_moe decoder)"
+            ))
+        })?;
+        if layer >= c.num_layers() {
+            return Err(Error::Input(format!(
+                "layer {layer} does not exist ({} layers)",
+                c.num_layers()
+            )));
+        }
+        let k = moe.num_experts_per_tok;
+        let mut graph = Graph::new(&format!("layer{layer}_moe_block_t{tokens}"));
+        let h = graph.parameter(ports::HIDDEN, ElemType::F32, &[tokens, c.hidden_size]);
+        let routing = Routing {
+            experts: graph.parameter(ports::EXPERTS_CHOSEN, ElemType::I64, &[tokens, k]),
+            weights: graph.parameter(ports::EXPERT_WEIGHTS, ElemType::F32, &[tokens, k]),
+        };
+        let norm = self.norm_weight(
+            &mut graph,
+            &self.schema().layer(layer, Param::PostAttentionLayernorm),
+        )?;
+        let block = SparseMoe::load(self, &mut graph, layer)?;
+        let x = rms_norm(&mut graph, h, norm, c.rms_norm_eps as f32)?;
+        let m = block.forward_routed(
+            &mut graph,
+            x,
+            &routing,
+            self.opts.moe,
+            self.taps(),
+            names::MLP,
+        )?;
+        graph.result(m, names::MLP_OUTPUT)?; // the graph's purpose, taps or not
         Ok(graph)
     }
 

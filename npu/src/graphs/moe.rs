@@ -47,14 +47,13 @@ pub struct SparseMoe {
     top_k: usize,
 }
 
-/// The routing of a call's tokens, as graph values.
+/// The routing of a call's tokens, as graph values: the block's own ([`SparseMoe::route`]), or given to the graph
+/// as inputs ([`SparseMoe::forward_routed`]).
 pub struct Routing {
     /// `[T, k]` expert indices (i64), in descending probability.
     pub experts: Value,
     /// `[T, k]` weights, summing to 1 per token.
     pub weights: Value,
-    /// `[T, E]` router probabilities.
-    pub probabilities: Value,
 }
 
 impl SparseMoe {
@@ -99,11 +98,7 @@ impl SparseMoe {
         let (top, experts) = graph.topk(probs, self.top_k, 1)?;
         let sum = graph.reduce_sum(top, &[1], true)?;
         let weights = graph.div(top, sum)?;
-        Ok(Routing {
-            experts,
-            weights,
-            probabilities: probs,
-        })
+        Ok(Routing { experts, weights })
     }
 
     /// `x` `[T, H]` → `[T, H]`, the routed experts in `form` (a single token always gathers), recording
@@ -117,7 +112,6 @@ impl SparseMoe {
         taps: GraphTaps,
         scope: &str,
     ) -> Result<Value> {
-        let t = graph.shape(x)[0];
         let logits = self.router_logits(graph, x)?;
         taps.record(graph, || names::mixer(scope, names::ROUTER_LOGITS), logits)?;
         let routing = self.route(graph, logits)?;
@@ -131,10 +125,26 @@ impl SparseMoe {
             || names::mixer(scope, names::EXPERT_WEIGHTS),
             routing.weights,
         )?;
+        self.forward_routed(graph, x, &routing, form, taps, scope)
+    }
+
+    /// `x` `[T, H]` → `[T, H]` on `routing`, the block's own or given to the graph (the per-layer probe feeds the
+    /// reference's, so that the experts' arithmetic is judged apart from the router's choice): the routed experts in
+    /// `form` (a single token always gathers) plus the gated shared expert, recording `{scope}.shared_output`.
+    pub fn forward_routed(
+        &self,
+        graph: &mut Graph,
+        x: Value,
+        routing: &Routing,
+        form: MoeGraphForm,
+        taps: GraphTaps,
+        scope: &str,
+    ) -> Result<Value> {
+        let t = graph.shape(x)[0];
         let experts = graph.shape(self.experts.gate_proj)[0];
         let out = match form.resolve(t, experts, self.top_k) {
-            MoeGraphForm::Masked => self.experts.masked(graph, x, &routing)?,
-            _ => self.experts.gathered(graph, x, &routing)?,
+            MoeGraphForm::Masked => self.experts.masked(graph, x, routing)?,
+            _ => self.experts.gathered(graph, x, routing)?,
         };
         let gate = linear(graph, x, self.shared_expert_gate)?;
         let gate = sigmoid(graph, gate)?;

@@ -18,6 +18,11 @@ pub const TOKEN_VALID: &str = "token_valid";
 pub const ATTENTION_MASK: &str = "attention_mask";
 /// MRoPE positions `[3, T]` (i64): temporal, height and width rows.
 pub const POSITIONS: &str = "positions";
+/// The experts each token chose `[T, k]` (i64), an MoE block graph fed its routing
+/// ([`crate::graphs::Builder::moe_block_graph`]).
+pub const EXPERTS_CHOSEN: &str = "experts_chosen";
+/// Their weights `[T, k]`, an MoE block graph fed its routing.
+pub const EXPERT_WEIGHTS: &str = "expert_weights";
 
 /// The ports through which a layer's state enters and leaves a graph.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
