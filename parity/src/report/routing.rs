@@ -201,6 +201,15 @@ pub fn next_step(r: &RoutingReport) -> String {
 
 /// The terminal lines: the summary, the layers that did not agree throughout, the first flip and the next step.
 pub fn terminal_lines(r: &RoutingReport) -> Vec<String> {
+    let mut lines = body_lines(r);
+    if r.flip_count() > 0 || r.order_only() > 0 {
+        lines.push(format!("  next: {}", next_step(r)));
+    }
+    lines
+}
+
+/// [`terminal_lines`] but the next step (a report that gives its own).
+pub fn body_lines(r: &RoutingReport) -> Vec<String> {
     let mut lines = vec![summary_line(r)];
     if r.flip_count() == 0 && r.order_only() == 0 {
         return lines;
@@ -261,12 +270,17 @@ pub fn terminal_lines(r: &RoutingReport) -> Vec<String> {
         let layer = r.layers.iter().find(|l| l.layer == f.layer);
         lines.push(format!("  first flip: {}", flip_line(f, layer)));
     }
-    lines.push(format!("  next: {}", next_step(r)));
     lines
 }
 
 /// The Markdown section.
 pub fn markdown(s: &mut String, r: &RoutingReport) {
+    markdown_body(s, r);
+    let _ = writeln!(s, "\nNext: {}.", next_step(r));
+}
+
+/// [`markdown`] but the next step (a report that gives its own).
+pub fn markdown_body(s: &mut String, r: &RoutingReport) {
     let _ = writeln!(s, "\n### Routing (MoE)\n");
     let _ = writeln!(s, "{}.\n", summary_line(r));
     let _ = writeln!(
@@ -349,7 +363,6 @@ pub fn markdown(s: &mut String, r: &RoutingReport) {
         let layer = r.layers.iter().find(|l| l.layer == f.layer);
         let _ = writeln!(s, "\nFirst flip: {}.", flip_line(f, layer));
     }
-    let _ = writeln!(s, "\nNext: {}.", next_step(r));
 }
 
 /// The clause of the one-line verdict: the first flip and its class, or `None` without routing or flips.

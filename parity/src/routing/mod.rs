@@ -43,7 +43,7 @@ mod taps;
 #[cfg(test)]
 mod tests;
 
-pub use taps::{chosen_name, from_taps};
+pub use taps::{chosen_name, from_taps, from_taps_with};
 
 use crate::metrics::{log_softmax, nan_max, percentile};
 use anyhow::{Result, bail};
@@ -160,8 +160,8 @@ pub struct Flip {
     pub input_nrmse: Option<f64>,
     /// The NRMSE of the layer's mixer output at the token (the router reads the norm of input plus mixer output).
     pub mixer_nrmse: Option<f64>,
-    /// The first earlier flip that reaches this one (an earlier layer, this token or one before); `None`: this one
-    /// is independent.
+    /// The first earlier flip that reaches this one (an earlier layer, this token or one before, as [`Reach`]
+    /// says); `None`: this one is independent.
     pub upstream: Option<At>,
     /// The measured router error at the token exceeds the reference's median margin at the layer: a near tie only
     /// because the router is far off there (on an independent flip: the router, or its input, computed wrongly).
@@ -249,6 +249,37 @@ pub struct RoutingReport {
     pub flips: Vec<Flip>,
 }
 
+/// Which earlier flips can reach a token: how the run fed its layers.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Reach {
+    /// Each layer read the device's own output of the layer before and carried its own state (a decoder run, the
+    /// chained probe): a flip at layer `l'` and token `t'` reaches every later layer's tokens `t ≥ t'`.
+    #[default]
+    Chained,
+    /// The device was given the reference's state before every block `[start, end)` and its own hidden state went
+    /// from layer to layer within the block (a decoder probed isolated): a flip reaches the later layers' tokens from
+    /// its own to the end of its block.
+    Blocks(Vec<(usize, usize)>),
+    /// Each layer read the reference's input and state (the per-layer probe, isolated): no flip reaches another.
+    Isolated,
+}
+
+impl Reach {
+    /// Whether a flip at `from` (an earlier layer) reaches token `token`.
+    pub fn reaches(&self, from: At, token: usize) -> bool {
+        match self {
+            Reach::Chained => from.token <= token,
+            Reach::Blocks(blocks) => {
+                from.token <= token
+                    && blocks
+                        .iter()
+                        .any(|&(start, end)| start <= from.token && token < end)
+            }
+            Reach::Isolated => false,
+        }
+    }
+}
+
 /// The reference's `p_k − p_{k+1}` of a probability row.
 fn margin(p: &[f64], k: usize) -> Option<f64> {
     let mut sorted = p.to_vec();
@@ -301,13 +332,17 @@ pub fn classify(gap: Option<f64>, delta: Option<f64>, repeated: bool) -> FlipCla
     }
 }
 
-/// Compares the routing of one prompt, layer by layer (`layers` in the decoder's order). Fails when the two sides
+/// Compares the routing of one prompt, layer by layer (`layers` in the decoder's order), of a run whose layers each
+/// read the output of the one before ([`Reach::Chained`]; [`compare_with`] for another). Fails when the two sides
 /// do not hold the same tokens or the same number of experts per token; flips are classified against the measured
 /// router error only ([`RoutingReport::classify`] adds a stated one).
 pub fn compare(prompt: &str, layers: &[LayerSides]) -> Result<RoutingReport> {
+    compare_with(prompt, layers, &Reach::Chained)
+}
+
+/// [`compare`] of a run whose earlier flips reach later tokens as `reach` says.
+pub fn compare_with(prompt: &str, layers: &[LayerSides], reach: &Reach) -> Result<RoutingReport> {
     let mut flips: Vec<Flip> = Vec::new();
-    // Each earlier layer's first flipped token, in layer order: the first of them at or before a token reaches it.
-    let mut firsts: Vec<At> = Vec::new();
     let mut out = Vec::with_capacity(layers.len());
     let mut top_k = 0;
     for sides in layers {
@@ -343,6 +378,17 @@ pub fn compare(prompt: &str, layers: &[LayerSides]) -> Result<RoutingReport> {
             .filter_map(|t| margin(probs(r, t)?, k))
             .collect();
         let median = (!margins.is_empty()).then(|| percentile(&margins, 0.5));
+        // The earlier layers' flips, by layer then token: the first of them that reaches a token is its upstream.
+        let earlier = flips.len();
+        let upstream_of = |flips: &[Flip], t: usize| {
+            flips[..earlier]
+                .iter()
+                .map(|f| At {
+                    layer: f.layer,
+                    token: f.token,
+                })
+                .find(|&at| reach.reaches(at, t))
+        };
         for (t, (a, b)) in r.chosen.iter().zip(&d.chosen).enumerate() {
             let delta = match (probs(r, t), probs(d, t)) {
                 (Some(pr), Some(pd)) if pr.len() == pd.len() => {
@@ -352,7 +398,8 @@ pub fn compare(prompt: &str, layers: &[LayerSides]) -> Result<RoutingReport> {
                 _ => None,
             };
             deltas.extend(delta);
-            if !firsts.iter().any(|f| f.token <= t) {
+            let upstream = upstream_of(&flips, t);
+            if upstream.is_none() {
                 independent.extend(delta);
             }
             if as_set(a) == as_set(b) {
@@ -369,7 +416,6 @@ pub fn compare(prompt: &str, layers: &[LayerSides]) -> Result<RoutingReport> {
                 nan_max(experts_out.iter().map(|&e| p(e)))
                     - nan_min(experts_in.iter().map(|&e| p(e)))
             });
-            let upstream = firsts.iter().copied().find(|f| f.token <= t);
             flips.push(Flip {
                 prompt: prompt.to_string(),
                 layer: l,
@@ -391,12 +437,6 @@ pub fn compare(prompt: &str, layers: &[LayerSides]) -> Result<RoutingReport> {
                 mixer_nrmse: at(&sides.mixer_nrmse, t),
                 upstream,
                 router_off: matches!((delta, median), (Some(d), Some(m)) if d > m),
-            });
-        }
-        if let Some(f) = flips.iter().find(|f| f.layer == l) {
-            firsts.push(At {
-                layer: l,
-                token: f.token,
             });
         }
         let tokens = r.chosen.len();
@@ -531,6 +571,14 @@ impl RoutingReport {
         };
         self.first_flip = first(false);
         self.first_confident = first(true);
+    }
+
+    /// Keeps the layers `keep` and their flips alone, and recounts (a flip's `upstream` may still name a layer left
+    /// out: it was run, and reaches the flip).
+    pub fn retain_layers(&mut self, keep: &[usize]) {
+        self.layers.retain(|l| keep.contains(&l.layer));
+        self.flips.retain(|f| keep.contains(&f.layer));
+        self.tally();
     }
 
     /// Flips in all.

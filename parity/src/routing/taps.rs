@@ -2,7 +2,7 @@
 //! any dtype holding them exactly), `mlp.router_logits` `[T, E]` where a side has it, and the per-token errors of
 //! `mlp_output`, `output`, `mixer_output` and the layer's input.
 
-use super::{LayerSides, Router, RoutingReport, compare, probabilities};
+use super::{LayerSides, Reach, Router, RoutingReport, compare_with, probabilities};
 use crate::metrics::{per_slice, values};
 use anyhow::{Context, Result, bail};
 use candle_core::Tensor;
@@ -77,12 +77,23 @@ fn per_token(
 /// both hold the chosen experts; `None` when no layer has them on both sides (a dense model, or a device that does
 /// not expose them). Flips are judged against the measured router error ([`RoutingReport::classify`] adds a
 /// stated one). Fails, naming the tap, on taps that cannot be routing: other shapes, token counts or widths on the
-/// two sides, an index that is not an expert's.
+/// two sides, an index that is not an expert's. The run is a decoder's ([`Reach::Chained`]).
 pub fn from_taps(
     prompt: &str,
     layers: usize,
     reference: &BTreeMap<String, Tensor>,
     device: &BTreeMap<String, Tensor>,
+) -> Result<Option<RoutingReport>> {
+    from_taps_with(prompt, layers, reference, device, &Reach::Chained)
+}
+
+/// [`from_taps`] of a run whose earlier flips reach later tokens as `reach` says (the probe's isolated modes).
+pub fn from_taps_with(
+    prompt: &str,
+    layers: usize,
+    reference: &BTreeMap<String, Tensor>,
+    device: &BTreeMap<String, Tensor>,
+    reach: &Reach,
 ) -> Result<Option<RoutingReport>> {
     let mut sides = Vec::new();
     for layer in 0..layers {
@@ -148,5 +159,5 @@ pub fn from_taps(
     if sides.is_empty() {
         return Ok(None);
     }
-    compare(prompt, &sides).map(Some)
+    compare_with(prompt, &sides, reach).map(Some)
 }

@@ -283,6 +283,53 @@ fn a_flip_after_an_earlier_one_at_or_before_its_token_is_downstream() {
 }
 
 #[test]
+fn a_flip_reaches_only_what_the_run_fed_on() {
+    // Layer 0 flips at token 2; layer 1 at tokens 3 and 5; blocks [0, 4) and [4, 6).
+    let same = |n: usize| vec![vec![0, 1, 2]; n];
+    let flipped = |at: &[usize]| {
+        let mut d = same(6);
+        for &t in at {
+            d[t] = vec![0, 1, 3];
+        }
+        d
+    };
+    let probs = Some(vec![P.to_vec(); 6]);
+    let sides = |l: usize, chosen: Vec<Vec<usize>>| {
+        layer(
+            l,
+            Router {
+                chosen: same(6),
+                probabilities: probs.clone(),
+            },
+            Router {
+                chosen,
+                probabilities: probs.clone(),
+            },
+        )
+    };
+    let layers = [sides(0, flipped(&[2])), sides(1, flipped(&[3, 5]))];
+    let upstream = |reach: Reach| -> Vec<Option<At>> {
+        let report = compare_with("p", &layers, &reach).unwrap();
+        assert_eq!(report.flip_count(), 3);
+        report.flips[1..].iter().map(|f| f.upstream).collect()
+    };
+    let l0 = Some(At { layer: 0, token: 2 });
+    assert_eq!(upstream(Reach::Chained), [l0, l0]);
+    // The state given back at token 4: layer 0's flip reaches token 3 of its block, not token 5 of the next.
+    assert_eq!(upstream(Reach::Blocks(vec![(0, 4), (4, 6)])), [l0, None]);
+    assert_eq!(upstream(Reach::Isolated), [None, None]);
+    // Isolated, the router's own error at layer 1 counts every token.
+    let mut report = compare_with("p", &layers, &Reach::Isolated).unwrap();
+    assert_eq!(report.downstream_flips, 0);
+    report.retain_layers(&[1]);
+    assert_eq!(
+        (report.pairs, report.flip_count(), report.layers.len()),
+        (6, 2, 1)
+    );
+    assert_eq!(report.first_flip.map(|f| (f.layer, f.token)), Some((1, 3)));
+}
+
+#[test]
 fn prompts_merge_layer_by_layer() {
     let r = router(&[&[0, 1, 2], &[0, 1, 2]], Some(&[P, P]));
     let a = compare("a", &[layer(0, r.clone(), r.clone())]).unwrap();
