@@ -60,6 +60,11 @@ pub struct ProbeArgs {
         requires = "tolerance_from"
     )]
     factor: f64,
+    /// On an MoE model, skip the fed-routing probe: by default each probed layer's MoE block also runs on the device
+    /// fed the reference's routing and residual stream (one more graph per MoE layer, compiled once the layer's own
+    /// is released), so that its experts' arithmetic is judged apart from its routing.
+    #[arg(long)]
+    no_fed_routing: bool,
     #[command(flatten)]
     report: ReportArgs,
     #[command(flatten)]
@@ -230,6 +235,7 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
         max_state_nrmse: args.max_state_nrmse,
         model: None,
         images: images.as_ref().map(|(_, _, p)| p),
+        fed_routing: !args.no_fed_routing,
     };
     let dtype = args.model.dtype.dtype();
     let devices: Vec<&str> = std::iter::once(device.as_str())

@@ -43,8 +43,12 @@ pub enum Fault {
     /// The graphs with hidden outputs give every hidden output ×1.01 while their logits and states are right (the
     /// extra outputs read back through a wrong scale).
     TapsScaled,
-    /// This layer's own graph (the probe's unit) gives an MLP output 5% too large, and the layer's output with it.
+    /// This layer's own graph (the probe's unit) gives an MLP output 5% too large, and the layer's output with it;
+    /// in an MoE layer its block fed the reference's routing, the same arithmetic, too.
     LayerGraph(usize),
+    /// This MoE layer's own graph outputs, as every token's first chosen expert, the one its router ranks last (a
+    /// top-k whose indices come out wrong): a confident routing flip at every token.
+    LayerRouting(usize),
     /// A call past the static context is cut to the slots left instead of refused: the tokens that do not fit are
     /// dropped, silently.
     Overflow,
@@ -55,7 +59,7 @@ pub enum Fault {
 
 impl Fault {
     /// Parses `leak-state`, `ignore-restore`, `logits-from=P`, `nan-from=P`, `block-graph=N`, `unpadded-tail`,
-    /// `stale-rows`, `taps-scaled`, `layer-graph=L`, `overflow` or `forget-rope-delta`.
+    /// `stale-rows`, `taps-scaled`, `layer-graph=L`, `layer-routing=L`, `overflow` or `forget-rope-delta`.
     pub fn parse(s: &str) -> Result<Self> {
         let n = |prefix: &str| s.strip_prefix(prefix)?.parse::<usize>().ok();
         Ok(match s {
@@ -71,15 +75,17 @@ impl Fault {
                 n("nan-from="),
                 n("block-graph="),
                 n("layer-graph="),
+                n("layer-routing="),
             ) {
                 (Some(p), ..) => Fault::LogitsFrom(p),
                 (_, Some(p), ..) => Fault::NanFrom(p),
-                (_, _, Some(b), _) => Fault::BlockGraph(b),
-                (.., Some(l)) => Fault::LayerGraph(l),
+                (_, _, Some(b), ..) => Fault::BlockGraph(b),
+                (_, _, _, Some(l), _) => Fault::LayerGraph(l),
+                (.., Some(l)) => Fault::LayerRouting(l),
                 _ => bail!(
                     "--inject-fault {s}: expected leak-state, ignore-restore, logits-from=POSITION, \
                      nan-from=POSITION, block-graph=TOKENS, unpadded-tail, stale-rows, taps-scaled, layer-graph=LAYER, \
-                     overflow or forget-rope-delta"
+                     layer-routing=LAYER, overflow or forget-rope-delta"
                 ),
             },
         })
@@ -98,7 +104,7 @@ impl Fault {
     pub fn own_graphs_only(self) -> bool {
         matches!(
             self,
-            Fault::BlockGraph(_) | Fault::LayerGraph(_) | Fault::Overflow
+            Fault::BlockGraph(_) | Fault::LayerGraph(_) | Fault::LayerRouting(_) | Fault::Overflow
         )
     }
 
@@ -282,12 +288,27 @@ impl<B: Backend> Backend for Faulty<B> {
     }
 }
 
-/// Per-layer graphs with [`Fault::LayerGraph`]: the faulty layer's MLP output 5% too large, its output with it.
+/// Per-layer graphs with [`Fault::LayerGraph`] (the faulty layer's MLP output 5% too large, its output with it, and
+/// its MoE block's fed a routing) or [`Fault::LayerRouting`] (the faulty layer's first chosen expert, as output, its
+/// router's last).
 pub struct FaultyLayers<'a> {
     /// The graphs.
     pub inner: Box<dyn LayerDevice + 'a>,
-    /// The faulty layer.
-    pub layer: usize,
+    /// The fault: [`Fault::LayerGraph`] or [`Fault::LayerRouting`].
+    pub fault: Fault,
+}
+
+/// `chosen` `[T, k]` (i64) with every token's first expert replaced by the one `logits` `[T, E]` rank last.
+fn last_first(chosen: &Tensor, logits: &Tensor) -> Result<Tensor> {
+    let mut rows = chosen.to_dtype(candle_core::DType::I64)?.to_vec2::<i64>()?;
+    let logits = logits.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
+    for (row, l) in rows.iter_mut().zip(&logits) {
+        let last = (0..l.len())
+            .min_by(|&a, &b| l[a].total_cmp(&l[b]))
+            .unwrap_or(0);
+        row[0] = last as i64;
+    }
+    Ok(Tensor::new(rows, chosen.device())?)
 }
 
 impl LayerDevice for FaultyLayers<'_> {
@@ -300,7 +321,15 @@ impl LayerDevice for FaultyLayers<'_> {
         state: &mut HostLayerState,
     ) -> Result<BTreeMap<String, Tensor>> {
         let mut out = self.inner.run(layer, hidden, start, positions, state)?;
-        if layer == self.layer
+        let chosen = names::mixer(names::MLP, names::EXPERTS_CHOSEN);
+        let logits = names::mixer(names::MLP, names::ROUTER_LOGITS);
+        if self.fault == Fault::LayerRouting(layer)
+            && let (Some(c), Some(l)) = (out.get(&chosen), out.get(&logits))
+        {
+            let wrong = last_first(c, l)?;
+            out.insert(chosen, wrong);
+        }
+        if self.fault == Fault::LayerGraph(layer)
             && let Some(mlp) = out.get(names::MLP_OUTPUT).cloned()
         {
             let extra = scaled(&mlp, 0.05)?;
@@ -311,6 +340,26 @@ impl LayerDevice for FaultyLayers<'_> {
             }
         }
         Ok(out)
+    }
+
+    fn moe_block(
+        &mut self,
+        layer: usize,
+        hidden: &Tensor,
+        experts: &Tensor,
+        weights: &Tensor,
+    ) -> Result<Option<BTreeMap<String, Tensor>>> {
+        let out = self.inner.moe_block(layer, hidden, experts, weights)?;
+        Ok(match out {
+            Some(mut out) if self.fault == Fault::LayerGraph(layer) => {
+                if let Some(mlp) = out.get(names::MLP_OUTPUT) {
+                    let wrong = scaled(mlp, 1.05)?;
+                    out.insert(names::MLP_OUTPUT.into(), wrong);
+                }
+                Some(out)
+            }
+            out => out,
+        })
     }
 
     fn block(&self) -> usize {

@@ -4,7 +4,7 @@
 use anyhow::{Context, Result, bail};
 use candle_core::Tensor;
 use npu::devices::CompileOptions;
-use npu::engine::{HostLayerState, LayerRunner};
+use npu::engine::{HostLayerState, LayerRunner, MoeBlockRunner};
 use npu::graphs::Builder;
 use npu::graphset::GraphSet;
 use npu::graphset::layout::CallPositions;
@@ -25,6 +25,22 @@ pub trait LayerDevice {
         positions: CallPositions,
         state: &mut HostLayerState,
     ) -> Result<BTreeMap<String, Tensor>>;
+
+    /// Runs layer `layer`'s MoE block on the routing given to it, over whole sequences: `hidden` `[S, H]` the residual
+    /// stream after the mixer (the layer's input plus its mixer output), `experts` `[S, k]` the chosen experts,
+    /// `weights` `[S, k]` their weights; returns `mlp_output` and the block's taps under the dump's names less the
+    /// `layers.{i}.` prefix. `None` when the device has no such graph: graphs made elsewhere hold the block only
+    /// inside the layer, behind its router (the default).
+    fn moe_block(
+        &mut self,
+        layer: usize,
+        hidden: &Tensor,
+        experts: &Tensor,
+        weights: &Tensor,
+    ) -> Result<Option<BTreeMap<String, Tensor>>> {
+        let _ = (layer, hidden, experts, weights);
+        Ok(None)
+    }
 
     /// Tokens per block.
     fn block(&self) -> usize;
@@ -165,7 +181,8 @@ impl LayerDevice for DeviceLayers {
 
 /// This project's per-layer graphs compiled a layer at a time, as the probe reaches each, the one before released
 /// first (the probe runs every block of a layer before the next): a probe of every layer never holds more than one
-/// layer's weights compiled. Each graph is logged as it compiles.
+/// layer's weights compiled, its MoE block fed a routing included (compiled once the layer's own graph is released,
+/// and kept for the layer's next feed). Each graph is logged as it compiles.
 pub struct OneLayerAtATime<'a> {
     builder: Builder<'a>,
     device: String,
@@ -173,6 +190,7 @@ pub struct OneLayerAtATime<'a> {
     layers: Vec<usize>,
     block: usize,
     current: Option<(usize, LayerRunner)>,
+    moe_block: Option<(usize, MoeBlockRunner)>,
     record: RunRecord,
     log: &'a super::GraphLog,
 }
@@ -204,6 +222,7 @@ impl<'a> OneLayerAtATime<'a> {
             layers: layers.to_vec(),
             block,
             current: Some((first, runner)),
+            moe_block: None,
             record,
             log,
         })
@@ -225,6 +244,7 @@ impl LayerDevice for OneLayerAtATime<'_> {
         if self.current.as_ref().map(|(l, _)| *l) != Some(layer) {
             // Released before the next is built: one layer's weights compiled at a time.
             self.current = None;
+            self.moe_block = None;
             let t = std::time::Instant::now();
             let runner =
                 LayerRunner::new(&self.builder, layer, self.block, &self.device, &self.opts)?;
@@ -240,6 +260,34 @@ impl LayerDevice for OneLayerAtATime<'_> {
         }
         let (_, runner) = self.current.as_mut().context("a layer is compiled")?;
         Ok(runner.run(hidden, start, positions, state)?)
+    }
+
+    /// This project's MoE block graph of the layer, built from the checkpoint and compiled once the layer's own
+    /// graph is released (one layer's experts compiled at a time); kept until another layer is run.
+    fn moe_block(
+        &mut self,
+        layer: usize,
+        hidden: &Tensor,
+        experts: &Tensor,
+        weights: &Tensor,
+    ) -> Result<Option<BTreeMap<String, Tensor>>> {
+        if !self.layers.contains(&layer) {
+            bail!("layer {layer} was not compiled");
+        }
+        if self.moe_block.as_ref().map(|(l, _)| *l) != Some(layer) {
+            self.current = None;
+            self.moe_block = None;
+            let t = std::time::Instant::now();
+            let runner =
+                MoeBlockRunner::new(&self.builder, layer, self.block, &self.device, &self.opts)?;
+            self.log
+                .add("probe MoE block (fed routing)", [runner.info()]);
+            let seconds = self.record.compile_seconds.unwrap_or(0.0) + t.elapsed().as_secs_f64();
+            self.record.compile_seconds = Some(seconds);
+            self.moe_block = Some((layer, runner));
+        }
+        let (_, runner) = self.moe_block.as_mut().context("a block is compiled")?;
+        Ok(Some(runner.run(hidden, experts, weights)?))
     }
 
     fn block(&self) -> usize {

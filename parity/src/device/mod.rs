@@ -42,6 +42,9 @@ pub struct Capabilities {
     pub single_token: bool,
     /// Each layer has its own graph (the probe's unit).
     pub layer_graphs: bool,
+    /// An MoE layer's block can run on a routing given to it (the probe's fed routing): graphs built from the
+    /// checkpoint, which can build the block alone.
+    pub fed_routing: bool,
     /// Any block size can be compiled (this project's graphs); otherwise only [`Capabilities::blocks`].
     pub any_block: bool,
     /// The block sizes the graphs have (empty: any number of tokens per call).

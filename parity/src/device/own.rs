@@ -47,6 +47,7 @@ impl<'a> OwnGraphs<'a> {
             token_valid: interface.has("token_valid"),
             single_token: true,
             layer_graphs: true,
+            fed_routing: true,
             any_block: true,
             blocks,
             block: Some(settings.block),
@@ -284,10 +285,12 @@ impl DeviceUnderTest for OwnGraphs<'_> {
             &self.log,
         )?;
         Ok(Some(match self.fault {
-            Some(Fault::LayerGraph(layer)) => Box::new(FaultyLayers {
-                inner: Box::new(d),
-                layer,
-            }),
+            Some(fault @ (Fault::LayerGraph(_) | Fault::LayerRouting(_))) => {
+                Box::new(FaultyLayers {
+                    inner: Box::new(d),
+                    fault,
+                })
+            }
             _ => Box::new(d),
         }))
     }

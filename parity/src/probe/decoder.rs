@@ -6,8 +6,15 @@
 //!   that goes wrong in a block is that block's own error. Inside a block a layer reads the device's own hidden
 //!   state from the layer before, so the error of an early layer does reach later ones within the block.
 //! - **Chained**: the device carries its own state from block to block, as deployed.
+//!
+//! An MoE model's routing is compared where the hidden outputs hold the chosen experts (isolated, a flip reaches the
+//! later layers within its block only); its blocks cannot be fed the reference's routing (a decoder holds them only
+//! behind their routers).
 
-use super::{LayerProbe, Mode, ProbeThresholds, ReferenceTrace, layer_probe, main_state_error};
+use super::{
+    FED_ROUTING_NOT_AVAILABLE, Mode, ProbeOptions, Probed, ReferenceTrace, layer_probe,
+    main_state_error, moe,
+};
 use anyhow::{Context, Result};
 use candle_core::Tensor;
 use reference::backend::Backend;
@@ -20,9 +27,9 @@ pub fn probe_decoder(
     trace: &ReferenceTrace,
     device: &mut dyn Backend,
     layers: &[usize],
-    mode: Mode,
-    thresholds: ProbeThresholds,
-) -> Result<Vec<LayerProbe>> {
+    opts: &ProbeOptions,
+) -> Result<Probed> {
+    let (mode, thresholds) = (opts.mode, opts.thresholds);
     device.reset()?;
     let mut pieces: BTreeMap<String, Vec<Tensor>> = BTreeMap::new();
     let mut drift: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
@@ -65,5 +72,20 @@ pub fn probe_decoder(
             thresholds,
         )?);
     }
-    Ok(out)
+    let routing = moe::run_routing(
+        config,
+        trace,
+        taps,
+        moe::decoder_reach(mode, trace),
+        layers,
+        &opts.prompt,
+    )?;
+    moe::attach(&mut out, routing.as_ref(), Default::default());
+    let fed_routing_note =
+        (config.moe.is_some() && opts.fed_routing).then(|| FED_ROUTING_NOT_AVAILABLE.to_string());
+    Ok(Probed {
+        layers: out,
+        routing,
+        fed_routing_note,
+    })
 }

@@ -14,11 +14,16 @@
 //! threshold, every intermediate both sides expose is compared in the order the layer computes them, which names
 //! the op where the error starts; per head, each state's error says which head drifts.
 //!
-//! A device with per-layer graphs is probed through them ([`probe`]); a whole-decoder set whose states are ports,
-//! through its states after every block and whatever hidden outputs it has ([`decoder::probe_decoder`]). [`run`]
-//! chooses, for any device under test.
+//! In an MoE model every probed layer also gets its routing against the reference's (where the device exposes the
+//! chosen experts; isolated, no flip follows another), and its block run fed the reference's routing, so that the
+//! experts' arithmetic is judged apart from the router ([`moe`]).
+//!
+//! A device with per-layer graphs is probed through them ([`probe_with`]); a whole-decoder set whose states are
+//! ports, through its states after every block and whatever hidden outputs it has ([`decoder::probe_decoder`]).
+//! [`run`] chooses, for any device under test.
 
 pub mod decoder;
+pub mod moe;
 pub mod run;
 pub mod vision;
 
@@ -26,6 +31,7 @@ pub use crate::device::LayerDevice;
 
 use crate::images::PromptInput;
 use crate::metrics::{Magnitude, TensorError, exceeds, magnitudes, nan_max, values};
+use crate::routing::{LayerRouting, Reach, RoutingReport};
 use anyhow::{Context, Result, bail};
 use candle_core::Tensor;
 use npu::engine::HostLayerState;
@@ -202,7 +208,14 @@ pub struct LayerProbe {
     pub intermediates: Vec<Named>,
     /// Per-head magnitudes of the intermediates an fp16 device loses precision on.
     pub magnitudes: Vec<HeadMagnitudes>,
-    /// Whether an output or a state exceeds its threshold.
+    /// An MoE layer's routing against the reference's (`None`: a dense layer, or the device exposes no chosen
+    /// experts).
+    pub routing: Option<LayerRouting>,
+    /// An MoE layer's block fed the reference's routing (`None`: a dense layer, or not run; the report says why).
+    pub fed_routing: Option<moe::FedRouting>,
+    /// What the MLP error comes from, by the two (`None` without both).
+    pub blame: Option<moe::Blame>,
+    /// Whether an output (the MLP's fed the reference's routing included) or a state exceeds its threshold.
     pub over: bool,
     /// The thresholds it was judged by (per layer when they come from a baseline device).
     pub thresholds: ProbeThresholds,
@@ -246,8 +259,33 @@ pub struct DrillDown {
     pub intermediates: Vec<Named>,
 }
 
+/// How the layers are probed.
+#[derive(Debug, Clone)]
+pub struct ProbeOptions {
+    /// Isolated or chained.
+    pub mode: Mode,
+    /// The thresholds (judged again by the caller once the precision is read back).
+    pub thresholds: ProbeThresholds,
+    /// Whether each MoE layer's block is also run fed the reference's routing, where the device can.
+    pub fed_routing: bool,
+    /// The prompt's label, as the routing report names it.
+    pub prompt: String,
+}
+
+/// What the probe found.
+#[derive(Debug, Clone)]
+pub struct Probed {
+    /// Every probed layer.
+    pub layers: Vec<LayerProbe>,
+    /// An MoE model's routing over the probed layers (`None`: a dense model, or no chosen experts exposed).
+    pub routing: Option<RoutingReport>,
+    /// On an MoE model, why its blocks were not fed the reference's routing (`None`: they were, or a dense model).
+    pub fed_routing_note: Option<String>,
+}
+
 /// Runs the probe of `layers` (sorted; chained mode runs every layer up to the last) through a device's per-layer
-/// graphs.
+/// graphs, each MoE layer's block also fed the reference's routing: [`probe_with`] by default options, the layers
+/// alone.
 pub fn probe(
     config: &Config,
     trace: &ReferenceTrace,
@@ -256,9 +294,39 @@ pub fn probe(
     mode: Mode,
     thresholds: ProbeThresholds,
 ) -> Result<Vec<LayerProbe>> {
+    let opts = ProbeOptions {
+        mode,
+        thresholds,
+        fed_routing: true,
+        prompt: "the prompt".into(),
+    };
+    Ok(probe_with(config, trace, device, layers, &opts)?.layers)
+}
+
+/// The note of an MoE model's blocks not fed the reference's routing when the device's per-layer graphs cannot run
+/// the block alone.
+pub const FED_ROUTING_NOT_AVAILABLE: &str = "the MoE blocks were not fed the reference's routing: not available for \
+     graphs made elsewhere (the block is built from the checkpoint, alone; a set's graphs hold it only behind its \
+     router)";
+
+/// Runs the probe of `layers` (sorted; chained mode runs every layer up to the last) through a device's per-layer
+/// graphs, as `opts` says.
+pub fn probe_with(
+    config: &Config,
+    trace: &ReferenceTrace,
+    device: &mut dyn LayerDevice,
+    layers: &[usize],
+    opts: &ProbeOptions,
+) -> Result<Probed> {
+    let (mode, thresholds) = (opts.mode, opts.thresholds);
     let mut out = Vec::new();
     let last = *layers.iter().max().context("no layer to probe")?;
     let mut chained_input: Option<Tensor> = None;
+    // Isolated: each layer's routing on its own; chained: the taps the routing reads of every layer run.
+    let mut routings = Vec::new();
+    let mut routing_taps: BTreeMap<String, Tensor> = BTreeMap::new();
+    let mut fed = BTreeMap::new();
+    let mut fed_note = None;
     for layer in 0..=last {
         let wanted = layers.contains(&layer);
         if mode == Mode::Isolated && !wanted {
@@ -309,9 +377,48 @@ pub fn probe(
                 thresholds,
             )?);
         }
+        match mode {
+            Mode::Isolated => routings.extend(moe::isolated_routing(
+                config,
+                trace,
+                layer,
+                &device_taps,
+                &opts.prompt,
+            )?),
+            Mode::Chained => routing_taps.extend(
+                device_taps
+                    .iter()
+                    .filter(|(k, _)| moe::routing_tap(k))
+                    .map(|(k, v)| (names::layer(layer, k), v.clone())),
+            ),
+        }
+        if wanted && config.moe.is_some() && opts.fed_routing {
+            match moe::fed_routing(device, trace, layer, &input, &device_taps)? {
+                Some(f) => {
+                    fed.insert(layer, f);
+                }
+                None => fed_note = Some(FED_ROUTING_NOT_AVAILABLE.to_string()),
+            }
+        }
         chained_input = Some(output);
     }
-    Ok(out)
+    let routing = match mode {
+        Mode::Isolated => RoutingReport::merge(&routings),
+        Mode::Chained => moe::run_routing(
+            config,
+            trace,
+            routing_taps,
+            Reach::Chained,
+            layers,
+            &opts.prompt,
+        )?,
+    };
+    moe::attach(&mut out, routing.as_ref(), fed);
+    Ok(Probed {
+        layers: out,
+        routing,
+        fed_routing_note: fed_note,
+    })
 }
 
 /// The name of a layer's main state: the recurrent state, or the key cache.
@@ -462,6 +569,9 @@ pub fn layer_probe(
         state_drift,
         intermediates: inter,
         magnitudes: magnitudes_found,
+        routing: None,
+        fed_routing: None,
+        blame: None,
         over: false,
         thresholds: t,
     };
@@ -470,14 +580,18 @@ pub fn layer_probe(
 }
 
 impl LayerProbe {
-    /// Decides `over` under `t`: an output, a state after the prompt or after any block over its threshold, or
-    /// not finite.
+    /// Decides `over` under `t`: an output (an MoE block's fed the reference's routing included), a state after
+    /// the prompt or after any block over its threshold, or not finite; and what an MoE layer's MLP error comes from.
     pub fn judge(&mut self, t: ProbeThresholds) {
         let over_nrmse = |e: &TensorError, max: f64| !e.finite() || exceeds(e.nrmse, max);
         self.thresholds = t;
+        self.blame = moe::blame(self.mlp.as_ref(), self.fed_routing.as_ref(), |e| {
+            over_nrmse(e, t.max_nrmse)
+        });
         self.over = [self.output, self.mixer, self.mlp]
             .iter()
             .flatten()
+            .chain(self.fed_routing.as_ref().map(|f| &f.mlp))
             .any(|e| over_nrmse(e, t.max_nrmse))
             || self
                 .states
@@ -494,6 +608,7 @@ impl LayerProbe {
         let outputs = [self.output, self.mixer, self.mlp]
             .into_iter()
             .flatten()
+            .chain(self.fed_routing.as_ref().map(|f| f.mlp))
             .map(|e| e.nrmse);
         let states = self
             .states

@@ -1,11 +1,13 @@
 //! The probe of any device under test, as `probe` and `validate` run it: the reference's trace of the prompt in the
 //! device's blocks, then each layer through the device's per-layer graphs where it has them, else through its
 //! states (a whole-decoder set whose states are ports); each layer judged by the thresholds or by a baseline
-//! device's error times a factor, and the drill-down of the first layer over threshold.
+//! device's error times a factor, and the drill-down of the first layer over threshold. On an MoE model, the
+//! routing of the probed layers and each MoE block fed the reference's routing ([`super::moe`]).
 
 use super::decoder::probe_decoder;
 use super::{
-    LayerProbe, Mode, ProbeThresholds, ReferenceTrace, drill_down, probe, thresholds_from,
+    FED_ROUTING_NOT_AVAILABLE, Mode, ProbeOptions, ProbeThresholds, Probed, ReferenceTrace,
+    drill_down, probe_with, thresholds_from,
 };
 use crate::device::{Capabilities, DeviceUnderTest, reference_on};
 use crate::images::PromptInput;
@@ -44,6 +46,9 @@ pub struct ProbePlan<'a> {
     /// The prompt with images (the reference tower's rows at its image tokens, `get_rope_index`'s positions), whose
     /// ids are `prompt`'s: the decoder's layers are probed on it, both sides given the reference's rows.
     pub images: Option<&'a EmbeddedPrompt>,
+    /// On an MoE model, whether each probed layer's block is also run fed the reference's routing (where the device
+    /// can: this project's graphs).
+    pub fed_routing: bool,
 }
 
 impl ProbePlan<'_> {
@@ -104,9 +109,22 @@ fn probe_device(
     trace: &ReferenceTrace,
     layers: &[usize],
     thresholds: ProbeThresholds,
-) -> Result<(Vec<LayerProbe>, RunRecord)> {
+) -> Result<(Probed, RunRecord)> {
     let caps = dut.capabilities().clone();
     how(&caps).map_err(|why| anyhow::anyhow!("{}: cannot probe: {why}", dut.label()))?;
+    let opts = ProbeOptions {
+        mode: plan.mode,
+        thresholds,
+        // Graphs made elsewhere cannot build the block alone: not asked of them, and the report says so.
+        fed_routing: plan.fed_routing && caps.fed_routing,
+        prompt: plan.prompt.label.clone(),
+    };
+    let note = |mut p: Probed| {
+        if plan.fed_routing && !caps.fed_routing && plan.config.moe.is_some() {
+            p.fed_routing_note = Some(FED_ROUTING_NOT_AVAILABLE.to_string());
+        }
+        p
+    };
     if caps.layer_graphs {
         let compiled: Vec<usize> = match plan.mode {
             Mode::Isolated => layers.to_vec(),
@@ -115,25 +133,11 @@ fn probe_device(
         let mut device = dut
             .layers(&compiled, block_of(&caps))?
             .context("the device has no per-layer graphs")?;
-        let probed = probe(
-            plan.config,
-            trace,
-            device.as_mut(),
-            layers,
-            plan.mode,
-            thresholds,
-        )?;
-        Ok((probed, device.record()))
+        let probed = probe_with(plan.config, trace, device.as_mut(), layers, &opts)?;
+        Ok((note(probed), device.record()))
     } else {
-        let probed = probe_decoder(
-            plan.config,
-            trace,
-            dut.deployed()?,
-            layers,
-            plan.mode,
-            thresholds,
-        )?;
-        Ok((probed, dut.record()?))
+        let probed = probe_decoder(plan.config, trace, dut.deployed()?, layers, &opts)?;
+        Ok((note(probed), dut.record()?))
     }
 }
 
@@ -167,7 +171,14 @@ pub fn run(
     let via = how(&caps).unwrap_or_default();
     // Judged by the thresholds for the precision the probed graphs read back (set once they are compiled).
     let f32 = ProbeThresholds::for_precision(&Precision::F32);
-    let (mut probed, record) = probe_device(plan, dut, &trace, &layers, f32)?;
+    let (
+        Probed {
+            layers: mut probed,
+            routing,
+            fed_routing_note,
+        },
+        record,
+    ) = probe_device(plan, dut, &trace, &layers, f32)?;
     let defaults = ProbeThresholds::for_precision(&record.judged_precision());
     let thresholds = ProbeThresholds {
         max_nrmse: plan.max_nrmse.unwrap_or(defaults.max_nrmse),
@@ -178,7 +189,8 @@ pub fn run(
     }
     let baseline = match baseline {
         Some((base, factor)) => {
-            let (base_layers, _) = probe_device(plan, base, &trace, &layers, thresholds)?;
+            let (base_probed, _) = probe_device(plan, base, &trace, &layers, thresholds)?;
+            let base_layers = base_probed.layers;
             let per_layer = thresholds_from(
                 &base_layers,
                 factor,
@@ -220,5 +232,7 @@ pub fn run(
         drill_down: drill_down(&probed),
         memory: None,
         layers: probed,
+        routing,
+        fed_routing_note,
     })
 }

@@ -9,11 +9,21 @@
 //! cache's, NRMSE after each block), `intermediates` ([{`name`, `error`}] in computation order), `magnitudes`
 //! ([{`name`, `reference`, `device`}], per head {`rms`, `max_abs`, `below_f16_normal`}), `over`; and `drill_down`
 //! (null, or {`layer`, `first_over`, `intermediates`} for the first layer over threshold).
+//!
+//! An MoE model adds, per layer, `routing` (its row of the routing report: `same_set`, `set_agreement`, the flips by
+//! class, …, as compare-devices' `devices[].routing.layers[]`), `fed_routing` (null, or the block fed the
+//! reference's routing: `mlp` on the reference's input, `shared` its shared expert's output, `mlp_own_input` on the
+//! device's own input (tensor errors), and at the flipped tokens `mlp_nrmse_flipped` and `own_input_nrmse_flipped`)
+//! and `blame` (`neither`, `experts`, `input`, `routing`, or null); and at the top `routing` (the routing report of
+//! the probed layers, keys as compare-devices') and `fed_routing_note` (why the blocks were not fed the reference's
+//! routing, or null). A confident routing flip fails the probe.
 
-use super::{Machine, Outputs, paint, short_model, stamped, write};
+use super::{Machine, Outputs, paint, routing as routing_report, short_model, stamped, write};
 use crate::metrics::{TensorError, nan_max};
 use crate::plot::{Panel, Series, draw};
+use crate::probe::moe::Blame;
 use crate::probe::{DrillDown, LayerProbe, Mode, ProbeThresholds};
+use crate::routing::RoutingReport;
 use anyhow::Result;
 use reference::backend::RunRecord;
 use serde::Serialize;
@@ -76,12 +86,29 @@ pub struct ProbeReport {
     /// The memory estimated before work, beside the peak measured.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub memory: Option<crate::memory::MemoryReport>,
+    /// An MoE model's routing over the probed layers against the reference's.
+    pub routing: Option<RoutingReport>,
+    /// Why an MoE model's blocks were not fed the reference's routing (null: they were, or a dense model).
+    pub fed_routing_note: Option<String>,
 }
 
 impl ProbeReport {
-    /// Whether every layer held.
+    /// Whether every layer held and no routing flip was confident.
     pub fn passed(&self) -> bool {
-        self.layers.iter().all(|l| !l.over) && self.vision.iter().all(|v| !v.over)
+        self.layers.iter().all(|l| !l.over)
+            && self.vision.iter().all(|v| !v.over)
+            && self.routing_failure().is_none()
+    }
+
+    /// A confident routing flip fails the probe, as it fails compare-devices: the sentence, or `None`.
+    pub fn routing_failure(&self) -> Option<String> {
+        let r = self.routing.as_ref()?;
+        let first = r.first_confident.as_ref()?;
+        Some(format!(
+            "{} confident routing flip(s), the first at layer {} token {}: the device chose experts its router error \
+             cannot explain",
+            r.confident_flips, first.layer, first.token
+        ))
     }
 
     /// The JSON document (see the module docs).
@@ -206,6 +233,9 @@ impl ProbeReport {
                 );
             }
         }
+        for line in self.moe_lines() {
+            let _ = writeln!(s, "{line}");
+        }
         let _ = writeln!(s, "{}", self.verdict_line());
         let _ = writeln!(
             s,
@@ -213,6 +243,162 @@ impl ProbeReport {
              below fp16's smallest normal: the device's DeltaNet core output or attention scores)"
         );
         s
+    }
+
+    /// The layers whose block was fed the reference's routing.
+    fn fed_layers(&self) -> impl Iterator<Item = (&LayerProbe, &crate::probe::moe::FedRouting)> {
+        self.layers
+            .iter()
+            .filter_map(|l| Some((l, l.fed_routing.as_ref()?)))
+    }
+
+    /// An MoE model's terminal lines: the routing, each block fed the reference's routing beside the MLP on its
+    /// own, and what to look at next (none for a dense model).
+    fn moe_lines(&self) -> Vec<String> {
+        let mut lines = Vec::new();
+        if let Some(r) = &self.routing {
+            lines.extend(routing_report::body_lines(r));
+        }
+        if self.fed_layers().next().is_some() {
+            lines.push(
+                "MoE blocks fed the reference's routing: MLP NRMSE on the device's own input and routing (own), on its \
+                 own input (its residual stream after the mixer) with the reference's routing, on the reference's \
+                 input and routing (the experts' arithmetic alone):"
+                    .into(),
+            );
+            lines.push(format!(
+                "  {:>5} {:>10} {:>10} {:>12} {:>10}  {:<32}  blame",
+                "layer",
+                "own",
+                "own input",
+                "reference's",
+                "shared",
+                "at flipped tokens (the same three)"
+            ));
+            for (l, f) in self.fed_layers() {
+                lines.push(format!(
+                    "  {:>5} {:>10} {:>10} {:>12} {:>10}  {:<32}  {}",
+                    l.layer,
+                    e2(l.mlp),
+                    e2(f.mlp_own_input),
+                    format!("{:.2e}", f.mlp.nrmse),
+                    e2(f.shared),
+                    flipped_figures(l, f),
+                    blame_name(l.blame)
+                ));
+            }
+        }
+        if let Some(n) = &self.fed_routing_note {
+            lines.push(format!("note: {n}"));
+        }
+        if let Some(next) = self.moe_next() {
+            lines.push(format!("next: {next}"));
+        }
+        lines
+    }
+
+    /// What to look at next in an MoE model: the first layer whose MLP error has a culprit (the experts, what the
+    /// block reads, or the routing), else where the MLP error comes from within the threshold, with the routing's
+    /// own next step where it flipped; `None` for a dense model.
+    fn moe_next(&self) -> Option<String> {
+        let routing_next = self
+            .routing
+            .as_ref()
+            .filter(|r| r.flip_count() > 0)
+            .map(routing_report::next_step);
+        let culprit = self
+            .layers
+            .iter()
+            .find(|l| matches!(l.blame, Some(b) if b != Blame::Neither));
+        let Some(l) = culprit else {
+            let worst = |f: &dyn Fn(&LayerProbe) -> Option<f64>| {
+                self.layers
+                    .iter()
+                    .filter_map(|l| Some((l.layer, f(l)?)))
+                    .max_by(|a, b| a.1.total_cmp(&b.1))
+            };
+            let fed = worst(&|l| Some(l.fed_routing.as_ref()?.mlp.nrmse));
+            let own_input = worst(&|l| Some(l.fed_routing.as_ref()?.mlp_own_input?.nrmse));
+            let own = worst(&|l| Some(l.fed_routing.as_ref().and(l.mlp)?.nrmse));
+            let at = |w: Option<(usize, f64)>| {
+                w.map_or("-".to_string(), |(l, e)| format!("{e:.2e} (layer {l})"))
+            };
+            let mut s = match fed {
+                Some(_) => format!(
+                    "every MoE block's MLP within threshold: worst NRMSE fed the reference's input and routing {}, \
+                     fed its own input and the reference's routing {}, on its own input and routing {}",
+                    at(fed),
+                    at(own_input),
+                    at(own)
+                ),
+                None => String::new(),
+            };
+            // Where the MLP on its own is worst, which step adds the most: the experts, the input, the routing.
+            let split = own.and_then(|(layer, o)| {
+                let l = self.layers.iter().find(|l| l.layer == layer)?;
+                let f = l.fed_routing.as_ref()?;
+                let i = f.mlp_own_input?.nrmse;
+                let steps = [
+                    ("the experts' arithmetic", f.mlp.nrmse),
+                    ("what the block reads", i - f.mlp.nrmse),
+                    ("the routing", o - i),
+                ];
+                let most = steps.iter().max_by(|a, b| a.1.total_cmp(&b.1))?.0;
+                Some(format!(
+                    "; at layer {layer} the experts give {:.2e}, its own input brings it to {i:.2e}, its own routing \
+                     to {o:.2e}: most of it comes with {most}",
+                    f.mlp.nrmse
+                ))
+            });
+            s.push_str(&split.unwrap_or_default());
+            if let Some(n) = routing_next {
+                if !s.is_empty() {
+                    s.push_str("; routing: ");
+                }
+                s.push_str(&n);
+            }
+            return (!s.is_empty()).then_some(s);
+        };
+        let f = l.fed_routing.as_ref()?;
+        let max = l.thresholds.max_nrmse;
+        let layer = l.layer;
+        Some(match l.blame? {
+            Blame::Experts => format!(
+                "layer {layer}'s MoE block is over threshold fed the reference's input and routing (MLP NRMSE {:.2e} \
+                 > {max:.1e}; the shared expert's output {}): its experts' arithmetic is wrong whatever the routing; \
+                 look at `layers.{layer}.mlp.experts.*`, the post-attention norm and `layers.{layer}.mlp.shared_output`",
+                f.mlp.nrmse,
+                e2(f.shared)
+            ),
+            Blame::Input => format!(
+                "layer {layer}'s MoE block computes within threshold fed the reference's input and routing (MLP NRMSE \
+                 {:.2e}) but not fed its own input with the reference's routing ({}): the error comes in with what \
+                 the block reads (the mixer output's NRMSE {}, the layer input's at most the layer before's; the \
+                 drill-down names the op){}",
+                f.mlp.nrmse,
+                e2(f.mlp_own_input),
+                e2(l.mixer),
+                routing_next.map_or(String::new(), |n| format!("; routing: {n}"))
+            ),
+            Blame::Routing => {
+                let flips = l.routing.as_ref().map_or(0, |r| {
+                    r.near_tie_flips + r.confident_flips + r.unclassified_flips
+                });
+                format!(
+                    "layer {layer}'s MLP error is its routing's: MLP NRMSE {:.2e} fed the reference's input and \
+                     routing, {} fed its own input and the reference's routing, {} on its own routing ({flips} \
+                     flipped token(s): {}); routing: {}",
+                    f.mlp.nrmse,
+                    e2(f.mlp_own_input),
+                    e2(l.mlp),
+                    flipped_figures(l, f),
+                    routing_next.unwrap_or_else(|| {
+                        "no flip: the weights of the experts it chose differ".into()
+                    })
+                )
+            }
+            Blame::Neither => return None,
+        })
     }
 
     fn verdict_line(&self) -> String {
@@ -239,8 +425,16 @@ impl ProbeReport {
                 vision_over.join(", ")
             );
         }
+        let mut routing = self
+            .routing
+            .as_ref()
+            .and_then(routing_report::first_flip_clause)
+            .map_or(String::new(), |c| format!("; {c}"));
+        if let Some(f) = self.routing_failure() {
+            routing.push_str(&format!("; {f}"));
+        }
         match &self.drill_down {
-            None => format!("every layer {within}"),
+            None => format!("every layer {within}{routing}"),
             Some(d) => {
                 let over: Vec<String> = self
                     .layers
@@ -248,13 +442,22 @@ impl ProbeReport {
                     .filter(|l| l.over)
                     .map(|l| l.layer.to_string())
                     .collect();
+                let fed_over = self
+                    .layers
+                    .iter()
+                    .find(|l| l.layer == d.layer)
+                    .is_some_and(|l| l.blame == Some(Blame::Experts));
+                let starts = match d.first_over.as_deref() {
+                    Some(op) => op.to_string(),
+                    None if fed_over => {
+                        "its MoE block (over threshold fed the reference's routing)".into()
+                    }
+                    None => "the states (every intermediate holds)".into(),
+                };
                 format!(
-                    "layers over threshold ({within}): {}; in layer {} the error starts at {}",
+                    "layers over threshold ({within}): {}; in layer {} the error starts at {starts}{routing}",
                     over.join(", "),
                     d.layer,
-                    d.first_over
-                        .as_deref()
-                        .unwrap_or("the states (every intermediate holds)")
                 )
             }
         }
@@ -330,6 +533,7 @@ impl ProbeReport {
                 l.output.map_or(0, |o| o.nan + o.inf)
             );
         }
+        self.moe_markdown(&mut s);
         let _ = writeln!(s, "\n## State error per head\n");
         let _ = writeln!(
             s,
@@ -422,6 +626,56 @@ impl ProbeReport {
         s
     }
 
+    /// An MoE model's Markdown: the routing, each block fed the reference's routing, and the next step.
+    fn moe_markdown(&self, s: &mut String) {
+        if self.routing.is_none()
+            && self.fed_layers().next().is_none()
+            && self.fed_routing_note.is_none()
+        {
+            return;
+        }
+        let _ = writeln!(s, "\n## MoE\n");
+        if let Some(r) = &self.routing {
+            routing_report::markdown_body(s, r);
+        }
+        if self.fed_layers().next().is_some() {
+            let _ = writeln!(s, "\n### Fed the reference's routing\n");
+            let _ = writeln!(
+                s,
+                "MLP output NRMSE of each MoE block on the device: on its own input and routing (its layer's graph); \
+                 fed its own residual stream after the mixer (its layer input plus mixer output) and the reference's \
+                 chosen experts and weights; fed the reference's residual stream and routing, which leaves the \
+                 experts' arithmetic alone (with the post-attention norm and the shared expert). Blame: the first of \
+                 the reference's input and routing (experts), the own input (input), the own routing (routing) over \
+                 threshold.\n"
+            );
+            let _ = writeln!(
+                s,
+                "| layer | own input and routing | own input, reference's routing | reference's input and routing | shared expert (reference's) | at flipped tokens: own / own input / reference's | blame |"
+            );
+            let _ = writeln!(s, "|---|---|---|---|---|---|---|");
+            for (l, f) in self.fed_layers() {
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} | {:.2e} | {} | {} | {} |",
+                    l.layer,
+                    e2(l.mlp),
+                    e2(f.mlp_own_input),
+                    f.mlp.nrmse,
+                    e2(f.shared),
+                    flipped_figures(l, f),
+                    blame_name(l.blame)
+                );
+            }
+        }
+        if let Some(n) = &self.fed_routing_note {
+            let _ = writeln!(s, "\nNote: {n}.");
+        }
+        if let Some(next) = self.moe_next() {
+            let _ = writeln!(s, "\nNext: {next}.");
+        }
+    }
+
     /// The chart: output, mixer and MLP NRMSE per layer; the state drift along the positions.
     pub fn chart(&self, path: &Path) -> Result<()> {
         let per_layer = |name: &str, f: &dyn Fn(&LayerProbe) -> Option<f64>| Series {
@@ -445,6 +699,9 @@ impl ProbeReport {
                     per_layer("output", &|l| l.output.map(|e| e.nrmse)),
                     per_layer("mixer", &|l| l.mixer.map(|e| e.nrmse)),
                     per_layer("MLP", &|l| l.mlp.map(|e| e.nrmse)),
+                    per_layer("MLP fed the reference's routing", &|l| {
+                        l.fed_routing.as_ref().map(|f| f.mlp.nrmse)
+                    }),
                 ],
                 threshold: Some(self.thresholds.max_nrmse),
                 marker: None,
@@ -477,4 +734,35 @@ impl ProbeReport {
 /// An NRMSE in the tables' notation, `-` where the device exposes none.
 fn e2(e: Option<TensorError>) -> String {
     e.map_or_else(|| "-".into(), |e| format!("{:.2e}", e.nrmse))
+}
+
+/// A figure in the tables' notation, `-` where there is none.
+fn opt(x: Option<f64>) -> String {
+    x.map_or_else(|| "-".into(), |x| format!("{x:.2e}"))
+}
+
+/// At an MoE layer's flipped tokens, its worst per-token MLP NRMSE on its own input and routing / its own input with
+/// the reference's routing / the reference's input and routing; `no flip` without one.
+fn flipped_figures(l: &LayerProbe, f: &crate::probe::moe::FedRouting) -> String {
+    let own = l.routing.as_ref().and_then(|r| r.mlp_nrmse_flipped);
+    if own.is_none() && f.mlp_nrmse_flipped.is_none() {
+        return "no flip".into();
+    }
+    format!(
+        "{} / {} / {}",
+        opt(own),
+        opt(f.own_input_nrmse_flipped),
+        opt(f.mlp_nrmse_flipped)
+    )
+}
+
+/// What an MoE layer's MLP error comes from, as the tables write it.
+fn blame_name(b: Option<Blame>) -> &'static str {
+    match b {
+        None => "-",
+        Some(Blame::Neither) => "neither",
+        Some(Blame::Experts) => "experts",
+        Some(Blame::Routing) => "routing",
+        Some(Blame::Input) => "input",
+    }
 }

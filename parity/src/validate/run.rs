@@ -375,6 +375,7 @@ pub fn run(
                     max_state_nrmse: plan.probe_max_state_nrmse,
                     model: Some(&model),
                     images: embedded.as_ref(),
+                    fed_routing: true,
                 },
                 dut,
                 None,
@@ -536,6 +537,7 @@ fn probe_finding(
                     .as_ref()
                     .map(|op| format!("the error starts at layer {}'s {op}", d.layer))
             }))
+            .chain(report.routing_failure())
             .collect(),
         ..Finding::default()
     }
