@@ -4,6 +4,7 @@
 
 pub mod compare;
 pub mod probe;
+mod probe_moe;
 pub mod routing;
 mod trace;
 pub mod validate;
