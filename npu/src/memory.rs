@@ -37,6 +37,25 @@ fn is_routed_expert(spec: &TensorSpec) -> bool {
     )
 }
 
+/// What a plugin holds of the routed experts `specs` in a gathered graph: integer codes at a byte each beside f32
+/// scales, float stacks as f32 values.
+fn gathered_expert_bytes(specs: &[TensorSpec], format: WeightFormat) -> u64 {
+    specs
+        .iter()
+        .map(|s| {
+            let n: u64 = s.shape.iter().map(|&d| d as u64).product();
+            let cols = s.shape.last().map_or(1, |&c| c as u64).max(1);
+            match format.storage(s.role(), &s.shape) {
+                Storage::Int4Sym { group } => {
+                    n + 4 * (n / cols) * cols.div_ceil(group.max(1) as u64)
+                }
+                Storage::Int8Sym => n + 4 * (n / cols),
+                Storage::Float | Storage::F16 => 4 * n,
+            }
+        })
+        .sum()
+}
+
 /// Values of `specs`.
 fn values(specs: &[TensorSpec]) -> u64 {
     specs
@@ -83,12 +102,12 @@ fn graph_bytes(
     let graphs = tokens.len() as u64;
     let ir = stored(specs, format);
     if !crate::sim::NumericModel::is_sim(device) {
-        // The CPU plugin keeps an MoE block's stacked experts compressed in neither form: on the 35B-A3B's layer 0
-        // with INT4 weights (0.4 GB of codes in the `.bin`, 3.2 GB as f32) compiling a block graph added 3.1 GB
-        // gathered and 6.2 GB masked, once and twice the stacks' f32 values; a one-token graph (which gathers) once.
+        // An MoE block's stacked experts, on the CPU plugin: masked, the dequantized stack is folded into f32 values
+        // and repacked (twice the f32 values: the 35B-A3B's layer 0 with INT4 weights, 0.4 GB of codes in the `.bin`,
+        // added 6.2 GB); gathered, integer codes and their scales are gathered before they are dequantized and the
+        // codes stay integers (counted at a byte a code and f32 scales), float stacks stay f32 values.
         let (experts, rest): (Vec<TensorSpec>, Vec<TensorSpec>) =
             specs.iter().cloned().partition(is_routed_expert);
-        let expert_f32 = 4 * values(&experts);
         let (e, k) = config
             .moe
             .as_ref()
@@ -96,11 +115,11 @@ fn graph_bytes(
         return tokens
             .iter()
             .map(|&t| {
-                let copies = match moe.resolve(t, e, k) {
-                    MoeGraphForm::Masked => 2,
-                    _ => 1,
+                let held = match moe.resolve(t, e, k) {
+                    MoeGraphForm::Masked => 2 * 4 * values(&experts),
+                    _ => gathered_expert_bytes(&experts, format),
                 };
-                stored(&rest, format) + copies * expert_f32
+                stored(&rest, format) + held
             })
             .sum();
     }
@@ -284,7 +303,7 @@ mod tests {
     }
 
     #[test]
-    fn a_plugin_holds_routed_experts_at_f32_once_gathered_and_twice_masked_whatever_the_format() {
+    fn a_plugin_holds_routed_experts_as_codes_gathered_and_at_twice_f32_masked() {
         let dir =
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/models/tiny-moe");
         let config = Config::from_file(&dir.join("config.json")).unwrap();
@@ -302,21 +321,27 @@ mod tests {
             .filter(|s| !is_routed_expert(s))
             .cloned()
             .collect();
-        for format in [WeightFormat::F32, WeightFormat::Int4Sym { group: 16 }] {
+        let int4 = WeightFormat::Int4Sym { group: 16 };
+        for format in [WeightFormat::F32, int4] {
             let rest = stored(&rest, format);
+            // Gathered: f32 values, or a byte a code and an f32 scale per group of 16 (every tiny-moe expert
+            // matrix is INT4 at group 16).
+            let gathered = match format {
+                WeightFormat::F32 => 4 * expert_values,
+                _ => expert_values + 4 * expert_values / 16,
+            };
             let cpu = |tokens, form| decoder_graph_bytes(&config, format, "CPU", tokens, form);
             assert_eq!(cpu(16, MoeGraphForm::Masked), rest + 8 * expert_values);
-            assert_eq!(cpu(16, MoeGraphForm::Gather), rest + 4 * expert_values);
+            assert_eq!(cpu(16, MoeGraphForm::Gather), rest + gathered);
             // One token gathers whatever the option; tiny-moe's 8 experts of 3 chosen are masked under auto.
-            assert_eq!(cpu(1, MoeGraphForm::Masked), rest + 4 * expert_values);
+            assert_eq!(cpu(1, MoeGraphForm::Masked), rest + gathered);
             assert_eq!(cpu(16, MoeGraphForm::Auto), rest + 8 * expert_values);
             assert_eq!(
                 decoder_graphs_bytes(&config, format, "CPU", &[16, 1], MoeGraphForm::Masked),
-                2 * rest + 12 * expert_values
+                2 * rest + 8 * expert_values + gathered
             );
         }
         // FP16SIM reads the stacks where the `.bin` stores them: not counted at f32.
-        let int4 = WeightFormat::Int4Sym { group: 16 };
         let sim = decoder_graph_bytes(&config, int4, "FP16SIM", 16, MoeGraphForm::Masked);
         assert!(sim < 4 * expert_values);
     }

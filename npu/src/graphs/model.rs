@@ -27,7 +27,7 @@ enum FeedForward {
     /// The dense SwiGLU MLP.
     Dense(Mlp),
     /// The sparse MoE block (Qwen3.5-MoE).
-    Moe(SparseMoe),
+    Moe(Box<SparseMoe>),
 }
 
 /// One decoder block: `h += mixer(input_norm(h)); h += mlp(post_norm(h))`.
@@ -59,7 +59,7 @@ impl<'a> Builder<'a> {
                 .norm_weight(graph, &s.layer(layer, Param::PostAttentionLayernorm))?,
             mixer,
             mlp: match self.config.moe {
-                Some(_) => FeedForward::Moe(SparseMoe::load(self, graph, layer)?),
+                Some(_) => FeedForward::Moe(Box::new(SparseMoe::load(self, graph, layer)?)),
                 None => FeedForward::Dense(Mlp::load(self, graph, layer)?),
             },
         })

@@ -26,11 +26,87 @@ use reference::taps::names;
 /// The routed experts' matrices, one stacked constant per projection.
 pub struct Experts {
     /// `mlp.experts.{e}.gate_proj` for every `e`: `[E, Im, H]`.
-    gate_proj: Value,
+    gate_proj: Stack,
     /// `mlp.experts.{e}.up_proj`: `[E, Im, H]`.
-    up_proj: Value,
+    up_proj: Stack,
     /// `mlp.experts.{e}.down_proj`: `[E, H, Im]`.
-    down_proj: Value,
+    down_proj: Stack,
+}
+
+/// One projection of every routed expert, `[E, rows, cols]`, as the graph stores it; its values in f32 are made
+/// where they are read: the whole stack for the masked form, the chosen experts for the gathered one.
+#[derive(Debug, Clone, Copy)]
+pub enum Stack {
+    /// The values: f32, or an f16 constant and its `Convert` to f32.
+    Values(Value),
+    /// Integer codes and their f16 scales, each expert's rows after the one before.
+    Coded {
+        /// `[E·rows, groups, group]`, INT4 or INT8.
+        codes: Value,
+        /// `[E·rows, groups, 1]`.
+        scales: Value,
+        /// `[E, rows, cols]`.
+        shape: [usize; 3],
+    },
+}
+
+impl Stack {
+    /// `[E, rows, cols]`.
+    pub fn shape(&self, graph: &Graph) -> [usize; 3] {
+        match *self {
+            Stack::Values(v) => {
+                let s = graph.shape(v);
+                [s[0], s[1], s[2]]
+            }
+            Stack::Coded { shape, .. } => shape,
+        }
+    }
+
+    /// Every expert's matrix in f32, `[E, rows, cols]`: the codes times their scales.
+    pub fn whole(&self, graph: &mut Graph) -> Result<Value> {
+        match *self {
+            Stack::Values(v) => Ok(v),
+            Stack::Coded {
+                codes,
+                scales,
+                shape,
+            } => {
+                let deq = dequantize(graph, codes, scales)?;
+                graph.reshape(deq, &shape)
+            }
+        }
+    }
+
+    /// The matrices of experts `index` (`[n]`, i64) in f32, as `[..lead, rows, cols]` (`lead` multiplying to
+    /// `n`). Codes are gathered with their scales before they are dequantized, so a device holds the stack as stored
+    /// (an OpenVINO plugin folds a constant's dequantization into f32 values: gathering the dequantized stack kept
+    /// every expert's matrix in f32).
+    pub fn pick(&self, graph: &mut Graph, index: Value, lead: &[usize]) -> Result<Value> {
+        let [e, rows, cols] = self.shape(graph);
+        let mut out = lead.to_vec();
+        out.extend([rows, cols]);
+        let w = match *self {
+            Stack::Values(v) => graph.gather(v, index, 0)?,
+            Stack::Coded { codes, scales, .. } => {
+                let per_expert = |graph: &mut Graph, v: Value| -> Result<Value> {
+                    let s = graph.shape(v).to_vec();
+                    let v = graph.reshape(v, &[e, rows, s[1], s[2]])?;
+                    graph.gather(v, index, 0)
+                };
+                let codes = per_expert(graph, codes)?;
+                let scales = per_expert(graph, scales)?;
+                dequantize(graph, codes, scales)?
+            }
+        };
+        graph.reshape(w, &out)
+    }
+}
+
+/// `codes · scales` in f32.
+fn dequantize(graph: &mut Graph, codes: Value, scales: Value) -> Result<Value> {
+    let codes = graph.convert(codes, ElemType::F32)?;
+    let scales = graph.convert(scales, ElemType::F32)?;
+    graph.mul(codes, scales)
 }
 
 /// The weights of `mlp.*` in an MoE layer as graph constants, after their checkpoint keys.
@@ -141,7 +217,7 @@ impl SparseMoe {
         scope: &str,
     ) -> Result<Value> {
         let t = graph.shape(x)[0];
-        let experts = graph.shape(self.experts.gate_proj)[0];
+        let experts = self.experts.gate_proj.shape(graph)[0];
         let out = match form.resolve(t, experts, self.top_k) {
             MoeGraphForm::Masked => self.experts.masked(graph, x, routing)?,
             _ => self.experts.gathered(graph, x, routing)?,
@@ -171,19 +247,15 @@ impl Experts {
         let (t, h) = (graph.shape(x)[0], graph.shape(x)[1]);
         let k = graph.shape(routing.experts)[1];
         let index = graph.reshape(routing.experts, &[t * k])?;
-        let pick = |graph: &mut Graph, stack: Value| -> Result<Value> {
-            let (rows, cols) = (graph.shape(stack)[1], graph.shape(stack)[2]);
-            let w = graph.gather(stack, index, 0)?;
-            graph.reshape(w, &[t, k, rows, cols])
-        };
+        let pick = |graph: &mut Graph, stack: &Stack| stack.pick(graph, index, &[t, k]);
         let x = graph.reshape(x, &[t, 1, 1, h])?;
-        let gate_proj = pick(graph, self.gate_proj)?;
+        let gate_proj = pick(graph, &self.gate_proj)?;
         let gate = linear(graph, x, gate_proj)?;
         let gate = silu(graph, gate)?;
-        let up_proj = pick(graph, self.up_proj)?;
+        let up_proj = pick(graph, &self.up_proj)?;
         let up = linear(graph, x, up_proj)?;
         let hidden = graph.mul(gate, up)?;
-        let down_proj = pick(graph, self.down_proj)?;
+        let down_proj = pick(graph, &self.down_proj)?;
         let y = linear(graph, hidden, down_proj)?;
         let y = graph.reshape(y, &[t, k, h])?;
         let w = graph.reshape(routing.weights, &[t, k, 1])?;
@@ -200,13 +272,16 @@ impl Experts {
     /// `[E, T, H]`; times the routing matrix as `[E, T, 1]`, summed over `E`.
     pub fn masked(&self, graph: &mut Graph, x: Value, routing: &Routing) -> Result<Value> {
         let t = graph.shape(x)[0];
-        let e = graph.shape(self.gate_proj)[0];
+        let e = self.gate_proj.shape(graph)[0];
         let k = graph.shape(routing.experts)[1];
-        let gate = linear(graph, x, self.gate_proj)?;
+        let gate_proj = self.gate_proj.whole(graph)?;
+        let gate = linear(graph, x, gate_proj)?;
         let gate = silu(graph, gate)?;
-        let up = linear(graph, x, self.up_proj)?;
+        let up_proj = self.up_proj.whole(graph)?;
+        let up = linear(graph, x, up_proj)?;
         let hidden = graph.mul(gate, up)?;
-        let y = linear(graph, hidden, self.down_proj)?;
+        let down_proj = self.down_proj.whole(graph)?;
+        let y = linear(graph, hidden, down_proj)?;
         // `[T, k, E]` one-hot rows times the weights `[T, k, 1]`, summed over `k`: the dense `[T, E]` matrix.
         let chosen = graph.one_hot(routing.experts, e)?;
         let w = graph.reshape(routing.weights, &[t, k, 1])?;
@@ -234,7 +309,7 @@ impl Builder<'_> {
         graph: &mut Graph,
         layer: usize,
         param: fn(usize) -> Param,
-    ) -> Result<Value> {
+    ) -> Result<Stack> {
         let experts = self.config.moe.as_ref().map_or(0, |m| m.num_experts);
         let s = self.schema();
         let specs: Vec<TensorSpec> = (0..experts).map(|e| s.layer(layer, param(e))).collect();
@@ -269,9 +344,13 @@ impl Builder<'_> {
                         .flat_map(|x| x.to_le_bytes())
                         .collect())
                 };
-                graph.constant_streamed(key("f32").as_deref(), ElemType::F32, &shape, |sink| {
-                    each(&f32_bytes, sink)
-                })
+                let c = graph.constant_streamed(
+                    key("f32").as_deref(),
+                    ElemType::F32,
+                    &shape,
+                    |sink| each(&f32_bytes, sink),
+                )?;
+                Ok(Stack::Values(c))
             }
             Storage::F16 => {
                 let f16_bytes = |spec: &TensorSpec| -> Result<Vec<u8>> {
@@ -287,7 +366,7 @@ impl Builder<'_> {
                     &shape,
                     |sink| each(&f16_bytes, sink),
                 )?;
-                graph.convert(c, ElemType::F32)
+                Ok(Stack::Values(graph.convert(c, ElemType::F32)?))
             }
             Storage::Int4Sym { .. } | Storage::Int8Sym => {
                 let (ty, group) = match storage {
@@ -331,7 +410,6 @@ impl Builder<'_> {
                     &[experts * rows, groups, group],
                     |sink| each(&codes_of, sink),
                 )?;
-                let codes = graph.convert(codes, ElemType::F32)?;
                 let scales = graph.constant_streamed(
                     key("scales").as_deref(),
                     ElemType::F16,
@@ -345,9 +423,11 @@ impl Builder<'_> {
                         sink(&bytes)
                     },
                 )?;
-                let scales = graph.convert(scales, ElemType::F32)?;
-                let deq = graph.mul(codes, scales)?;
-                graph.reshape(deq, &shape)
+                Ok(Stack::Coded {
+                    codes,
+                    scales,
+                    shape,
+                })
             }
         }
     }

@@ -163,11 +163,15 @@ impl Evaluator {
         state_outputs: &[String],
         kernels: Kernels,
     ) -> Result<Self> {
-        let (weights, mut deferred) = match kernels {
+        let (mut weights, mut deferred) = match kernels {
             Kernels::Plain => Default::default(),
             Kernels::Tiled => find_weights(&graph),
         };
-        let (gathered, replaced) = find_gathered_products(&graph, &weights);
+        let (gathered, replaced, coded) = match kernels {
+            Kernels::Plain => Default::default(),
+            Kernels::Tiled => find_gathered_products(&graph, &weights),
+        };
+        weights.extend(coded);
         deferred.extend(replaced);
         let map = match kernels {
             Kernels::Plain => None,

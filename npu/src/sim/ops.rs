@@ -150,8 +150,8 @@ pub(super) fn gather(data: &V, indices: &V, axis: usize) -> Result<V> {
     let mut out_shape = shape[..axis].to_vec();
     out_shape.extend_from_slice(&indices.shape);
     out_shape.extend_from_slice(&shape[axis + 1..]);
-    let v = data.floats()?;
-    let mut out = Vec::with_capacity(out_shape.iter().product());
+    // The flat ranges of `data` the output takes, in order.
+    let mut ranges = Vec::with_capacity(outer * idx.len());
     for o in 0..outer {
         for &i in &idx {
             let i = if i < 0 { i + dim } else { i };
@@ -161,10 +161,23 @@ pub(super) fn gather(data: &V, indices: &V, axis: usize) -> Result<V> {
                 )));
             }
             let from = (o * dim as usize + i as usize) * inner;
-            out.extend_from_slice(&v[from..from + inner]);
+            ranges.push(from..from + inner);
         }
     }
-    Ok(Val::f(out_shape, out))
+    fn take<T: Copy>(v: &[T], ranges: &[std::ops::Range<usize>]) -> Vec<T> {
+        ranges
+            .iter()
+            .flat_map(|r| v[r.clone()].iter().copied())
+            .collect()
+    }
+    // Floats (values) or integers (indices, or integer codes gathered before they are dequantized).
+    Ok(match &data.data {
+        Data::I(v) => Rc::new(Val {
+            shape: out_shape,
+            data: Data::I(take(v, &ranges)),
+        }),
+        _ => Val::f(out_shape, take(data.floats()?, &ranges)),
+    })
 }
 
 pub(super) fn softmax(x: &V, axis: usize) -> Result<V> {

@@ -255,6 +255,16 @@ impl Rows for Packed<'_> {
     }
 }
 
+/// Whether `n` (a `Gather` of three inputs) gathers on axis 0.
+fn gathers_on_axis_zero(graph: &Graph, n: &Node) -> bool {
+    let c = &graph.nodes[n.inputs[2].node];
+    let at = |k: &str| c.attr(k).and_then(|v| v.parse::<usize>().ok());
+    c.op == "Const"
+        && c.outputs[0].ty == ElemType::I64
+        && matches!((at("offset"), at("size")), (Some(o), Some(8))
+            if graph.bin_bytes(o, 8).is_ok_and(|b| b.as_ref() == [0; 8]))
+}
+
 /// The checkpoint matrices of the graph's top level that only products (as `b` of `a @ bᵀ`) and row gathers read,
 /// and the nodes of their chains.
 pub(super) fn find_weights(graph: &Graph) -> (HashMap<usize, Weight>, HashSet<usize>) {
@@ -265,14 +275,7 @@ pub(super) fn find_weights(graph: &Graph) -> (HashMap<usize, Weight>, HashSet<us
             readers[v.node].push((id, i));
         }
     }
-    let axis_zero = |n: &Node| {
-        let c = &nodes[n.inputs[2].node];
-        let at = |k: &str| c.attr(k).and_then(|v| v.parse::<usize>().ok());
-        c.op == "Const"
-            && c.outputs[0].ty == ElemType::I64
-            && matches!((at("offset"), at("size")), (Some(o), Some(8))
-                if graph.bin_bytes(o, 8).is_ok_and(|b| b.as_ref() == [0; 8]))
-    };
+    let axis_zero = |n: &Node| gathers_on_axis_zero(graph, n);
     let reads_rows = |&(id, i): &(usize, usize)| {
         let n = &nodes[id];
         match n.op {
@@ -320,10 +323,19 @@ pub(super) struct GatheredProduct {
 
 /// The gathered products of the graph's top level over the stacks of `weights`, by the product's node, and the
 /// `Gather` and `Reshape` nodes they replace (each read by the next alone).
+///
+/// Besides a stack of [`find_weights`] gathered whole, a stack of integer codes whose codes and scales are gathered
+/// before they are dequantized (`Reshape(Multiply(Convert(Gather(Reshape(codes))), Convert(Gather(Reshape(scales)))))`,
+/// the builder's gathered form for INT4/INT8 experts): its [`Weight`] is returned too, keyed by the product's
+/// `Reshape`.
 pub(super) fn find_gathered_products(
     graph: &Graph,
     weights: &HashMap<usize, Weight>,
-) -> (HashMap<usize, GatheredProduct>, HashSet<usize>) {
+) -> (
+    HashMap<usize, GatheredProduct>,
+    HashSet<usize>,
+    HashMap<usize, Weight>,
+) {
     let nodes = &graph.nodes;
     let mut readers: Vec<Vec<(usize, usize)>> = vec![Vec::new(); nodes.len()];
     for (id, n) in nodes.iter().enumerate() {
@@ -376,5 +388,99 @@ pub(super) fn find_gathered_products(
             replaced.extend([g, r]);
         }
     }
-    (found, replaced)
+    let mut coded = HashMap::new();
+    for (m, n) in nodes.iter().enumerate() {
+        let product = n.op == "MatMul"
+            && n.attr("transpose_b") == Some("true")
+            && n.attr("transpose_a") != Some("true");
+        let Some(r) = input(n, 1).filter(|_| product) else {
+            continue;
+        };
+        let Some((w, indices, batch)) = gathered_codes(graph, r) else {
+            continue;
+        };
+        // The product reads the chain's last node alone, and every other node of the chain only the chain reads.
+        let inner_only = only_reader(r) == Some((m, 1))
+            && w.nodes[1..]
+                .iter()
+                .all(|&c| readers[c].iter().all(|(x, _)| w.nodes.contains(x)));
+        if inner_only {
+            replaced.extend(w.nodes.iter().copied());
+            found.insert(
+                m,
+                GatheredProduct {
+                    weight: r,
+                    indices,
+                    batch,
+                },
+            );
+            coded.insert(r, w);
+        }
+    }
+    (found, replaced, coded)
+}
+
+/// The stack of codes node `r` computes from the experts `indices` chose, gathered before they are dequantized, as
+/// `[.., rows, cols]`: its [`Weight`] (the chain's nodes, `r` first), the indices and the leading dims.
+fn gathered_codes(graph: &Graph, r: usize) -> Option<(Weight, crate::ir::Value, Vec<usize>)> {
+    let nodes = &graph.nodes;
+    let reshape = &nodes[r];
+    let mul = input(reshape, 0)?;
+    if reshape.op != "Reshape" || nodes[mul].op != "Multiply" {
+        return None;
+    }
+    let (cc, cs) = (input(&nodes[mul], 0)?, input(&nodes[mul], 1)?);
+    if !is_convert_to_f32(&nodes[cc]) || !is_convert_to_f32(&nodes[cs]) {
+        return None;
+    }
+    let (gc, gs) = (input(&nodes[cc], 0)?, input(&nodes[cs], 0)?);
+    let gather = |g: usize| {
+        let n = &nodes[g];
+        n.op == "Gather" && n.inputs.len() == 3 && gathers_on_axis_zero(graph, n)
+    };
+    if !gather(gc) || !gather(gs) || nodes[gc].inputs[1] != nodes[gs].inputs[1] {
+        return None;
+    }
+    let (rc, rs) = (input(&nodes[gc], 0)?, input(&nodes[gs], 0)?);
+    if nodes[rc].op != "Reshape" || nodes[rs].op != "Reshape" {
+        return None;
+    }
+    let (codes, scales) = (input(&nodes[rc], 0)?, input(&nodes[rs], 0)?);
+    let (codes_node, codes_shape) =
+        constant(nodes, codes, ElemType::I4).or_else(|| constant(nodes, codes, ElemType::I8))?;
+    let (scales_node, scales_shape) = constant(nodes, scales, ElemType::F16)?;
+    let (&[er, groups, group], &[experts, rows, g2, g3]) =
+        (codes_shape, nodes[rc].outputs[0].shape.as_slice())
+    else {
+        return None;
+    };
+    let out = &reshape.outputs[0].shape;
+    let cols = groups * group;
+    let indices = nodes[gc].inputs[1];
+    let count: usize = nodes[indices.node].outputs[indices.port]
+        .shape
+        .iter()
+        .product();
+    let fits = er == experts * rows
+        && (g2, g3) == (groups, group)
+        && scales_shape == [er, groups, 1]
+        && out.len() >= 3
+        && out[out.len() - 2..] == [rows, cols]
+        && out[..out.len() - 2].iter().product::<usize>() == count;
+    if !fits {
+        return None;
+    }
+    let weight = Weight {
+        experts,
+        rows,
+        cols,
+        data: offsets(codes_node)?,
+        form: Form::Codes {
+            ty: codes_node.outputs[0].ty,
+            scales: offsets(scales_node)?,
+            group,
+        },
+        nodes: vec![r, mul, cc, cs, gc, gs, rc, rs, codes, scales],
+    };
+    Some((weight, indices, out[..out.len() - 2].to_vec()))
 }
