@@ -229,6 +229,24 @@ impl<'a> OneLayerAtATime<'a> {
     }
 }
 
+impl OneLayerAtATime<'_> {
+    /// Logs a graph compiled since `start` under `purpose`, adding its time (and whether the model cache served it)
+    /// to the record.
+    fn compiled(
+        &mut self,
+        purpose: &str,
+        info: &npu::devices::ExecInfo,
+        start: std::time::Instant,
+    ) {
+        self.log.add(purpose, [info]);
+        let seconds = self.record.compile_seconds.unwrap_or(0.0) + start.elapsed().as_secs_f64();
+        self.record.compile_seconds = Some(seconds);
+        if let Some(cached) = info.loaded_from_cache {
+            self.record.from_cache.insert(info.graph.clone(), cached);
+        }
+    }
+}
+
 impl LayerDevice for OneLayerAtATime<'_> {
     fn run(
         &mut self,
@@ -248,14 +266,7 @@ impl LayerDevice for OneLayerAtATime<'_> {
             let t = std::time::Instant::now();
             let runner =
                 LayerRunner::new(&self.builder, layer, self.block, &self.device, &self.opts)?;
-            self.log.add("probe layers", [runner.info()]);
-            let seconds = self.record.compile_seconds.unwrap_or(0.0) + t.elapsed().as_secs_f64();
-            self.record.compile_seconds = Some(seconds);
-            if let Some(cached) = runner.info().loaded_from_cache {
-                self.record
-                    .from_cache
-                    .insert(runner.info().graph.clone(), cached);
-            }
+            self.compiled("probe layers", runner.info(), t);
             self.current = Some((layer, runner));
         }
         let (_, runner) = self.current.as_mut().context("a layer is compiled")?;
@@ -280,10 +291,7 @@ impl LayerDevice for OneLayerAtATime<'_> {
             let t = std::time::Instant::now();
             let runner =
                 MoeBlockRunner::new(&self.builder, layer, self.block, &self.device, &self.opts)?;
-            self.log
-                .add("probe MoE block (fed routing)", [runner.info()]);
-            let seconds = self.record.compile_seconds.unwrap_or(0.0) + t.elapsed().as_secs_f64();
-            self.record.compile_seconds = Some(seconds);
+            self.compiled("probe MoE block (fed routing)", runner.info(), t);
             self.moe_block = Some((layer, runner));
         }
         let (_, runner) = self.moe_block.as_mut().context("a block is compiled")?;
