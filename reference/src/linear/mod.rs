@@ -38,7 +38,7 @@ pub use kernel::matvec;
 use kernel::widen;
 pub use on_read::QuantizedOnRead;
 pub use packed::PackedMatrix;
-pub use quant_kernel::matvec_packed;
+pub use quant_kernel::{QuantKernel, matvec_packed, matvec_packed_on};
 use rows::{WidenRows, blocked_gemm, gather, rows_f32, to_tensor, widen_rows};
 
 /// Calls with at most this many tokens use [`matvec`]; longer ones the blocked GEMM.

@@ -1,6 +1,7 @@
 //! [`PackedMatrix`]: a quantised matrix held as its compact codes and f16 scales, read by [`matvec_packed`] without
 //! ever being widened as a whole.
 
+use super::kernel::LANES;
 use super::quant_kernel::{PackedRow, matvec_packed};
 use super::{
     MATVEC_MAX_TOKENS, WidenRows, blocked_gemm, check_input, gather, rows_f32, to_tensor,
@@ -21,10 +22,13 @@ const PACKED_BLOCK_ELEMENTS: usize = 4 << 20;
 /// A quantised `[rows, cols]` matrix (INT4 or INT8 symmetric, see [`crate::quant`]) as compact codes and f16
 /// scales; its weights are `f32(code) · f32(scale)`, exactly the values of [`QuantizedMatrix::dequantize`].
 ///
-/// Layout: each row's codes start on a byte boundary. INT4 rows take `⌈cols / 2⌉` bytes, two codes per byte as
-/// [`crate::quant::pack_i4`] packs them (element `2k` of the row in the low nibble of byte `k`, `2k + 1` in the high
-/// nibble, two's complement; an odd width leaves the last high nibble zero); INT8 rows take `cols` bytes, one two's
-/// complement code each. Scales are `[rows, cols / group]` row-major (`group = cols` for INT8).
+/// Layout: each row's codes start on a byte boundary. INT4 rows take `⌈cols / 2⌉` bytes, two two's complement codes
+/// per byte, laid out for the kernel (repacked from [`QuantizedMatrix`]'s codes as they are packed): the first
+/// `32⌊cols/32⌋` codes in blocks of 32, each in 16 bytes, code `k` of the block in the low nibble of its byte `k`
+/// and code `16 + k` in the high nibble of byte `k` (so a block's low nibbles are the kernel's accumulator lanes
+/// 0..16 and its high nibbles lanes 16..32); the last `cols mod 32` codes two a byte in order, as
+/// [`crate::quant::pack_i4`] packs them (an odd width leaves the last high nibble zero). INT8 rows take `cols` bytes,
+/// one two's complement code each. Scales are `[rows, cols / group]` row-major (`group = cols` for INT8).
 #[derive(Clone)]
 pub struct PackedMatrix {
     kind: QuantKind,
@@ -81,10 +85,19 @@ fn pack_into(q: &QuantizedMatrix, dst: &mut [u8], scales: &mut [f16]) {
     {
         match q.kind() {
             QuantKind::Int4Sym { .. } => {
-                for (pair, byte) in codes.chunks(2).zip(out.iter_mut()) {
-                    let low = pair[0] as u8 & 0x0F;
-                    let high = pair.get(1).map_or(0, |&c| c as u8 & 0x0F);
-                    *byte = low | (high << 4);
+                let nibble = |c: i8| c as u8 & 0x0F;
+                let main = cols / LANES * LANES;
+                for (block, bytes) in codes[..main]
+                    .chunks_exact(LANES)
+                    .zip(out.chunks_exact_mut(LANES / 2))
+                {
+                    let (low, high) = block.split_at(LANES / 2);
+                    for ((byte, &l), &h) in bytes.iter_mut().zip(low).zip(high) {
+                        *byte = nibble(l) | (nibble(h) << 4);
+                    }
+                }
+                for (pair, byte) in codes[main..].chunks(2).zip(&mut out[main / 2..]) {
+                    *byte = nibble(pair[0]) | (pair.get(1).map_or(0, |&c| nibble(c)) << 4);
                 }
             }
             QuantKind::Int8Sym => {
@@ -198,6 +211,7 @@ impl PackedMatrix {
         PackedRow {
             codes: &self.codes[r * n..(r + 1) * n],
             scales: &self.scales[r * per_row..(r + 1) * per_row],
+            cols: self.cols,
             int4: matches!(self.kind, QuantKind::Int4Sym { .. }),
             group,
         }

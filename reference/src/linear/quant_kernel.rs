@@ -1,22 +1,55 @@
 //! The matrix-vector kernel of [`super::PackedMatrix`]: integer codes and f16 scales widened to the f32 weight
-//! `f32(code) · f32(scale)` (in registers on the SIMD path), rows split across the rayon threads, each output summed
+//! `f32(code) · f32(scale)` (in registers on the SIMD paths), rows split across the rayon threads, each output summed
 //! in the fixed order the parent module documents for [`super::matvec`].
 //!
 //! The product `f32(code) · f32(scale)` is exact (a code of at most 8 bits times an 11-bit significand, far from
 //! f32's range limits), so each weight equals the dequantised value of [`crate::quant::QuantizedMatrix::dequantize`]
 //! and, the order of the sums being the same, [`matvec_packed`] gives bit for bit what [`super::matvec`] gives on the
-//! dequantised matrix stored as f32, on either path (SIMD or portable; the SIMD path here needs AVX2, FMA and F16C).
+//! dequantised matrix stored as f32, on every path: [`QuantKernel::Avx512`] and [`QuantKernel::Avx2`] fuse each
+//! multiply-add as `matvec`'s SIMD path does, [`QuantKernel::Portable`] rounds them apart as its portable path does.
+//! The best path the CPU has is chosen at run time ([`QuantKernel::detect`]).
+//!
+//! INT4 codes are laid out for the kernels (see [`super::PackedMatrix`]): a block of 32 codes in 16 bytes, code `k`
+//! of the block in the low nibble of byte `k` and code `16 + k` in its high nibble, so the low nibbles of a block
+//! are accumulator lanes 0..16 and the high ones lanes 16..32, with no interleaving step.
+
+mod avx512;
 
 use super::kernel::{GROUP, LANES, combine, simd_available};
 use super::{Elem, PackedMatrix};
 use half::f16;
 use rayon::prelude::*;
 
+/// Codes in half a block: the nibbles of one half of a block's 16 bytes.
+const HALF: usize = LANES / 2;
+
+/// Where INT4 code `i` of a row of `cols` codes lies: its byte and the shift of its nibble (0 low, 4 high). The
+/// first `32⌊cols/32⌋` codes are in blocks of 32 (16 bytes each, code `k < 16` of a block in the low nibble of the
+/// block's byte `k`, code `16 + k` in the high nibble of byte `k`); the rest, two a byte in order (code `2m` of the
+/// tail low), as [`crate::quant::pack_i4`] packs them.
+#[inline(always)]
+pub(super) fn int4_position(i: usize, cols: usize) -> (usize, u32) {
+    if i < cols / LANES * LANES {
+        let k = i % LANES;
+        (i / LANES * HALF + k % HALF, 4 * (k / HALF) as u32)
+    } else {
+        (i / 2, 4 * (i % 2) as u32)
+    }
+}
+
+/// The INT4 code in the low nibble of `byte` (two's complement).
+#[inline(always)]
+fn low_code(byte: u8) -> i8 {
+    ((byte << 4) as i8) >> 4
+}
+
 /// One row of a packed matrix: its codes, its scales and how they are laid out.
 #[derive(Clone, Copy)]
 pub(super) struct PackedRow<'a> {
-    /// The row's codes: two per byte (int4, element `2k` in the low nibble) or one per byte (int8).
+    /// The row's codes: two per byte (int4, placed as [`int4_position`] says) or one per byte (int8).
     pub codes: &'a [u8],
+    /// Codes in the row.
+    pub cols: usize,
     /// The row's scales, one per `group` inputs.
     pub scales: &'a [f16],
     /// Whether the codes are int4 (else int8).
@@ -30,9 +63,8 @@ impl PackedRow<'_> {
     #[inline(always)]
     pub fn code(&self, i: usize) -> i8 {
         if self.int4 {
-            let byte = self.codes[i / 2];
-            let nibble = if i & 1 == 0 { byte << 4 } else { byte & 0xF0 };
-            (nibble as i8) >> 4
+            let (byte, shift) = int4_position(i, self.cols);
+            low_code(self.codes[byte] >> shift)
         } else {
             self.codes[i] as i8
         }
@@ -44,10 +76,11 @@ impl PackedRow<'_> {
         self.code(i) as f32 * f32::from(self.scales[i / self.group])
     }
 
-    /// Weights `start..start + dst.len()` of the row (a group at a time, two int4 codes a byte where whole bytes
-    /// fall inside the group).
+    /// Weights `start..start + dst.len()` of the row (a group at a time, half a block of int4 codes at a time where
+    /// one falls inside the group).
     pub fn widen(&self, start: usize, dst: &mut [f32]) {
         let end = start + dst.len();
+        let main = self.cols / LANES * LANES;
         let mut i = start;
         while i < end {
             let g = i / self.group;
@@ -55,22 +88,20 @@ impl PackedRow<'_> {
             let s = f32::from(self.scales[g]);
             let out = &mut dst[i - start..stop - start];
             if self.int4 {
-                let mut k = 0;
-                if i & 1 == 1 {
-                    out[0] = self.code(i) as f32 * s;
-                    k = 1;
-                }
-                let pairs = (out.len() - k) / 2;
-                let first = (i + k) / 2;
-                for (pair, &byte) in out[k..k + 2 * pairs]
-                    .chunks_exact_mut(2)
-                    .zip(&self.codes[first..first + pairs])
-                {
-                    pair[0] = (((byte << 4) as i8) >> 4) as f32 * s;
-                    pair[1] = ((byte as i8) >> 4) as f32 * s;
-                }
-                if k + 2 * pairs < out.len() {
-                    out[out.len() - 1] = self.code(stop - 1) as f32 * s;
+                let mut k = i;
+                while k < stop {
+                    if k.is_multiple_of(HALF) && k + HALF <= stop && k + HALF <= main {
+                        // The low (first half) or high (second half) nibbles of the block's 16 bytes.
+                        let (first, shift) = int4_position(k, self.cols);
+                        let bytes = &self.codes[first..first + HALF];
+                        for (d, &byte) in out[k - i..k - i + HALF].iter_mut().zip(bytes) {
+                            *d = low_code(byte >> shift) as f32 * s;
+                        }
+                        k += HALF;
+                    } else {
+                        out[k - i] = self.code(k) as f32 * s;
+                        k += 1;
+                    }
                 }
             } else {
                 for (d, &c) in out.iter_mut().zip(&self.codes[i..stop]) {
@@ -82,17 +113,60 @@ impl PackedRow<'_> {
     }
 }
 
+/// Which kernel [`matvec_packed_on`] runs. Every path sums in the order of [`super::matvec`]; the two SIMD ones give
+/// the same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantKernel {
+    /// AVX-512F: an INT4 code looks its weight up in a table of the group's 16 values `f32(code) · f32(scale)`
+    /// (`vpermps`, half a block of 16 codes at once), an INT8 code is widened 16 at a time; one token's product runs
+    /// over two rows at once, so that four chains of fused multiply-adds, not two, hide their latency. Matrices
+    /// whose groups are not a multiple of 16 codes (and shorter than a row) take [`QuantKernel::Avx2`]'s kernel.
+    Avx512,
+    /// AVX2, FMA and F16C: 32 codes widened and scaled per step, one row at a time.
+    Avx2,
+    /// Portable code: multiply and add rounded separately (as [`super::matvec`]'s portable path).
+    Portable,
+}
+
+impl QuantKernel {
+    /// The fastest kernel this CPU runs (checked at run time).
+    pub fn detect() -> Self {
+        [QuantKernel::Avx512, QuantKernel::Avx2]
+            .into_iter()
+            .find(|k| k.available())
+            .unwrap_or(QuantKernel::Portable)
+    }
+
+    /// Whether this CPU can run the kernel.
+    pub fn available(self) -> bool {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            QuantKernel::Avx512 => {
+                simd_available(Elem::F16) && std::arch::is_x86_feature_detected!("avx512f")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            QuantKernel::Avx512 => false,
+            QuantKernel::Avx2 => simd_available(Elem::F16),
+            QuantKernel::Portable => true,
+        }
+    }
+}
+
 /// `y = x W^T` for `t` tokens: `x` is `[t, cols]` row-major f32, the result `[t, rows]`. Rows of `W` are split
 /// across the rayon threads; each row is read once for every `GROUP` tokens. The summation order is that of
-/// [`super::matvec`].
+/// [`super::matvec`]; the kernel is [`QuantKernel::detect`]'s.
 pub fn matvec_packed(w: &PackedMatrix, x: &[f32], t: usize) -> Vec<f32> {
+    matvec_packed_on(w, x, t, QuantKernel::detect())
+}
+
+/// [`matvec_packed`] on a chosen kernel (benches and tests compare them); panics if the CPU cannot run it.
+pub fn matvec_packed_on(w: &PackedMatrix, x: &[f32], t: usize, kernel: QuantKernel) -> Vec<f32> {
     assert_eq!(x.len(), t * w.cols(), "matvec: x must be [t, cols]");
+    assert!(kernel.available(), "matvec: this CPU cannot run {kernel:?}");
     let rows = w.rows();
-    let cols = w.cols();
     if rows == 0 || t == 0 {
         return vec![0f32; rows * t];
     }
-    let simd = simd_available(Elem::F16);
     // The task split of `matvec`: about 16 tasks per thread, each of at least 256 KiB of codes.
     let row_bytes = w.row_bytes().max(1);
     let threads = rayon::current_num_threads().max(1);
@@ -103,16 +177,7 @@ pub fn matvec_packed(w: &PackedMatrix, x: &[f32], t: usize) -> Vec<f32> {
     let mut yt = vec![0f32; rows * t];
     yt.par_chunks_mut(rows_per_task * t)
         .enumerate()
-        .for_each(|(task, out)| {
-            let first = task * rows_per_task;
-            for (k, y) in out.chunks_mut(t).enumerate() {
-                let row = w.row(first + k);
-                for (g, ys) in y.chunks_mut(GROUP).enumerate() {
-                    let xs = &x[g * GROUP * cols..(g * GROUP + ys.len()) * cols];
-                    dot_rows(&row, xs, cols, ys, simd);
-                }
-            }
-        });
+        .for_each(|(task, out)| task_rows(w, task * rows_per_task, x, t, out, kernel));
     if t == 1 {
         return yt;
     }
@@ -125,11 +190,69 @@ pub fn matvec_packed(w: &PackedMatrix, x: &[f32], t: usize) -> Vec<f32> {
     y
 }
 
+/// The outputs of rows `first..` (`out.len() / t` of them), `out[k · t + j]` for row `first + k` and token `j`.
+fn task_rows(
+    w: &PackedMatrix,
+    first: usize,
+    x: &[f32],
+    t: usize,
+    out: &mut [f32],
+    kernel: QuantKernel,
+) {
+    let cols = w.cols();
+    #[cfg(target_arch = "x86_64")]
+    if kernel == QuantKernel::Avx512 && avx512::fits(&w.row(first)) {
+        let count = out.len() / t;
+        let mut k = 0;
+        while k < count {
+            let pair = k + 1 < count;
+            for start in (0..t).step_by(GROUP) {
+                let len = GROUP.min(t - start);
+                let xs = &x[start * cols..(start + len) * cols];
+                let row = w.row(first + k);
+                let mut put = |r: usize, ys: &[f32]| {
+                    out[(k + r) * t + start..][..ys.len()].copy_from_slice(ys);
+                };
+                // SAFETY: `kernel.available()` (asserted by the caller) says the CPU has AVX-512F, AVX2, FMA and
+                // F16C; the rows are rows of one matrix, which `fits` the kernel.
+                unsafe {
+                    match (pair, len) {
+                        (true, 1) => {
+                            let y = avx512::dot::<2, 1>([&row, &w.row(first + k + 1)], xs, cols);
+                            put(0, &y[0]);
+                            put(1, &y[1]);
+                        }
+                        (true, _) => {
+                            let y =
+                                avx512::dot::<2, GROUP>([&row, &w.row(first + k + 1)], xs, cols);
+                            put(0, &y[0]);
+                            put(1, &y[1]);
+                        }
+                        (false, 1) => put(0, &avx512::dot::<1, 1>([&row], xs, cols)[0]),
+                        (false, _) => put(0, &avx512::dot::<1, GROUP>([&row], xs, cols)[0]),
+                    }
+                }
+            }
+            k += if pair { 2 } else { 1 };
+        }
+        return;
+    }
+    let simd = kernel != QuantKernel::Portable;
+    for (k, y) in out.chunks_mut(t).enumerate() {
+        let row = w.row(first + k);
+        for (g, ys) in y.chunks_mut(GROUP).enumerate() {
+            let xs = &x[g * GROUP * cols..(g * GROUP + ys.len()) * cols];
+            dot_rows(&row, xs, cols, ys, simd);
+        }
+    }
+}
+
 /// `ys[j] = Σ_i xs[j, i] · row[i]` for up to [`GROUP`] tokens `j`.
 fn dot_rows(row: &PackedRow, xs: &[f32], n: usize, ys: &mut [f32], simd: bool) {
     #[cfg(target_arch = "x86_64")]
     if simd {
-        // SAFETY: `simd` is true only when the CPU has AVX2, FMA and F16C, checked by `simd_available`.
+        // SAFETY: `simd` is true only for a kernel the CPU runs other than the portable one, so the CPU has AVX2,
+        // FMA and F16C (`QuantKernel::available`).
         unsafe {
             match ys.len() {
                 1 => x86::dot::<1>(row, xs, n, ys),
@@ -180,18 +303,16 @@ mod x86 {
         // are inside the row's codes; the loads are unaligned.
         let (a, b) = unsafe {
             if row.int4 {
-                // Bytes `i/2 .. i/2 + 16` hold elements `i .. i + 32`, element `2k` in byte k's low nibble.
+                // Bytes `i/2 .. i/2 + 16` hold elements `i .. i + 32`: element `i + k` in byte k's low nibble,
+                // `i + 16 + k` in its high nibble (`int4_position`).
                 let bytes = _mm_loadu_si128(row.codes.as_ptr().add(i / 2) as *const __m128i);
                 let mask = _mm_set1_epi8(0x0F);
                 let low = _mm_and_si128(bytes, mask);
                 let high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-                // Interleaved back into element order, then each nibble sign-extended: (v ^ 8) - 8.
+                // Each nibble sign-extended: (v ^ 8) - 8.
                 let eight = _mm_set1_epi8(8);
                 let sign = |v: __m128i| _mm_sub_epi8(_mm_xor_si128(v, eight), eight);
-                (
-                    sign(_mm_unpacklo_epi8(low, high)),
-                    sign(_mm_unpackhi_epi8(low, high)),
-                )
+                (sign(low), sign(high))
             } else {
                 let p = row.codes.as_ptr().add(i);
                 (
@@ -433,9 +554,11 @@ mod tests {
             let p = PackedMatrix::from_quantized(&whole).unwrap();
             assert_eq!(p.to_quantized().unwrap(), whole);
             if let QuantKind::Int4Sym { .. } = kind {
-                // Rows of an even width are exactly `pack_i4` of their codes.
-                if cols % 2 == 0 {
-                    assert_eq!(*p.codes, crate::quant::pack_i4(whole.codes()).unwrap());
+                // Every code is where `int4_position` puts it.
+                let row_bytes = p.row_bytes();
+                for (i, &c) in whole.codes().iter().enumerate() {
+                    let (byte, shift) = int4_position(i % cols, cols);
+                    assert_eq!(low_code(p.codes[i / cols * row_bytes + byte] >> shift), c);
                 }
             }
             for block in [1, 4, rows, rows + 3] {
@@ -459,6 +582,26 @@ mod tests {
             unreachable!("the group is checked first")
         });
         assert!(e.unwrap_err().to_string().contains("does not divide"));
+    }
+
+    #[test]
+    fn int4_rows_hold_blocks_of_32_as_low_and_high_nibbles_and_the_tail_in_order() {
+        // One row of 34 codes: code k of the block is k % 16 - 8, so byte k holds nibble (k - 8) & 15 = k ^ 8 twice;
+        // the tail (-8, -7) is one byte, in order.
+        let codes: Vec<i8> = (0..34).map(|k| (k % 16) as i8 - 8).collect();
+        let q = QuantizedMatrix::from_parts(
+            QuantKind::Int4Sym { group: 34 },
+            1,
+            34,
+            codes,
+            vec![f16::ONE],
+        )
+        .unwrap();
+        let p = PackedMatrix::from_quantized(&q).unwrap();
+        let mut expected: Vec<u8> = (0..16u8).map(|k| (k ^ 8) * 0x11).collect();
+        expected.push(0x98);
+        assert_eq!(*p.codes, expected);
+        assert_eq!(p.to_quantized().unwrap(), q);
     }
 
     #[test]

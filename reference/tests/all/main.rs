@@ -14,6 +14,7 @@ mod nncf;
 mod packed;
 mod precision;
 mod quant;
+mod quant_kernels;
 mod record;
 mod rope;
 mod store;
