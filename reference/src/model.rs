@@ -9,7 +9,7 @@ use crate::linear_attn::{DeltaNetOptions, GatedDeltaNet, LinearState};
 use crate::mlp::Mlp;
 use crate::moe::SparseMoe;
 use crate::ops::rms_norm;
-use crate::pages::Pages;
+use crate::pages::{InPlace, Pages};
 use crate::rope::{Positions, Rope};
 use crate::schema::{Param, Schema};
 use crate::taps::{Taps, names};
@@ -190,13 +190,12 @@ pub struct Model {
     lm_head: Linear,
     rope: Rope,
     dtype: DType,
-    /// The checkpoint's maps, whose pages a forward call hands back as [`Model::pages`] says: the weights read in
-    /// place stay in the page cache, not in this process's resident memory (the 9B's bf16 is 18 GB).
-    maps: Vec<crate::linear::SharedMap>,
+    /// The always-read weights read in place from the checkpoint's map, whose pages a forward call hands back as
+    /// [`Model::pages`] says: handed back, they stay in the page cache, not in this process's resident memory (the
+    /// 9B's bf16 is 18 GB).
+    in_place: std::sync::Arc<InPlace>,
     /// Which pages a forward call hands back.
     pages: Pages,
-    /// The always-read weights' bytes read in place ([`crate::pages::always_read_bytes`]).
-    always_read_bytes: u64,
 }
 
 impl Model {
@@ -233,26 +232,22 @@ impl Model {
         } else {
             w.linear(&s.global(Param::LmHead))?
         };
-        let always_read_bytes = crate::pages::always_read_bytes(&config, w)?;
+        let in_place = std::sync::Arc::new(InPlace::of(&config, w)?);
+        // What loading read (norms and other tensors converted into memory) is not read in place again.
+        for m in w.maps() {
+            m.release_all();
+        }
         Ok(Model {
             rope: Rope::new(&config),
-            pages: Pages::auto(always_read_bytes, crate::pages::mem_available()),
-            always_read_bytes,
+            pages: Pages::auto(in_place.bytes(), crate::pages::mem_available()),
+            in_place,
             config,
             embed_tokens,
             layers,
             norm,
             lm_head,
             dtype: w.dtype(),
-            maps: w.maps(),
         })
-    }
-
-    /// Hands back the pages of the checkpoint read so far (see [`crate::linear::SharedMap::release`]).
-    fn release_pages(&self) {
-        for m in &self.maps {
-            m.release_all();
-        }
     }
 
     /// Which checkpoint pages a forward call hands back: chosen at load by [`Pages::auto`] from
@@ -269,7 +264,7 @@ impl Model {
     /// The bytes of the weights every token reads that the model reads in place: what [`Pages::KeepAlwaysRead`]
     /// keeps resident.
     pub fn always_read_bytes(&self) -> u64 {
-        self.always_read_bytes
+        self.in_place.bytes()
     }
 
     /// The configuration.
@@ -334,7 +329,8 @@ impl Model {
         }
         self.check_ids(ids)?;
         let h = self.embed_tokens.gather(ids)?;
-        if self.pages == Pages::KeepAlwaysRead && !self.config.tie_word_embeddings {
+        if !self.config.tie_word_embeddings {
+            // A table read a row per token (a tied one is the LM head, handed back as the policy says).
             self.embed_tokens.release_pages();
         }
         self.forward_embedded(h, positions, state, opts, taps)
@@ -400,18 +396,13 @@ impl Model {
             let x = rms_norm(&h, &layer.post_attention_layernorm, eps)?;
             let m = match &layer.mlp {
                 FeedForward::Dense(mlp) => mlp.forward(&x)?,
-                FeedForward::Moe(moe) => moe.forward(
-                    &x,
-                    taps,
-                    &names::layer(i, names::MLP),
-                    self.pages == Pages::KeepAlwaysRead,
-                )?,
+                FeedForward::Moe(moe) => moe.forward(&x, taps, &names::layer(i, names::MLP))?,
             };
             taps.record(|| names::layer(i, names::MLP_OUTPUT), &m)?;
             h = (h + m)?;
             taps.record(|| names::layer(i, names::OUTPUT), &h)?;
             if self.pages == Pages::Release {
-                self.release_pages();
+                self.in_place.release_layer(i);
             }
         }
         let normed = rms_norm(&h, &self.norm, eps)?;
@@ -430,7 +421,7 @@ impl Model {
                 .squeeze(0)?
         };
         if self.pages == Pages::Release {
-            self.release_pages();
+            self.in_place.release_head();
         }
         Ok(logits)
     }

@@ -133,15 +133,9 @@ impl SparseMoe {
     }
 
     /// `x` `[T, H]` → `[T, H]`, recording `{scope}.router_logits`, `experts_chosen` (i64), `expert_weights` and
-    /// `shared_output` (scope: `layers.{i}.mlp`). With `release_experts` each routed expert's pages read in place
-    /// are handed back after its product ([`crate::pages::Pages::KeepAlwaysRead`]).
-    pub fn forward(
-        &self,
-        x: &Tensor,
-        taps: &mut Taps,
-        scope: &str,
-        release_experts: bool,
-    ) -> Result<Tensor> {
+    /// `shared_output` (scope: `layers.{i}.mlp`). Each routed expert's pages read in place are handed back after its
+    /// product (a token runs `k` of the `E`; see [`crate::pages`]).
+    pub fn forward(&self, x: &Tensor, taps: &mut Taps, scope: &str) -> Result<Tensor> {
         let (t, _) = x.dims2()?;
         let dtype = x.dtype();
         let logits = self.router_logits(x)?;
@@ -179,9 +173,7 @@ impl SparseMoe {
             let n = rows.len();
             let index = Tensor::from_vec(rows, n, &Device::Cpu)?;
             let y = expert.forward(&x.index_select(&index, 0)?)?;
-            if release_experts {
-                expert.release_pages();
-            }
+            expert.release_pages();
             let w = Tensor::from_vec(weights, (n, 1), &Device::Cpu)?.to_dtype(dtype)?;
             out = out.index_add(&index, &y.broadcast_mul(&w)?, 0)?;
         }

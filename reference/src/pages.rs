@@ -1,37 +1,39 @@
 //! What a forward call does with the checkpoint pages it reads in place.
 //!
 //! A matrix read in place ([`crate::linear::MappedMatrix`]: the checkpoint's bf16, f16 or f32 bytes in a read-only
-//! file map) is paged into the process by its first read, one page fault per few pages, and stays resident until
-//! it is handed back (`MADV_DONTNEED`: the pages leave the process, not the page cache, so a later read faults them
-//! in again and finds the same bytes). Which pages a forward call hands back, and when, is its [`Pages`] policy;
-//! neither policy changes a value.
+//! file map) is paged into the process by its first read, a page fault per few pages, and stays resident until it is
+//! handed back (`MADV_DONTNEED`: the pages leave the process, not the page cache, so a later read faults them in
+//! again and finds the same bytes). Neither policy below changes a value.
 //!
-//! - [`Pages::Release`]: every page of the checkpoint after each layer and after the LM head. The resident figure
-//!   stays at about one layer and the LM head whatever the checkpoint's size, so a model larger than memory runs (the
-//!   9B's 18 GB of bf16, the whole 35B-A3B's 72 GB); every read of a decode step faults its pages in again.
-//! - [`Pages::KeepAlwaysRead`]: the weights every token reads (the mixers' projections, a dense MLP, an MoE block's
-//!   router, shared expert and its gate, the LM head) stay mapped from one call to the next; a routed expert's
-//!   pages are handed back after its product (a token runs `k` of a layer's `E`, mostly other ones at the next
-//!   step), and an untied embedding table's after the lookup (a row per token). The resident figure is the
-//!   always-read weights ([`always_read_bytes`]) plus an expert and a few rows.
+//! Under both, a routed expert's pages are handed back right after its product (a token runs `k` of a layer's `E`
+//! experts, mostly other ones at the next step), and an untied embedding table's after the lookup (a row per token).
+//! The weights every token reads ([`always_read`]: the mixers' projections, a dense MLP, an MoE block's router,
+//! shared expert and its gate, the LM head; [`InPlace`]) go as the policy says:
 //!
-//! The rule a model starts with ([`Pages::auto`]): [`Pages::KeepAlwaysRead`] when the always-read weights mapped in
-//! place take at most half of the memory available at load (`MemAvailable`), [`Pages::Release`] otherwise or when
-//! the figure is unknown. A decode step reads those weights whole every time, so a run at memory speed needs them
-//! in the page cache anyway; keeping them mapped as well only saves faulting them in again, and half leaves the
-//! other half of the available memory to everything else. Routed experts are handed back under both policies.
+//! - [`Pages::Release`]: a layer's after the layer, the LM head's after it. The resident figure stays at about one
+//!   layer and the LM head whatever the checkpoint's size, so a model larger than memory runs (the 9B's 18 GB of
+//!   bf16, the whole 35B-A3B's 72 GB); every decode step faults them in again.
+//! - [`Pages::KeepAlwaysRead`]: they stay mapped from one call to the next; the resident figure is their bytes
+//!   ([`InPlace::bytes`]) plus an expert and a few rows.
+//!
+//! The rule a model starts with ([`Pages::auto`]): [`Pages::KeepAlwaysRead`] when those bytes are at most half of
+//! the memory available at load (`MemAvailable`), [`Pages::Release`] otherwise or when the figure is unknown. A
+//! decode step reads them whole every time, so a run at memory speed needs them in the page cache anyway; keeping
+//! them mapped as well saves faulting them in again, and half leaves the other half of the available memory to
+//! everything else.
 
 use crate::config::Config;
 use crate::error::Result;
+use crate::linear::{Linear, MappedMatrix};
 use crate::schema::{Param, Role, Schema};
 use crate::weights::WeightStore;
 
-/// Which checkpoint pages a forward call hands back (see the module docs).
+/// What a forward call does with the pages of the weights every token reads (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pages {
-    /// Every page, after each layer and after the LM head.
+    /// Hands a layer's back after the layer, the LM head's after it.
     Release,
-    /// Only a routed expert's (after its product) and an untied embedding table's (after the lookup).
+    /// Keeps them mapped.
     KeepAlwaysRead,
 }
 
@@ -64,21 +66,67 @@ pub fn always_read(config: &Config, param: Param) -> bool {
     }
 }
 
-/// The bytes of the always-read matrices ([`always_read`]) that a model on `store` reads in place from the map:
-/// what [`Pages::KeepAlwaysRead`] keeps resident. Packed, rounded or converted weights hold their own memory and
-/// count nothing here.
-pub fn always_read_bytes(config: &Config, store: &WeightStore) -> Result<u64> {
-    let mut total = 0;
-    for spec in Schema::new(config).tensors() {
-        let matrix = matches!(
-            spec.role(),
-            Role::Projection | Role::LmHead | Role::Embedding
-        );
-        if matrix && always_read(config, spec.param) {
-            total += store.held(&spec)?.mapped;
+/// The always-read matrices ([`always_read`]) a model on a store reads in place from the checkpoint's map, by where
+/// a forward call reads them: each layer's, then the LM head. Packed, rounded or converted weights hold their own
+/// memory and are not among them.
+#[derive(Debug, Clone, Default)]
+pub struct InPlace {
+    layers: Vec<Vec<MappedMatrix>>,
+    head: Vec<MappedMatrix>,
+}
+
+impl InPlace {
+    /// Those of the model of `config` on `store`.
+    pub fn of(config: &Config, store: &WeightStore) -> Result<Self> {
+        let s = Schema::new(config);
+        let mapped = |specs: Vec<crate::schema::TensorSpec>| -> Result<Vec<MappedMatrix>> {
+            let mut out = Vec::new();
+            for spec in specs {
+                let matrix = matches!(
+                    spec.role(),
+                    Role::Projection | Role::LmHead | Role::Embedding
+                );
+                if matrix
+                    && always_read(config, spec.param)
+                    && store.held(&spec)?.mapped > 0
+                    && let Linear::Mapped(m) = store.linear(&spec)?
+                {
+                    out.push(m);
+                }
+            }
+            Ok(out)
+        };
+        Ok(InPlace {
+            layers: (0..config.num_layers())
+                .map(|i| mapped(s.layer_tensors(i)))
+                .collect::<Result<_>>()?,
+            head: mapped(vec![s.lm_head()])?,
+        })
+    }
+
+    /// Their bytes: what [`Pages::KeepAlwaysRead`] keeps resident.
+    pub fn bytes(&self) -> u64 {
+        self.layers
+            .iter()
+            .flatten()
+            .chain(&self.head)
+            .map(|m| m.byte_len() as u64)
+            .sum()
+    }
+
+    /// Hands back the pages of layer `layer`'s.
+    pub fn release_layer(&self, layer: usize) {
+        for m in self.layers.get(layer).into_iter().flatten() {
+            m.release_pages();
         }
     }
-    Ok(total)
+
+    /// Hands back the pages of the LM head.
+    pub fn release_head(&self) {
+        for m in &self.head {
+            m.release_pages();
+        }
+    }
 }
 
 /// `MemAvailable` from `/proc/meminfo`, in bytes (`None` elsewhere than Linux or when it cannot be read).

@@ -52,11 +52,11 @@ pub struct BenchArgs {
     /// Timed runs of the vision tower (the median is reported).
     #[arg(long, default_value_t = 3, value_name = "N", requires = "image_grid")]
     image_runs: usize,
-    /// The reference only: which checkpoint pages a forward call hands back (`reference::pages`). auto: keep the
-    /// weights every token reads mapped when they take at most half of MemAvailable at load, else release;
-    /// release: every page after each layer and the LM head (resident memory bounded by a layer, whatever the
-    /// model's size); keep-always-read: keep them mapped whatever their size. Routed experts' pages are handed
-    /// back after their product unless release hands back everything anyway.
+    /// The reference only: what a forward call does with the checkpoint pages of the weights every token reads
+    /// (`reference::pages`). release: hands a layer's back after the layer and the LM head's after it (resident
+    /// memory bounded by a layer, whatever the model's size; every step faults them in again); keep-always-read:
+    /// keeps them mapped; auto: keep-always-read when they take at most half of MemAvailable at load, else
+    /// release. A routed expert's pages are handed back after its product under all three.
     #[arg(long, value_enum, default_value_t = PagesArg::Auto)]
     pages: PagesArg,
     #[command(flatten)]

@@ -208,7 +208,12 @@ impl MappedMatrix {
 
     /// Where its bytes lie in the buffer.
     fn range(&self) -> std::ops::Range<usize> {
-        self.offset..self.offset + self.rows * self.cols * self.elem.size()
+        self.offset..self.offset + self.byte_len()
+    }
+
+    /// Its bytes.
+    pub fn byte_len(&self) -> usize {
+        self.rows * self.cols * self.elem.size()
     }
 
     fn data(&self) -> &[u8] {
@@ -321,11 +326,13 @@ impl Linear {
         }
     }
 
-    /// Hands back the pages of a weight read in place from a file map ([`MappedMatrix::release_pages`]); nothing
-    /// for the other kinds, which hold their own memory.
+    /// Hands back the pages of a weight read in place from a file map ([`MappedMatrix::release_pages`]), quantised
+    /// on read included; nothing for the other kinds, which hold their own memory.
     pub fn release_pages(&self) {
-        if let Linear::Mapped(m) = self {
-            m.release_pages();
+        match self {
+            Linear::Mapped(m) => m.release_pages(),
+            Linear::OnRead(m) => m.release_pages(),
+            Linear::Packed(_) | Linear::Dense(_) => {}
         }
     }
 

@@ -33,6 +33,11 @@ impl QuantizedOnRead {
         )
     }
 
+    /// Hands back the pages of the rows read so far ([`MappedMatrix::release_pages`]).
+    pub fn release_pages(&self) {
+        self.map.release_pages();
+    }
+
     /// The rows `ids`, quantised and dequantised, `[ids.len(), cols]`; an id outside the matrix is an error.
     pub fn gather(&self, ids: &[u32]) -> Result<Tensor> {
         let (rows, cols) = (self.map.rows(), self.map.cols());
