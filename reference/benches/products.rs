@@ -11,14 +11,18 @@
 //!
 //! The group `quant` times the decode products (T = 1 and 4) on INT4 (group 128) and INT8 (per row) weights at the
 //! same shapes, names `quant/{kernel}/{out}x{in}_T{T}`: `matvec_int4_g128` and `matvec_int8` read the packed codes
-//! and scales ([`reference::linear::PackedMatrix`]), `dense_int4_g128` is the path these weights took before (the
-//! dequantised f32 matrix through candle's `matmul`), and `matvec_bf16` the bf16 widening matvec on the same shape.
+//! and scales ([`reference::linear::PackedMatrix`]) with the kernel the CPU runs best, `matvec_int4_g128_avx2` and
+//! `matvec_int8_avx2` with the AVX2 kernel (when the best is AVX-512), `dense_int4_g128` is the path these weights
+//! took before (the dequantised f32 matrix through candle's `matmul`), and `matvec_bf16` the bf16 widening matvec on
+//! the same shape.
 //!
 //! `cargo bench -p reference --bench products [-- FILTER]`.
 
 use candle_core::{Device, Tensor};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use reference::linear::{Elem, MappedMatrix, PackedMatrix, SharedMap};
+use reference::linear::{
+    Elem, MappedMatrix, PackedMatrix, QuantKernel, SharedMap, matvec_packed_on,
+};
 use reference::ops::linear;
 use reference::quant::{quantize_int4_sym, quantize_int8_sym};
 use std::time::Duration;
@@ -157,10 +161,22 @@ fn quant(c: &mut Criterion) {
             let x = Tensor::randn(0f32, 1.0, (t, inp), &dev).unwrap();
             let shape = format!("{out}x{inp}_T{t}");
             group.throughput(Throughput::Elements((2 * t * out * inp) as u64));
+            // The AVX2 kernel beside the AVX-512 one, when the CPU runs both.
+            let avx2 = (QuantKernel::detect() == QuantKernel::Avx512).then(|| {
+                let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+                move |w: &PackedMatrix| matvec_packed_on(w, &xs, t, QuantKernel::Avx2)
+            });
             if let Some(int4) = &int4 {
                 group.bench_with_input(BenchmarkId::new("matvec_int4_g128", &shape), &t, |b, _| {
                     b.iter(|| int4.forward(&x).unwrap())
                 });
+                if let Some(avx2) = &avx2 {
+                    group.bench_with_input(
+                        BenchmarkId::new("matvec_int4_g128_avx2", &shape),
+                        &t,
+                        |b, _| b.iter(|| avx2(int4)),
+                    );
+                }
                 if out * inp <= 12288 * 4096 {
                     let dense = int4.to_tensor().unwrap();
                     group.bench_with_input(
@@ -173,6 +189,11 @@ fn quant(c: &mut Criterion) {
             group.bench_with_input(BenchmarkId::new("matvec_int8", &shape), &t, |b, _| {
                 b.iter(|| int8.forward(&x).unwrap())
             });
+            if let Some(avx2) = &avx2 {
+                group.bench_with_input(BenchmarkId::new("matvec_int8_avx2", &shape), &t, |b, _| {
+                    b.iter(|| avx2(&int8))
+                });
+            }
             group.bench_with_input(BenchmarkId::new("matvec_bf16", &shape), &t, |b, _| {
                 b.iter(|| bf16.forward(&x).unwrap())
             });
