@@ -130,6 +130,15 @@ pub struct BenchReport {
     pub peak_anon_bytes: u64,
     /// The machine's own limits, measured after the run (absent with `--no-machine`).
     pub machine: Option<Machine>,
+    /// The prompt's achieved GFLOP/s over the machine's f32 GEMM rate (`machine.gemm_gflops_per_s`), whatever the
+    /// weight format: a slower prompt shows here as a smaller share, the machine's load divided out (absent with
+    /// `--no-machine`).
+    pub prompt_share_of_gemm: Option<f64>,
+    /// A decode step's time over the time to read the weights it streams once at the machine's read bandwidth
+    /// (`decode_weight_bytes_per_token / machine.read_gb_per_s`), whatever the weight format: 1.0 is a step bound
+    /// by memory, and a kernel that computes slower than memory delivers shows above it (absent with
+    /// `--no-machine`, or when the bytes a step reads are not known).
+    pub decode_read_ratio: Option<f64>,
     /// The prompt's token ids.
     pub prompt_ids: Vec<u32>,
     /// The greedy tokens chosen: `decode_tokens + 1`, the first from the prompt's logits, then one per decode step.
@@ -365,6 +374,14 @@ pub fn exec(args: BenchArgs) -> Result<Outcome> {
     let prompt_flops = flops::prompt(&config, &shape, ids.len());
     let decode_flops = flops::decode(&config, &shape, ids.len(), args.decode_tokens);
     let decode_tokens_per_s = args.decode_tokens as f64 / generation.decode_seconds.max(1e-12);
+    let prompt_gflops_per_s = prompt_flops.total() / 1e9 / generation.prompt_seconds.max(1e-12);
+    let decode_weight_gb_per_s =
+        decode_weight_bytes_per_token.map(|b| b as f64 * decode_tokens_per_s / 1e9);
+    let (prompt_share_of_gemm, decode_read_ratio) = shares(
+        machine.as_ref(),
+        prompt_gflops_per_s,
+        decode_weight_gb_per_s,
+    );
     let report = BenchReport {
         schema_version: 1,
         model: dir.display().to_string(),
@@ -385,16 +402,17 @@ pub fn exec(args: BenchArgs) -> Result<Outcome> {
         decode_seconds: generation.decode_seconds,
         prompt_tokens_per_s: ids.len() as f64 / generation.prompt_seconds.max(1e-12),
         decode_tokens_per_s,
-        prompt_gflops_per_s: prompt_flops.total() / 1e9 / generation.prompt_seconds.max(1e-12),
+        prompt_gflops_per_s,
         decode_gflops_per_s: decode_flops.total() / 1e9 / generation.decode_seconds.max(1e-12),
         prompt_flops,
         decode_flops,
         decode_weight_bytes_per_token,
-        decode_weight_gb_per_s: decode_weight_bytes_per_token
-            .map(|b| b as f64 * decode_tokens_per_s / 1e9),
+        decode_weight_gb_per_s,
         peak_rss_bytes,
         peak_anon_bytes,
         machine,
+        prompt_share_of_gemm,
+        decode_read_ratio,
         prompt_ids: ids,
         generated_ids: generation.tokens,
     };
@@ -405,6 +423,22 @@ pub fn exec(args: BenchArgs) -> Result<Outcome> {
             .map_err(|e| anyhow::anyhow!("--json {}: {e}", path.display()))?;
     }
     Ok(Outcome::Pass)
+}
+
+/// The prompt's share of the machine's GEMM rate and a decode step's time over the time to read its weights once at
+/// the machine's read bandwidth (the same as the ratio of that bandwidth to the rate the step streamed them at).
+fn shares(
+    machine: Option<&Machine>,
+    prompt_gflops_per_s: f64,
+    decode_weight_gb_per_s: Option<f64>,
+) -> (Option<f64>, Option<f64>) {
+    let Some(m) = machine else {
+        return (None, None);
+    };
+    (
+        Some(prompt_gflops_per_s / m.gemm_gflops_per_s),
+        decode_weight_gb_per_s.map(|rate| m.read_gb_per_s / rate),
+    )
 }
 
 /// The report as a table for the terminal.
@@ -493,14 +527,15 @@ pub fn terminal(r: &BenchReport) -> String {
             m.threads,
             n = m.gemm_size
         );
-        out += &format!(
-            "  share    prompt at {:.0}% of the GEMM rate",
-            100.0 * r.prompt_gflops_per_s / m.gemm_gflops_per_s
-        );
-        if let Some(rate) = r.decode_weight_gb_per_s {
+        if let Some(share) = r.prompt_share_of_gemm {
             out += &format!(
-                "; a decode step takes {:.2}x the time to read its weights once at the read bandwidth",
-                m.read_gb_per_s / rate
+                "  share    prompt at {:.0}% of the GEMM rate",
+                100.0 * share
+            );
+        }
+        if let Some(ratio) = r.decode_read_ratio {
+            out += &format!(
+                "; a decode step takes {ratio:.2}x the time to read its weights once at the read bandwidth"
             );
         }
         out += "\n";
@@ -565,6 +600,23 @@ mod tests {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/models/tiny-moe");
         let c = Config::from_file(&dir.join("config.json")).unwrap();
         (c, WeightStore::open(&dir, DType::F32).unwrap())
+    }
+
+    #[test]
+    fn the_shares_divide_the_machines_own_rates_out() {
+        let m = Machine {
+            threads: 2,
+            gemm_size: 2048,
+            gemm_gflops_per_s: 400.0,
+            copy_bytes: 1 << 20,
+            copy_gb_per_s: 30.0,
+            read_gb_per_s: 40.0,
+            repeats: 5,
+        };
+        // 100 GFLOP/s of 400; weights streamed at 20 GB/s where 40 could be read: a step twice the read time.
+        assert_eq!(shares(Some(&m), 100.0, Some(20.0)), (Some(0.25), Some(2.0)));
+        assert_eq!(shares(Some(&m), 100.0, None), (Some(0.25), None));
+        assert_eq!(shares(None, 100.0, Some(20.0)), (None, None));
     }
 
     #[test]
