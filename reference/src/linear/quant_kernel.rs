@@ -119,7 +119,7 @@ impl PackedRow<'_> {
 pub enum QuantKernel {
     /// AVX-512F: an INT4 code looks its weight up in a table of the group's 16 values `f32(code) · f32(scale)`
     /// (`vpermps`, half a block of 16 codes at once), an INT8 code is widened 16 at a time; one token's product runs
-    /// over two rows at once, so that four chains of fused multiply-adds, not two, hide their latency. Matrices
+    /// over four rows at once, so that eight chains of fused multiply-adds, not two, hide their latency. Matrices
     /// whose groups are not a multiple of 16 codes (and shorter than a row) take [`QuantKernel::Avx2`]'s kernel.
     Avx512,
     /// AVX2, FMA and F16C: 32 codes widened and scaled per step, one row at a time.
@@ -205,35 +205,32 @@ fn task_rows(
         let count = out.len() / t;
         let mut k = 0;
         while k < count {
-            let pair = k + 1 < count;
+            // Several rows at once, so that more chains of multiply-adds hide their latency: four for one token
+            // (eight chains), two for more.
+            let rows = if t == 1 && k + 4 <= count {
+                4
+            } else if k + 2 <= count {
+                2
+            } else {
+                1
+            };
             for start in (0..t).step_by(GROUP) {
                 let len = GROUP.min(t - start);
-                let xs = &x[start * cols..(start + len) * cols];
-                let row = w.row(first + k);
-                let mut put = |r: usize, ys: &[f32]| {
-                    out[(k + r) * t + start..][..ys.len()].copy_from_slice(ys);
-                };
                 // SAFETY: `kernel.available()` (asserted by the caller) says the CPU has AVX-512F, AVX2, FMA and
                 // F16C; the rows are rows of one matrix, which `fits` the kernel.
                 unsafe {
-                    match (pair, len) {
-                        (true, 1) => {
-                            let y = avx512::dot::<2, 1>([&row, &w.row(first + k + 1)], xs, cols);
-                            put(0, &y[0]);
-                            put(1, &y[1]);
+                    match (rows, len) {
+                        (4, _) => avx512_rows::<4, 1>(w, first + k, x, start, t, &mut out[k * t..]),
+                        (2, 1) => avx512_rows::<2, 1>(w, first + k, x, start, t, &mut out[k * t..]),
+                        (2, _) => {
+                            avx512_rows::<2, GROUP>(w, first + k, x, start, t, &mut out[k * t..])
                         }
-                        (true, _) => {
-                            let y =
-                                avx512::dot::<2, GROUP>([&row, &w.row(first + k + 1)], xs, cols);
-                            put(0, &y[0]);
-                            put(1, &y[1]);
-                        }
-                        (false, 1) => put(0, &avx512::dot::<1, 1>([&row], xs, cols)[0]),
-                        (false, _) => put(0, &avx512::dot::<1, GROUP>([&row], xs, cols)[0]),
+                        (_, 1) => avx512_rows::<1, 1>(w, first + k, x, start, t, &mut out[k * t..]),
+                        _ => avx512_rows::<1, GROUP>(w, first + k, x, start, t, &mut out[k * t..]),
                     }
                 }
             }
-            k += if pair { 2 } else { 1 };
+            k += rows;
         }
         return;
     }
@@ -244,6 +241,29 @@ fn task_rows(
             let xs = &x[g * GROUP * cols..(g * GROUP + ys.len()) * cols];
             dot_rows(&row, xs, cols, ys, simd);
         }
+    }
+}
+
+/// The outputs of rows `first..first + R` for tokens `start..start + T` of `x` (`t` tokens): into `out[r · t + j]`.
+///
+/// # Safety
+/// The CPU must have AVX-512F, AVX2, FMA and F16C, and the matrix must fit [`avx512::dot`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn avx512_rows<const R: usize, const T: usize>(
+    w: &PackedMatrix,
+    first: usize,
+    x: &[f32],
+    start: usize,
+    t: usize,
+    out: &mut [f32],
+) {
+    let cols = w.cols();
+    let rows: [PackedRow; R] = std::array::from_fn(|r| w.row(first + r));
+    let xs = &x[start * cols..(start + T) * cols];
+    // SAFETY: the caller's guarantee.
+    let y = unsafe { avx512::dot::<R, T>(rows.each_ref(), xs, cols) };
+    for (r, yr) in y.iter().enumerate() {
+        out[r * t + start..][..T].copy_from_slice(yr);
     }
 }
 

@@ -2,9 +2,9 @@
 //! (`reference::linear`'s module docs), written out as scalar code: every kernel this CPU runs gives the same bits
 //! as the scalar statement (fused multiply-adds for the SIMD kernels, separate roundings for the portable one) and as
 //! the f32 matvec on the dequantised matrix, on odd shapes, every kind of group (whole blocks, half blocks, groups
-//! that split a half block and fall back, one group a row), odd row counts (the AVX-512 kernel pairs rows) and every
-//! token count of the matvec. Codes and scales are drawn directly: negative, zero, subnormal and large scales, every
-//! code.
+//! that split a half block and fall back, one group a row), row counts that leave every remainder of the AVX-512
+//! kernel's four or two rows at a time, and every token count of the matvec. Codes and scales are drawn directly:
+//! negative, zero, subnormal and large scales, every code.
 
 use half::f16;
 use reference::linear::{

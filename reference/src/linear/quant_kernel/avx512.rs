@@ -10,8 +10,9 @@
 //! scaling each code. An INT8 weight is widened (sign extension, conversion) and scaled, 16 at a time.
 //!
 //! One token's 32 lanes make two chains of dependent multiply-adds, each one step per block of 32 weights, so a
-//! product is bound by the multiply-add latency (4 cycles) before the instructions; two rows at once give four
-//! chains. The weights are prefetched 8 KiB ahead, as [`super::super::matvec`]'s are.
+//! product of one row is bound by the multiply-add latency (4 cycles a block) before the instructions; the caller
+//! runs one token over four rows at once (eight chains), more tokens over two. The weights are prefetched 8 KiB
+//! ahead, as [`super::super::matvec`]'s are.
 
 use super::super::kernel::x86::hsum;
 use super::{HALF, LANES, PackedRow};
@@ -99,6 +100,54 @@ fn high256(v: __m512) -> __m256 {
     _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)))
 }
 
+/// Group `g`'s table of 16 weights (INT4) or its scale in every lane (INT8), for each row.
+///
+/// # Safety
+/// AVX-512F and F16C.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn tables<const R: usize, const INT4: bool>(
+    rows: &[&PackedRow; R],
+    g: usize,
+    nibbles: __m512,
+) -> [__m512; R] {
+    rows.map(|row| {
+        // The f16 scale widened in every lane (exact, as `f32::from`).
+        let s = _mm512_cvtph_ps(_mm256_set1_epi16(row.scales[g].to_bits() as i16));
+        if INT4 { _mm512_mul_ps(nibbles, s) } else { s }
+    })
+}
+
+/// Adds the products of the 32 weights at element `i` of every row (`codes`; `tab` per row and half as
+/// [`weights`] takes it) with every token's inputs (`xs`, `T` rows of `n`) to the accumulators.
+///
+/// # Safety
+/// AVX-512F; `i + 32 <= n`, the rows' codes and the inputs as [`dot`] asserts them.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn block<const R: usize, const T: usize, const INT4: bool>(
+    codes: &[*const u8; R],
+    tab: &[[__m512; 2]; R],
+    xs: *const f32,
+    n: usize,
+    i: usize,
+    acc: &mut [[[__m512; 2]; T]; R],
+) {
+    for ((&p, t), a) in codes.iter().zip(tab).zip(acc) {
+        let ahead = p.wrapping_add(if INT4 { i / 2 } else { i } + PREFETCH_BYTES);
+        _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+        // SAFETY: the caller's guarantee.
+        unsafe {
+            let w = weights::<INT4>(p, i, *t);
+            for (j, aj) in a.iter_mut().enumerate() {
+                let x = xs.add(j * n + i);
+                aj[0] = _mm512_fmadd_ps(_mm512_loadu_ps(x), w[0], aj[0]);
+                aj[1] = _mm512_fmadd_ps(_mm512_loadu_ps(x.add(HALF)), w[1], aj[1]);
+            }
+        }
+    }
+}
+
 /// [`dot`] for INT4 (`INT4`) or INT8 codes, its checks done.
 ///
 /// # Safety
@@ -112,46 +161,51 @@ unsafe fn run<const R: usize, const T: usize, const INT4: bool>(
     let main = n / LANES * LANES;
     let group = rows[0].group;
     // SAFETY: 16 values.
-    let codes = unsafe { _mm512_loadu_ps(NIBBLE_CODES.as_ptr()) };
+    let nibbles = unsafe { _mm512_loadu_ps(NIBBLE_CODES.as_ptr()) };
+    let codes = rows.map(|row| row.codes.as_ptr());
+    let x = xs.as_ptr();
     let mut acc = [[[_mm512_setzero_ps(); 2]; T]; R];
-    // Per row, the current group's table (INT4) or scale (INT8), and those of the block's two halves.
-    let mut current = [_mm512_setzero_ps(); R];
-    let mut tab = [[_mm512_setzero_ps(); 2]; R];
-    // The next group, and the codes left in the current one (a half block lies inside one group: `fits`).
-    let (mut g, mut left) = (0, 0);
-    let mut i = 0;
-    while i < main {
-        for h in 0..2 {
-            if left == 0 {
-                for (c, row) in current.iter_mut().zip(rows) {
-                    // The f16 scale widened in every lane (exact, as `f32::from`).
-                    let s = _mm512_cvtph_ps(_mm256_set1_epi16(row.scales[g].to_bits() as i16));
-                    *c = if INT4 { _mm512_mul_ps(codes, s) } else { s };
-                }
-                g += 1;
-                left = group;
+    if group.is_multiple_of(LANES) || group >= n {
+        // Every block inside one group: per group, one table a row for the blocks of the group.
+        let run = if group >= n { main } else { group };
+        let (mut g, mut start) = (0, 0);
+        while start < main {
+            // SAFETY: `g` is a group of the rows (`start < main <= n`).
+            let tab = unsafe { tables::<R, INT4>(&rows, g, nibbles) }.map(|t| [t, t]);
+            let end = (start + run).min(main);
+            let mut i = start;
+            while i < end {
+                // SAFETY: `i + 32 <= main <= n`; the rows and inputs are as `dot` asserts.
+                unsafe { block::<R, T, INT4>(&codes, &tab, x, n, i, &mut acc) };
+                i += LANES;
             }
-            for (t, c) in tab.iter_mut().zip(&current) {
-                t[h] = *c;
-            }
-            left -= HALF;
+            g += 1;
+            start = end;
         }
-        for (row, (a, t)) in rows.iter().zip(acc.iter_mut().zip(&tab)) {
-            let p = row.codes.as_ptr();
-            let ahead = p.wrapping_add(if INT4 { i / 2 } else { i } + PREFETCH_BYTES);
-            _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
-            // SAFETY: `i + 32 <= main <= n`, inside the row's codes (asserted by `dot`).
-            let w = unsafe { weights::<INT4>(p, i, *t) };
-            for (j, aj) in a.iter_mut().enumerate() {
-                // SAFETY: `i + 32 <= n`, inside token `j`'s slice of `xs`.
-                unsafe {
-                    let x = xs.as_ptr().add(j * n + i);
-                    aj[0] = _mm512_fmadd_ps(_mm512_loadu_ps(x), w[0], aj[0]);
-                    aj[1] = _mm512_fmadd_ps(_mm512_loadu_ps(x.add(HALF)), w[1], aj[1]);
+    } else {
+        // Groups of an odd number of half blocks: a block's halves may lie in two groups. The next group, and
+        // the codes left in the current one (a half block lies inside one group: `fits`).
+        let mut current = [_mm512_setzero_ps(); R];
+        let mut tab = [[_mm512_setzero_ps(); 2]; R];
+        let (mut g, mut left) = (0, 0);
+        let mut i = 0;
+        while i < main {
+            for h in 0..2 {
+                if left == 0 {
+                    // SAFETY: `g` is a group of the rows (the half at `i + 16h < main` starts it).
+                    current = unsafe { tables::<R, INT4>(&rows, g, nibbles) };
+                    g += 1;
+                    left = group;
                 }
+                for (t, c) in tab.iter_mut().zip(&current) {
+                    t[h] = *c;
+                }
+                left -= HALF;
             }
+            // SAFETY: as above.
+            unsafe { block::<R, T, INT4>(&codes, &tab, x, n, i, &mut acc) };
+            i += LANES;
         }
-        i += LANES;
     }
     let mut out = [[0f32; T]; R];
     for ((o, a), row) in out.iter_mut().zip(&acc).zip(rows) {
