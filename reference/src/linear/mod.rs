@@ -9,13 +9,17 @@
 //! - Few tokens (`T ≤` [`MATVEC_MAX_TOKENS`], decode): [`matvec`], a multi-threaded product that reads each weight
 //!   row once for all `T` tokens and widens the stored values in registers (AVX2/FMA/F16C when the CPU has them,
 //!   checked at run time; portable code otherwise).
-//! - More tokens (prompt): the matrix is widened to f32 in blocks of rows ([`BLOCK_ELEMENTS`] values at most, into
-//!   one buffer reused across calls) and each block multiplied with the `gemm` crate's product, called as candle
-//!   calls it (AVX-512 kernels where the CPU has them), so at most one block's f32 copy exists at a time.
+//! - More tokens (prompt), on a CPU with AVX-512F ([`PromptKernel::Avx512`]): a packed product that widens blocks of
+//!   rows straight into its own f32 panels and sums in [`matvec`]'s order below, so it gives [`matvec`]'s bits for
+//!   every token count (`gemm_kernel`).
+//! - More tokens without AVX-512F: the matrix is widened to f32 in blocks of rows ([`BLOCK_ELEMENTS`] values at
+//!   most, into one buffer reused across calls) and each block multiplied with the `gemm` crate's product, called as
+//!   candle calls it, so at most one block's f32 copy exists at a time.
 //!
 //! A [`PackedMatrix`] goes the same two ways: [`matvec_packed`] widens each code times its scale in registers and
 //! sums in the order below, so it equals [`matvec`] on the dequantised matrix stored as f32 bit for bit; longer
-//! calls dequantise blocks of rows and use the GEMM.
+//! calls dequantise blocks of rows and use the GEMM ([`PackedMatrix::prompt_product`] is the prompt kernel on the
+//! codes, the same bits as [`matvec_packed`], not yet what `forward` calls).
 //!
 //! Summation order of [`matvec`] (fixed, independent of the thread count): for one output `y[t, o]`, the products
 //! `x[t, i] · w[o, i]` for `i < 32⌊n/32⌋` go to 32 lane accumulators, lane `i mod 32`, in increasing `i`; lanes
@@ -28,12 +32,14 @@ use candle_core::{DType, Device, Tensor};
 use memmap2::Mmap;
 use std::sync::Arc;
 
+mod gemm_kernel;
 mod kernel;
 mod on_read;
 mod packed;
 mod quant_kernel;
 mod rows;
 
+pub use gemm_kernel::PromptKernel;
 pub use kernel::matvec;
 use kernel::widen;
 pub use on_read::QuantizedOnRead;
@@ -241,17 +247,27 @@ impl MappedMatrix {
         to_tensor(self)
     }
 
+    /// `y = x Wᵀ` (`x` `[t, cols]` row-major, the result `[t, rows]`) by [`PromptKernel::Avx512`], the prompt's
+    /// product, for any `t`: the bits of [`matvec`]. `None` when the CPU lacks AVX-512F.
+    pub fn prompt_product(&self, x: &[f32], t: usize) -> Option<Vec<f32>> {
+        gemm_kernel::product(self, x, t)
+    }
+
     /// The rows `ids` (an embedding lookup) as an f32 tensor `[ids.len(), cols]`.
     pub fn gather(&self, ids: &[u32]) -> Result<Tensor> {
         gather(self, ids)
     }
 
-    /// `x W^T` for `x` `[T, cols]` f32 → `[T, rows]`: [`matvec`] for few tokens, the blocked GEMM otherwise.
+    /// `x W^T` for `x` `[T, cols]` f32 → `[T, rows]`: [`matvec`] for few tokens, otherwise the packed product of
+    /// [`PromptKernel::Avx512`] (the same order, the same bits) where the CPU has it, else the blocked GEMM.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let t = check_input(x, self.rows, self.cols, "a mapped")?;
+        let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
         if t <= MATVEC_MAX_TOKENS {
-            let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
             let y = matvec(self, &xs, t);
+            return Ok(Tensor::from_vec(y, (t, self.rows), &Device::Cpu)?);
+        }
+        if let Some(y) = gemm_kernel::product(self, &xs, t) {
             return Ok(Tensor::from_vec(y, (t, self.rows), &Device::Cpu)?);
         }
         let block = (BLOCK_ELEMENTS / self.cols.max(1)).max(1);
@@ -500,16 +516,32 @@ mod tests {
         assert_eq!(g[0], widened[5 * cols..6 * cols]);
         assert_eq!(g[2], widened[36 * cols..37 * cols]);
         assert!(m.gather(&[37]).is_err());
-        // T above the matvec limit: the blocked GEMM equals candle's product of the widened matrix.
+        // T above the matvec limit: the blocked GEMM equals candle's product of the widened matrix, and the
+        // prompt kernel, where the CPU runs it, the matvec.
         let t = MATVEC_MAX_TOKENS + 3;
-        let x = Tensor::from_vec(values(t * cols, 2), (t, cols), &Device::Cpu).unwrap();
+        let xs = values(t * cols, 2);
+        let x = Tensor::from_vec(xs.clone(), (t, cols), &Device::Cpu).unwrap();
         let dense = Tensor::from_vec(widened, (rows, cols), &Device::Cpu).unwrap();
-        let a = m.forward(&x).unwrap().to_vec2::<f32>().unwrap();
-        let b = crate::ops::linear(&x, &dense)
+        let a = m
+            .forward(&x)
             .unwrap()
-            .to_vec2::<f32>()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
             .unwrap();
-        assert_eq!(a, b);
+        let block = (BLOCK_ELEMENTS / cols).max(1);
+        let gemm = blocked_gemm(&x, rows, cols, block, |s, out| widen_rows(&m, s, out)).unwrap();
+        let candle = crate::ops::linear(&x, &dense).unwrap();
+        assert_eq!(
+            gemm.to_vec2::<f32>().unwrap(),
+            candle.to_vec2::<f32>().unwrap()
+        );
+        let expected = match PromptKernel::detect() {
+            PromptKernel::Avx512 => matvec(&m, &xs, t),
+            PromptKernel::Gemm => candle.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        };
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&a), bits(&expected));
         assert!(MappedMatrix::new(&map, 4, rows, cols, Elem::Bf16).is_err());
     }
 }

@@ -232,6 +232,12 @@ impl PackedMatrix {
         rows_f32(self, start, count)
     }
 
+    /// `y = x Wᵀ` (`x` `[t, cols]` row-major, the result `[t, rows]`) by [`super::PromptKernel::Avx512`], the prompt's
+    /// product of mapped weights, for any `t`: the bits of [`matvec_packed`]. `None` when the CPU lacks AVX-512F.
+    pub fn prompt_product(&self, x: &[f32], t: usize) -> Option<Vec<f32>> {
+        super::gemm_kernel::product(self, x, t)
+    }
+
     /// The whole matrix dequantised, an f32 tensor `[rows, cols]` (a full copy: 4 bytes per weight).
     pub fn to_tensor(&self) -> Result<Tensor> {
         to_tensor(self)

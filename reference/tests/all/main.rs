@@ -13,6 +13,7 @@ mod moe;
 mod nncf;
 mod packed;
 mod precision;
+mod prompt_kernel;
 mod quant;
 mod quant_kernels;
 mod record;
