@@ -419,7 +419,7 @@ pub fn requested_properties(device: &str, opts: &CompileOptions) -> BTreeMap<Str
 const CACHE_DIR: &str = "CACHE_DIR";
 
 /// A boolean property as OpenVINO prints it (`YES`/`NO`, `true`/`false`).
-fn parse_flag(s: &str) -> Option<bool> {
+pub(crate) fn parse_flag(s: &str) -> Option<bool> {
     match s.trim().to_ascii_uppercase().as_str() {
         "YES" | "TRUE" | "1" => Some(true),
         "NO" | "FALSE" | "0" => Some(false),

@@ -136,14 +136,24 @@ pub struct Session {
     request: InferRequest,
 }
 
-fn to_ov(t: &Tensor) -> std::result::Result<openvino::Tensor, String> {
-    let dims: Vec<i64> = t.dims().iter().map(|&d| d as i64).collect();
-    let shape = Shape::new(&dims).map_err(|e| e.to_string())?;
+/// The element types a host tensor crosses to and from an OpenVINO device in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HostElem {
+    F32,
+    F16,
+    I64,
+    I32,
+    /// candle's `u8`, as OpenVINO's boolean.
+    Boolean,
+}
+
+/// A host tensor's element type and little-endian bytes, as an OpenVINO tensor holds them.
+pub(crate) fn host_bytes(t: &Tensor) -> std::result::Result<(HostElem, Vec<u8>), String> {
     let flat = t.flatten_all().map_err(|e| e.to_string())?;
     let err = |e: candle_core::Error| e.to_string();
-    let (ty, bytes): (ElementType, Vec<u8>) = match t.dtype() {
+    Ok(match t.dtype() {
         DType::F32 => (
-            ElementType::F32,
+            HostElem::F32,
             flat.to_vec1::<f32>()
                 .map_err(err)?
                 .iter()
@@ -151,7 +161,7 @@ fn to_ov(t: &Tensor) -> std::result::Result<openvino::Tensor, String> {
                 .collect(),
         ),
         DType::F16 => (
-            ElementType::F16,
+            HostElem::F16,
             flat.to_vec1::<half::f16>()
                 .map_err(err)?
                 .iter()
@@ -159,7 +169,7 @@ fn to_ov(t: &Tensor) -> std::result::Result<openvino::Tensor, String> {
                 .collect(),
         ),
         DType::I64 => (
-            ElementType::I64,
+            HostElem::I64,
             flat.to_vec1::<i64>()
                 .map_err(err)?
                 .iter()
@@ -167,19 +177,77 @@ fn to_ov(t: &Tensor) -> std::result::Result<openvino::Tensor, String> {
                 .collect(),
         ),
         DType::I32 => (
-            ElementType::I32,
+            HostElem::I32,
             flat.to_vec1::<i32>()
                 .map_err(err)?
                 .iter()
                 .flat_map(|x| x.to_le_bytes())
                 .collect(),
         ),
-        DType::U8 => (ElementType::Boolean, flat.to_vec1::<u8>().map_err(err)?),
+        DType::U8 => (HostElem::Boolean, flat.to_vec1::<u8>().map_err(err)?),
         other => {
             return Err(format!(
                 "host tensors must be f32, f16, i64, i32 or boolean, got {other:?}"
             ));
         }
+    })
+}
+
+/// The host tensor of an OpenVINO output of `elem` and `shape` whose bytes are `raw` (f16 widened to f32, i32 to
+/// i64).
+pub(crate) fn host_tensor(
+    elem: HostElem,
+    shape: Vec<usize>,
+    raw: &[u8],
+) -> std::result::Result<Tensor, String> {
+    let dev = &Device::Cpu;
+    if shape.contains(&0) {
+        return Tensor::zeros(shape, DType::F32, dev).map_err(|e| e.to_string());
+    }
+    let tensor = match elem {
+        HostElem::F32 => {
+            let v: Vec<f32> = raw
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            Tensor::from_vec(v, shape, dev)
+        }
+        HostElem::F16 => {
+            let v: Vec<f32> = raw
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect();
+            Tensor::from_vec(v, shape, dev)
+        }
+        HostElem::I64 => {
+            let v: Vec<i64> = raw
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                .collect();
+            Tensor::from_vec(v, shape, dev)
+        }
+        HostElem::I32 => {
+            let v: Vec<i64> = raw
+                .chunks_exact(4)
+                .map(|c| i64::from(i32::from_le_bytes(c.try_into().unwrap_or([0; 4]))))
+                .collect();
+            Tensor::from_vec(v, shape, dev)
+        }
+        HostElem::Boolean => return Err("unsupported output element type boolean".into()),
+    };
+    tensor.map_err(|e| e.to_string())
+}
+
+fn to_ov(t: &Tensor) -> std::result::Result<openvino::Tensor, String> {
+    let dims: Vec<i64> = t.dims().iter().map(|&d| d as i64).collect();
+    let shape = Shape::new(&dims).map_err(|e| e.to_string())?;
+    let (elem, bytes) = host_bytes(t)?;
+    let ty = match elem {
+        HostElem::F32 => ElementType::F32,
+        HostElem::F16 => ElementType::F16,
+        HostElem::I64 => ElementType::I64,
+        HostElem::I32 => ElementType::I32,
+        HostElem::Boolean => ElementType::Boolean,
     };
     let mut out = openvino::Tensor::new(ty, &shape).map_err(|e| e.to_string())?;
     if !bytes.is_empty() {
@@ -198,43 +266,17 @@ fn from_ov(t: &openvino::Tensor) -> std::result::Result<Tensor, String> {
         .iter()
         .map(|&d| d as usize)
         .collect();
-    let dev = &Device::Cpu;
-    if shape.contains(&0) {
-        return Tensor::zeros(shape, DType::F32, dev).map_err(|e| e.to_string());
-    }
-    let raw = t.get_raw_data().map_err(|e| e.to_string())?;
-    let tensor = match t.get_element_type().map_err(|e| e.to_string())? {
-        ElementType::F32 => {
-            let v: Vec<f32> = raw
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
-            Tensor::from_vec(v, shape, dev)
-        }
-        ElementType::F16 => {
-            let v: Vec<f32> = raw
-                .chunks_exact(2)
-                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect();
-            Tensor::from_vec(v, shape, dev)
-        }
-        ElementType::I64 => {
-            let v: Vec<i64> = raw
-                .chunks_exact(8)
-                .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
-                .collect();
-            Tensor::from_vec(v, shape, dev)
-        }
-        ElementType::I32 => {
-            let v: Vec<i64> = raw
-                .chunks_exact(4)
-                .map(|c| i64::from(i32::from_le_bytes(c.try_into().unwrap_or([0; 4]))))
-                .collect();
-            Tensor::from_vec(v, shape, dev)
-        }
+    let elem = match t.get_element_type().map_err(|e| e.to_string())? {
+        ElementType::F32 => HostElem::F32,
+        ElementType::F16 => HostElem::F16,
+        ElementType::I64 => HostElem::I64,
+        ElementType::I32 => HostElem::I32,
         other => return Err(format!("unsupported output element type {other:?}")),
     };
-    tensor.map_err(|e| e.to_string())
+    if shape.contains(&0) {
+        return host_tensor(elem, shape, &[]);
+    }
+    host_tensor(elem, shape, t.get_raw_data().map_err(|e| e.to_string())?)
 }
 
 impl Session {

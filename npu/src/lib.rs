@@ -13,6 +13,7 @@ pub mod graphset;
 pub mod infer;
 pub mod ir;
 pub mod memory;
+pub mod ov_path;
 pub mod pages;
 pub mod runtime;
 pub mod sim;

@@ -1,7 +1,8 @@
 //! The decoder graphs' IR kept beside the model cache (`npu::engine`'s IR cache): the second engine of the same
 //! checkpoint and options reads it back instead of building, and computes bit for bit what a freshly built one
 //! computes; another option, a rewritten weight file or a damaged entry gets an entry of its own; old entries are
-//! removed.
+//! removed. An entry's graphs are compiled from their paths, so a cached start loads the blob without reading the
+//! weights.
 
 use candle_core::DType;
 use npu::devices::CompileOptions;
@@ -87,7 +88,7 @@ fn another_option_a_rewritten_file_or_a_damaged_entry_is_built_again() {
         engine(&model, 64, Some(&cache)).record().ir_reused,
         Some(false)
     );
-    // Another static context: other graphs, another entry; the first one stays (two are kept).
+    // Another static context: other graphs, another entry; the first one stays.
     assert_eq!(
         engine(&model, 48, Some(&cache)).record().ir_reused,
         Some(false)
@@ -97,7 +98,7 @@ fn another_option_a_rewritten_file_or_a_damaged_entry_is_built_again() {
         engine(&model, 64, Some(&cache)).record().ir_reused,
         Some(true)
     );
-    // A weight file rewritten in place (a new modification time): built again, and the oldest entry removed.
+    // A weight file rewritten in place (a new modification time): built again.
     let weights = model.join("model.safetensors");
     let f = std::fs::File::options()
         .append(true)
@@ -110,10 +111,29 @@ fn another_option_a_rewritten_file_or_a_damaged_entry_is_built_again() {
         engine(&model, 64, Some(&cache)).record().ir_reused,
         Some(false)
     );
-    assert_eq!(entries(&cache).len(), 2, "{:?}", entries(&cache));
     assert_eq!(
         engine(&model, 64, Some(&cache)).record().ir_reused,
         Some(true)
+    );
+    // More entries than are kept: the least recently used go (the two made for the old file and one more), the
+    // most recently used stay.
+    const { assert!(npu::engine::IR_CACHE_KEEP >= 3) };
+    for context in (0..npu::engine::IR_CACHE_KEEP - 1).map(|i| 40 - 8 * i) {
+        assert_eq!(
+            engine(&model, context, Some(&cache)).record().ir_reused,
+            Some(false)
+        );
+    }
+    assert_eq!(
+        entries(&cache).len(),
+        npu::engine::IR_CACHE_KEEP,
+        "{:?}",
+        entries(&cache)
+    );
+    assert_eq!(
+        engine(&model, 64, Some(&cache)).record().ir_reused,
+        Some(true),
+        "the entry used last before them is kept"
     );
     // An entry whose identity does not match what it is read for (here: damaged) is built again, not read.
     for e in entries(&cache) {
@@ -127,4 +147,55 @@ fn another_option_a_rewritten_file_or_a_damaged_entry_is_built_again() {
         engine(&model, 64, Some(&cache)).record().ir_reused,
         Some(true)
     );
+}
+
+#[test]
+fn a_cached_start_compiles_from_the_path_and_never_reads_the_weights() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_copy(tmp.path());
+    let cache = tmp.path().join("cache");
+    let ids: Vec<u32> = (0..21).map(|i| (i * 53 % 500) as u32).collect();
+
+    let mut first = engine(&model, 64, Some(&cache));
+    assert_eq!(first.record().from_cache.get("decoder_t16"), Some(&false));
+    let expected = run(&mut first, &ids, 3).unwrap();
+    drop(first);
+    let entry = cache.join("ir").join(&entries(&cache)[0]);
+    // OpenVINO's reader finds the weights beside the graph under its own stem: a link to the shared file.
+    let link = entry.join("decoder_t16.bin");
+    assert!(std::fs::symlink_metadata(&link).unwrap().is_symlink());
+    assert_eq!(
+        link.canonicalize().unwrap(),
+        entry.join("weights.bin").canonicalize().unwrap()
+    );
+
+    // Zero the largest constant in place (a weight matrix; the graph and its shapes unchanged): a start that hashed
+    // or read the weights would miss the model cache and compute with zeros; compiled from its path, it loads the
+    // blob and computes what the first start did.
+    let xml = std::fs::read_to_string(entry.join("decoder_t16.xml")).unwrap();
+    let number = |s: &str, key: &str| -> u64 {
+        let at = s.find(key).unwrap() + key.len();
+        s[at..].split('"').next().unwrap().parse().unwrap()
+    };
+    let (offset, size) = xml
+        .split("<data ")
+        .skip(1)
+        .filter(|d| d.contains(" offset=\""))
+        .map(|d| (number(d, "offset=\""), number(d, "size=\"")))
+        .max_by_key(|&(_, size)| size)
+        .unwrap();
+    assert!(size >= 4096, "the largest constant holds {size} bytes");
+    let bin = entry.join("weights.bin");
+    let mut bytes = std::fs::read(&bin).unwrap();
+    bytes[offset as usize..(offset + size) as usize].fill(0);
+    std::fs::write(&bin, bytes).unwrap();
+    let mut second = engine(&model, 64, Some(&cache));
+    assert_eq!(second.record().ir_reused, Some(true));
+    assert_eq!(second.record().from_cache.get("decoder_t16"), Some(&true));
+    let r = run(&mut second, &ids, 3).unwrap();
+    assert_eq!(r.generated, expected.generated);
+    for (name, t) in &expected.taps {
+        let d = reference::compare::diff(&r.taps[name], t).unwrap();
+        assert_eq!(d.max_abs, 0.0, "{name} {d}");
+    }
 }

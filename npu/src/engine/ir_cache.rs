@@ -14,6 +14,10 @@
 //! An entry appears whole or not at all: it is written into a hidden sibling that is renamed into place once every
 //! file is flushed, and read back only if its `identity` file (the text the key hashes) matches. The last
 //! [`KEEP`] entries used are kept; older ones are removed when a new one is stored.
+//!
+//! Because an entry's path names its contents, its graphs are compiled from their paths ([`crate::ov_path`]), which
+//! OpenVINO's model cache keys by the path, not by hashing every weight: a cached start never reads `weights.bin`.
+//! Each `decoder_t{n}.xml` has a `decoder_t{n}.bin` beside it, a link to `weights.bin`, for OpenVINO's reader.
 
 use crate::devices::{IrPorts, ScratchDir, read_ports};
 use crate::error::{Error, Result};
@@ -21,8 +25,11 @@ use crate::graphs::Builder;
 use crate::ir::SharedBin;
 use std::path::{Path, PathBuf};
 
-/// Entries kept in an IR cache (the most recently used).
-pub const KEEP: usize = 2;
+/// Entries kept in an IR cache (the most recently used): enough for every graph set one `validate` of two block
+/// sizes compiles (the deployed graphs, the other block size's, the graphs with taps), so that its next run reads
+/// them all back. An entry rebuilt after it was removed is new to OpenVINO's model cache, which knows a graph
+/// compiled from its path by the path and the file's time (`crate::ov_path`).
+pub const KEEP: usize = 4;
 
 /// One decoder graph's IR on disk.
 pub(super) struct IrFile {
@@ -126,7 +133,37 @@ fn build(builder: &Builder, sizes: &[usize], dir: &Path) -> Result<Vec<IrFile>> 
         });
     }
     bin.flush()?;
+    for g in &graphs {
+        link_stem_bin(&g.xml, &g.bin);
+    }
     Ok(graphs)
+}
+
+/// Links the `.bin` OpenVINO's IR reader looks for beside `xml` (the same stem: `decoder_t16.bin`) to the shared
+/// `bin` of the same directory, so that the graph can be compiled from its path ([`crate::ov_path`]); whether the
+/// link is there. A relative link, which moves with its directory. Where links cannot be made (not a Unix
+/// system), the graph is compiled from a read model instead.
+pub(super) fn link_stem_bin(xml: &Path, bin: &Path) -> bool {
+    let stem = xml.with_extension("bin");
+    if stem == bin {
+        return true;
+    }
+    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    };
+    if std::fs::symlink_metadata(&stem).is_ok() {
+        return same(&stem, bin);
+    }
+    #[cfg(unix)]
+    {
+        let Some(target) = bin.file_name() else {
+            return false;
+        };
+        std::os::unix::fs::symlink(target, &stem).is_ok() && same(&stem, bin)
+    }
+    #[cfg(not(unix))]
+    false
 }
 
 /// The entry's graphs if it is complete and was written for `identity`.

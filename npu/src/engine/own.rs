@@ -7,7 +7,8 @@ use crate::error::Result;
 use crate::graphs::Builder;
 use crate::graphset::Interface;
 use crate::graphset::check::{Subject, resolve};
-use crate::infer::{Session, prepare};
+use crate::infer::{Executor, Session, prepare};
+use crate::ov_path::PathSession;
 
 /// The decoder graphs for calls of `sizes` tokens on `device`, each checked against `interface` before it is
 /// compiled; and whether their IR was read back from the IR cache (`None`: no cache, or FP16SIM).
@@ -62,11 +63,21 @@ pub(super) fn decoder_graphs(
                 vec![g.bin.clone()],
                 std::time::Duration::from_millis(250),
             );
-            let compiled = compile_ir(&mut core, &g.xml, &g.bin, &name, device, opts)?;
+            // An IR cache entry's path names its contents: compiled from its path, a cached start neither reads
+            // nor hashes the weights (`crate::ov_path`). A scratch IR is compiled from a read model.
+            let exec: Box<dyn Executor> =
+                if ir.reused.is_some() && super::ir_cache::link_stem_bin(&g.xml, &g.bin) {
+                    crate::devices::require(&core, device)?;
+                    Box::new(PathSession::compile(&g.xml, &name, device, opts)?)
+                } else {
+                    Box::new(Session::new(compile_ir(
+                        &mut core, &g.xml, &g.bin, &name, device, opts,
+                    )?)?)
+                };
             drop(releaser);
             graphs.push(SetGraph {
                 tokens: Some(g.tokens),
-                exec: Box::new(Session::new(compiled)?),
+                exec,
                 ports,
             });
         }
