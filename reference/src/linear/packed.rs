@@ -248,13 +248,17 @@ impl PackedMatrix {
         gather(self, ids)
     }
 
-    /// `x W^T` for `x` `[T, cols]` f32 → `[T, rows]`: [`matvec_packed`] for few tokens, otherwise blocks of rows
-    /// dequantised to f32 (`PACKED_BLOCK_ELEMENTS` values at most) and multiplied with the GEMM.
+    /// `x W^T` for `x` `[T, cols]` f32 → `[T, rows]`: [`matvec_packed`] for few tokens, otherwise the packed
+    /// product of [`super::PromptKernel::Avx512`] (the same order, the same bits) where the CPU has it, else blocks
+    /// of rows dequantised to f32 (`PACKED_BLOCK_ELEMENTS` values at most) and multiplied with the GEMM.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let t = check_input(x, self.rows, self.cols, "a quantised")?;
+        let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
         if t <= MATVEC_MAX_TOKENS {
-            let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
             let y = matvec_packed(self, &xs, t);
+            return Ok(Tensor::from_vec(y, (t, self.rows), &Device::Cpu)?);
+        }
+        if let Some(y) = super::gemm_kernel::product(self, &xs, t) {
             return Ok(Tensor::from_vec(y, (t, self.rows), &Device::Cpu)?);
         }
         let block = (PACKED_BLOCK_ELEMENTS / self.cols.max(1)).max(1);

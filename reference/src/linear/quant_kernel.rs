@@ -647,12 +647,26 @@ mod tests {
         assert_eq!(bits(&g[2]), bits(&deq[36 * cols..37 * cols]));
         assert!(p.gather(&[37]).is_err());
         for t in [MATVEC_T + 1, 11, 40] {
-            let x = Tensor::from_vec(weights(t, cols, 2), (t, cols), &Device::Cpu).unwrap();
-            let expected = crate::ops::linear(&x, &dense)
+            let xs = weights(t, cols, 2);
+            let x = Tensor::from_vec(xs.clone(), (t, cols), &Device::Cpu).unwrap();
+            // A prompt: the packed product in the matvec's order where the CPU has AVX-512F, else candle's GEMM.
+            let expected: Vec<f32> = match crate::linear::PromptKernel::detect() {
+                crate::linear::PromptKernel::Avx512 => matvec_packed(&p, &xs, t),
+                crate::linear::PromptKernel::Gemm => crate::ops::linear(&x, &dense)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap(),
+            };
+            let y: Vec<f32> = p
+                .forward(&x)
                 .unwrap()
-                .to_vec2::<f32>()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
                 .unwrap();
-            assert_eq!(p.forward(&x).unwrap().to_vec2::<f32>().unwrap(), expected);
+            assert_eq!(bits(&y), bits(&expected), "T={t}");
             // Several blocks of rows (the last one short): each block's outputs are candle's product of those rows
             // of the dense matrix, in place (candle's GEMM may order its sums differently for another row count).
             for block in [1, 8, 36] {

@@ -100,8 +100,9 @@ fn compressed_matrices_are_held_compact_and_compute_the_dense_values() {
                     let x = inputs(t * cols, 3 + t as u64);
                     let xt = Tensor::from_vec(x.clone(), (t, cols), &Device::Cpu).unwrap();
                     let y = values(&linear.forward(&xt).unwrap());
-                    // A prompt on mapped weights runs the prompt kernel where the CPU has it: the matvec's sums.
-                    let prompt_kernel = matches!(linear, Linear::Mapped(_))
+                    // A prompt on mapped or packed weights runs the prompt kernel where the CPU has it: the
+                    // matvec's sums.
+                    let prompt_kernel = matches!(linear, Linear::Mapped(_) | Linear::Packed(_))
                         && PromptKernel::detect() == PromptKernel::Avx512;
                     let expected = if t <= MATVEC_MAX_TOKENS || prompt_kernel {
                         matvec(&as_f32, &x, t)
