@@ -14,7 +14,10 @@
 //! and scales ([`reference::linear::PackedMatrix`]) with the kernel the CPU runs best, `matvec_int4_g128_avx2` and
 //! `matvec_int8_avx2` with the AVX2 kernel (when the best is AVX-512), `dense_int4_g128` is the path these weights
 //! took before (the dequantised f32 matrix through candle's `matmul`), and `matvec_bf16` the bf16 widening matvec on
-//! the same shape.
+//! the same shape. At the projections' shapes it also times a prompt of 439 tokens: `prompt_int4_g128` and
+//! `prompt_bf16`, the prompt product on the packed codes and on bf16 (`reference/src/linear/gemm_kernel.rs` where the
+//! CPU has AVX-512F, the blocked GEMM elsewhere), beside `prompt_dense_int4_g128`, candle's GEMM on the dequantised
+//! f32 matrix.
 //!
 //! `cargo bench -p reference --bench products [-- FILTER]`.
 
@@ -26,6 +29,9 @@ use reference::linear::{
 use reference::ops::linear;
 use reference::quant::{quantize_int4_sym, quantize_int8_sym};
 use std::time::Duration;
+
+/// The prompt length of the `quant` group's prompt products (the 4-layer slice's `bench` prompt).
+const PROMPT_TOKENS: usize = 439;
 
 /// (name, out, in) of every distinct projection shape of a layer.
 const SHAPES: [(&str, usize, usize); 7] = [
@@ -197,6 +203,26 @@ fn quant(c: &mut Criterion) {
             group.bench_with_input(BenchmarkId::new("matvec_bf16", &shape), &t, |b, _| {
                 b.iter(|| bf16.forward(&x).unwrap())
             });
+        }
+        // A prompt (the slice's 439 tokens) on the same weights: the prompt product on INT4 codes and on bf16
+        // (matvec's order), beside candle's GEMM on the dequantised matrix.
+        if let Some(int4) = &int4 {
+            let t = PROMPT_TOKENS;
+            let x = Tensor::randn(0f32, 1.0, (t, inp), &dev).unwrap();
+            let shape = format!("{out}x{inp}_T{t}");
+            group.throughput(Throughput::Elements((2 * t * out * inp) as u64));
+            group.bench_with_input(BenchmarkId::new("prompt_int4_g128", &shape), &t, |b, _| {
+                b.iter(|| int4.forward(&x).unwrap())
+            });
+            group.bench_with_input(BenchmarkId::new("prompt_bf16", &shape), &t, |b, _| {
+                b.iter(|| bf16.forward(&x).unwrap())
+            });
+            let dense = int4.to_tensor().unwrap();
+            group.bench_with_input(
+                BenchmarkId::new("prompt_dense_int4_g128", &shape),
+                &t,
+                |b, _| b.iter(|| linear(&x, &dense).unwrap()),
+            );
         }
     }
     group.finish();
