@@ -245,6 +245,18 @@ pub struct ExecInfo {
     pub outputs: Vec<String>,
 }
 
+impl ExecInfo {
+    /// An error of running this graph: OpenVINO's `message`, with the graph and the device.
+    pub fn inference_error(&self, message: String) -> Error {
+        Error::OpenVino {
+            stage: "inference",
+            graph: self.graph.clone(),
+            device: self.device.clone(),
+            message,
+        }
+    }
+}
+
 /// Compiles one of this project's graphs for `device` with `opts` set explicitly first.
 ///
 /// The graph is consumed: it is written to a private temporary directory and dropped before OpenVINO reads it back
@@ -315,11 +327,7 @@ pub fn compile_ir(
         .map_err(|e| ov_err("reading", &e))?;
     let dev = DeviceType::from(device);
     let requested = requested_properties(device, opts);
-    let mut settings: Vec<(String, String)> = requested.clone().into_iter().collect();
-    if let Some(dir) = &opts.cache_dir {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-        settings.push((CACHE_DIR.to_string(), dir.to_string_lossy().into_owned()));
-    }
+    let settings = compile_settings(&requested, opts)?;
     for (k, v) in &settings {
         core.set_property(&dev, &RwPropertyKey::Other(k.clone().into()), v)
             .map_err(|e| Error::Device {
@@ -330,29 +338,11 @@ pub fn compile_ir(
     let compiled = core
         .compile_model(&model, dev)
         .map_err(|e| ov_err("compiling", &e))?;
-    let precision = compiled
-        .get_property(&PropertyKey::Rw(RwPropertyKey::HintInferencePrecision))
-        .map(|s| s.into_owned())
-        .unwrap_or_else(|_| "unknown".into());
-    let properties = requested
-        .keys()
-        .map(|k| {
-            let v = compiled
-                .get_property(&PropertyKey::Other(k.clone().into()))
-                .map(|s| s.into_owned())
-                .unwrap_or_else(|_| "(not reported)".into());
-            (k.clone(), v)
-        })
-        .collect();
-    let execution_devices = compiled
-        .get_property(&PropertyKey::Other("EXECUTION_DEVICES".into()))
-        .ok()
-        .map(|s| s.into_owned());
-    let loaded_from_cache = opts.cache_dir.as_ref().and_then(|_| {
+    let mut info = read_back(name, device, opts, &requested, |key| {
         compiled
-            .get_property(&PropertyKey::Other("LOADED_FROM_CACHE".into()))
+            .get_property(&PropertyKey::Other(key.to_string().into()))
             .ok()
-            .and_then(|s| parse_flag(&s))
+            .map(|s| s.into_owned())
     });
     let port_names =
         |count: std::result::Result<usize, openvino::InferenceError>,
@@ -367,27 +357,63 @@ pub fn compile_ir(
                 })
                 .collect()
         };
-    let inputs = port_names(compiled.get_input_size(), &|i| {
+    info.inputs = port_names(compiled.get_input_size(), &|i| {
         compiled.get_input_by_index(i)
     })?;
-    let outputs = port_names(compiled.get_output_size(), &|i| {
+    info.outputs = port_names(compiled.get_output_size(), &|i| {
         compiled.get_output_by_index(i)
     })?;
+    info.compile_seconds = start.elapsed().as_secs_f64();
     Ok(Compiled {
         model: compiled,
-        info: ExecInfo {
-            inputs,
-            outputs,
-            graph: graph_name,
-            device: device.to_string(),
-            precision,
-            execution_devices,
-            properties,
-            compile_seconds: start.elapsed().as_secs_f64(),
-            cache_dir: opts.cache_dir.clone(),
-            loaded_from_cache,
-        },
+        info,
     })
+}
+
+/// What is set on the device before compiling: the `requested` properties and the model cache (its directory made).
+pub(crate) fn compile_settings(
+    requested: &BTreeMap<String, String>,
+    opts: &CompileOptions,
+) -> Result<Vec<(String, String)>> {
+    let mut settings: Vec<(String, String)> = requested.clone().into_iter().collect();
+    if let Some(dir) = &opts.cache_dir {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        settings.push((CACHE_DIR.to_string(), dir.to_string_lossy().into_owned()));
+    }
+    Ok(settings)
+}
+
+/// What took effect on graph `name` compiled for `device`, read back through `property` (the compiled model's
+/// property by key; `None` where it is not reported): the precision, every `requested` property, the execution
+/// devices and whether the model cache served it. Its ports and compile time are the caller's to fill.
+pub(crate) fn read_back(
+    name: &str,
+    device: &str,
+    opts: &CompileOptions,
+    requested: &BTreeMap<String, String>,
+    property: impl Fn(&str) -> Option<String>,
+) -> ExecInfo {
+    ExecInfo {
+        graph: name.to_string(),
+        device: device.to_string(),
+        precision: property("INFERENCE_PRECISION_HINT").unwrap_or_else(|| "unknown".into()),
+        execution_devices: property("EXECUTION_DEVICES"),
+        properties: requested
+            .keys()
+            .map(|k| {
+                let v = property(k).unwrap_or_else(|| "(not reported)".into());
+                (k.clone(), v)
+            })
+            .collect(),
+        compile_seconds: 0.0,
+        cache_dir: opts.cache_dir.clone(),
+        loaded_from_cache: opts
+            .cache_dir
+            .as_ref()
+            .and_then(|_| property("LOADED_FROM_CACHE").and_then(|s| parse_flag(&s))),
+        inputs: Vec::new(),
+        outputs: Vec::new(),
+    }
 }
 
 /// The properties set on `device` before compiling: the precision, this project's defaults for the device, then
@@ -419,7 +445,7 @@ pub fn requested_properties(device: &str, opts: &CompileOptions) -> BTreeMap<Str
 const CACHE_DIR: &str = "CACHE_DIR";
 
 /// A boolean property as OpenVINO prints it (`YES`/`NO`, `true`/`false`).
-pub(crate) fn parse_flag(s: &str) -> Option<bool> {
+fn parse_flag(s: &str) -> Option<bool> {
     match s.trim().to_ascii_uppercase().as_str() {
         "YES" | "TRUE" | "1" => Some(true),
         "NO" | "FALSE" | "0" => Some(false),

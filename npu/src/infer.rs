@@ -282,15 +282,11 @@ fn from_ov(t: &openvino::Tensor) -> std::result::Result<Tensor, String> {
 impl Session {
     /// Creates the infer request of a compiled graph.
     pub fn new(mut compiled: Compiled) -> Result<Self> {
-        let request = compiled
-            .model
-            .create_infer_request()
-            .map_err(|e| Error::OpenVino {
-                stage: "inference",
-                graph: compiled.info.graph.clone(),
-                device: compiled.info.device.clone(),
-                message: format!("creating the request: {}", openvino_message(&e)),
-            })?;
+        let request = compiled.model.create_infer_request().map_err(|e| {
+            compiled
+                .info
+                .inference_error(format!("creating the request: {}", openvino_message(&e)))
+        })?;
         Ok(Session {
             info: compiled.info,
             model: compiled.model,
@@ -299,12 +295,7 @@ impl Session {
     }
 
     fn err(&self, message: String) -> Error {
-        Error::OpenVino {
-            stage: "inference",
-            graph: self.info.graph.clone(),
-            device: self.info.device.clone(),
-            message,
-        }
+        self.info.inference_error(message)
     }
 }
 

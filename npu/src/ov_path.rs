@@ -13,7 +13,9 @@
 //! its infer request, each freed when it is dropped. The C API's `.xml` reader looks for the weights beside it with
 //! the same stem (`decoder_t16.bin`), which the IR cache links to its shared `weights.bin`.
 
-use crate::devices::{CompileOptions, ExecInfo, openvino_message, requested_properties};
+use crate::devices::{
+    CompileOptions, ExecInfo, compile_settings, openvino_message, read_back, requested_properties,
+};
 use crate::error::{Error, Result};
 use crate::infer::{Executor, HostElem, host_bytes, host_tensor};
 use candle_core::Tensor;
@@ -89,11 +91,7 @@ impl PathSession {
         crate::runtime::load()?;
         let start = std::time::Instant::now();
         let requested = requested_properties(device, opts);
-        let mut settings: Vec<(String, String)> = requested.clone().into_iter().collect();
-        if let Some(dir) = &opts.cache_dir {
-            std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-            settings.push(("CACHE_DIR".into(), dir.to_string_lossy().into_owned()));
-        }
+        let settings = compile_settings(&requested, opts)?;
         let keys: Vec<CString> = settings
             .iter()
             .map(|(k, _)| c_string("property", k))
@@ -105,18 +103,8 @@ impl PathSession {
         let c_xml = c_string("IR path", &xml.to_string_lossy())?;
         let c_device = c_string("device", device)?;
         let mut session = PathSession {
-            info: ExecInfo {
-                graph: name.to_string(),
-                device: device.to_string(),
-                precision: "unknown".into(),
-                execution_devices: None,
-                properties: BTreeMap::new(),
-                compile_seconds: 0.0,
-                cache_dir: opts.cache_dir.clone(),
-                loaded_from_cache: None,
-                inputs: Vec::new(),
-                outputs: Vec::new(),
-            },
+            // Filled in once compiled.
+            info: read_back(name, device, opts, &requested, |_| None),
             core: std::ptr::null_mut(),
             model: std::ptr::null_mut(),
             request: std::ptr::null_mut(),
@@ -160,24 +148,7 @@ impl PathSession {
             )
             .map_err(fail)?;
         }
-        session.info.precision = session
-            .property("INFERENCE_PRECISION_HINT")
-            .unwrap_or_else(|| "unknown".into());
-        session.info.properties = requested
-            .keys()
-            .map(|k| {
-                let v = session
-                    .property(k)
-                    .unwrap_or_else(|| "(not reported)".into());
-                (k.clone(), v)
-            })
-            .collect();
-        session.info.execution_devices = session.property("EXECUTION_DEVICES");
-        session.info.loaded_from_cache = opts.cache_dir.as_ref().and_then(|_| {
-            session
-                .property("LOADED_FROM_CACHE")
-                .and_then(|s| crate::devices::parse_flag(&s))
-        });
+        session.info = read_back(name, device, opts, &requested, |key| session.property(key));
         session.info.inputs = session.port_names(true).map_err(fail)?;
         session.info.outputs = session.port_names(false).map_err(fail)?;
         session.new_request().map_err(fail)?;
@@ -249,12 +220,7 @@ impl PathSession {
     }
 
     fn err(&self, message: String) -> Error {
-        Error::OpenVino {
-            stage: "inference",
-            graph: self.info.graph.clone(),
-            device: self.info.device.clone(),
-            message,
-        }
+        self.info.inference_error(message)
     }
 
     /// Sets input `name` to a copy of `t`.

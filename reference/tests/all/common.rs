@@ -425,3 +425,39 @@ pub fn rope_case() -> impl Strategy<Value = RopeCase> {
             })
         })
 }
+
+/// Random codes over the kind's whole range and f16 scales of every sort (a fifth negative, some zero, some
+/// subnormal, magnitudes from 1e-6 to 1e3).
+pub fn random_quantized(
+    kind: reference::quant::QuantKind,
+    rows: usize,
+    cols: usize,
+    seed: u64,
+) -> reference::quant::QuantizedMatrix {
+    let mut rng = reference::synthetic::Rng::new(seed);
+    let (lo, hi) = kind.code_range();
+    let span = (hi as i64 - lo as i64 + 1) as u64;
+    let codes = (0..rows * cols)
+        .map(|_| (lo as i64 + (rng.next_u64() % span) as i64) as i8)
+        .collect();
+    let per_row = match kind {
+        reference::quant::QuantKind::Int4Sym { group } => cols / group,
+        reference::quant::QuantKind::Int8Sym => 1,
+    };
+    let scales = (0..rows * per_row)
+        .map(|_| {
+            let v = match rng.next_u64() % 10 {
+                0 => 0.0,
+                1 => 3e-7 * rng.normal(),
+                _ => 10f64.powf(rng.range(-6.0, 3.0)),
+            };
+            let sign = if rng.next_u64().is_multiple_of(5) {
+                -1.0
+            } else {
+                1.0
+            };
+            half::f16::from_f64(sign * v)
+        })
+        .collect();
+    reference::quant::QuantizedMatrix::from_parts(kind, rows, cols, codes, scales).unwrap()
+}

@@ -8,12 +8,13 @@
 //! mixed magnitude, zeros and tiny values, on one thread or several. Where the CPU lacks AVX-512F the prompt keeps
 //! the blocked GEMM and these tests check nothing.
 
+use crate::common::random_quantized;
 use half::f16;
 use reference::linear::{
     Elem, MATVEC_MAX_TOKENS, MappedMatrix, PackedMatrix, PromptKernel, SharedMap, matvec,
     matvec_packed,
 };
-use reference::quant::{QuantKind, QuantizedMatrix};
+use reference::quant::QuantKind;
 use reference::synthetic::Rng;
 
 use candle_core::{Device, Tensor};
@@ -183,37 +184,6 @@ fn the_prompt_product_of_a_mapped_weight_equals_the_matvec_bit_for_bit() {
             );
         }
     }
-}
-
-/// Random codes over the kind's whole range and f16 scales of every sort (a fifth negative, some zero, some
-/// subnormal, magnitudes from 1e-6 to 1e3).
-fn random_quantized(kind: QuantKind, rows: usize, cols: usize, seed: u64) -> QuantizedMatrix {
-    let mut rng = Rng::new(seed);
-    let (lo, hi) = kind.code_range();
-    let span = (hi as i64 - lo as i64 + 1) as u64;
-    let codes = (0..rows * cols)
-        .map(|_| (lo as i64 + (rng.next_u64() % span) as i64) as i8)
-        .collect();
-    let per_row = match kind {
-        QuantKind::Int4Sym { group } => cols / group,
-        QuantKind::Int8Sym => 1,
-    };
-    let scales = (0..rows * per_row)
-        .map(|_| {
-            let v = match rng.next_u64() % 10 {
-                0 => 0.0,
-                1 => 3e-7 * rng.normal(),
-                _ => 10f64.powf(rng.range(-6.0, 3.0)),
-            };
-            let sign = if rng.next_u64().is_multiple_of(5) {
-                -1.0
-            } else {
-                1.0
-            };
-            f16::from_f64(sign * v)
-        })
-        .collect();
-    QuantizedMatrix::from_parts(kind, rows, cols, codes, scales).unwrap()
 }
 
 #[test]

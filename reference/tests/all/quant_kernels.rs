@@ -6,47 +6,16 @@
 //! kernel's four or two rows at a time, and every token count of the matvec. Codes and scales are drawn directly:
 //! negative, zero, subnormal and large scales, every code.
 
-use half::f16;
+use crate::common::random_quantized;
 use reference::linear::{
     Elem, MATVEC_MAX_TOKENS, MappedMatrix, PackedMatrix, QuantKernel, SharedMap, matvec,
     matvec_packed, matvec_packed_on,
 };
-use reference::quant::{QuantKind, QuantizedMatrix};
+use reference::quant::QuantKind;
 use reference::synthetic::Rng;
 
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
-}
-
-/// Random codes over the kind's whole range and f16 scales of every sort (a fifth negative, some zero, some
-/// subnormal, magnitudes from 1e-6 to 1e3).
-fn random_quantized(kind: QuantKind, rows: usize, cols: usize, seed: u64) -> QuantizedMatrix {
-    let mut rng = Rng::new(seed);
-    let (lo, hi) = kind.code_range();
-    let span = (hi as i64 - lo as i64 + 1) as u64;
-    let codes = (0..rows * cols)
-        .map(|_| (lo as i64 + (rng.next_u64() % span) as i64) as i8)
-        .collect();
-    let per_row = match kind {
-        QuantKind::Int4Sym { group } => cols / group,
-        QuantKind::Int8Sym => 1,
-    };
-    let scales = (0..rows * per_row)
-        .map(|_| {
-            let v = match rng.next_u64() % 10 {
-                0 => 0.0,
-                1 => 3e-7 * rng.normal(),
-                _ => 10f64.powf(rng.range(-6.0, 3.0)),
-            };
-            let sign = if rng.next_u64().is_multiple_of(5) {
-                -1.0
-            } else {
-                1.0
-            };
-            f16::from_f64(sign * v)
-        })
-        .collect();
-    QuantizedMatrix::from_parts(kind, rows, cols, codes, scales).unwrap()
 }
 
 /// Inputs: normals of mixed magnitude, a few exact zeros and tiny values.
