@@ -3,45 +3,55 @@
 //! weight, in the summation order [`super::matvec`] documents, so that it equals [`super::matvec`] (and
 //! [`super::matvec_packed`]) bit for bit for every token count.
 //!
-//! Of an output's 32 lane accumulators (lane `i mod 32`, in increasing `i`), lanes 0..16 and 16..32 never meet before
-//! the final combination, so the kernel runs them as two halves: half `h` of step `s` is the 16 inputs
-//! `32s + 16h..32s + 16h + 16`, and one 512-bit register holds an output's 16 lanes of one half. That leaves room for
-//! a register tile of [`ROWS`] rows × [`TOKENS`] tokens (24 accumulators): per half step it loads each row's 16
-//! weights and each token's 16 inputs once, `ROWS + TOKENS` loads for `ROWS · TOKENS` fused multiply-adds.
+//! Of an output's 32 lane accumulators (lane `i mod 32`, in increasing `i`), no two lanes meet before the final
+//! combination, so the kernel runs them as `32 / W` parts of `W` lanes, one register each ([`Isa::WIDTH`]: 16 on
+//! AVX-512): part `p` of step `s` is the `W` inputs `32s + pW..32s + pW + W`. That leaves room for a
+//! register tile of [`Isa::ROWS`] rows × [`Isa::TOKENS`] tokens: per part step it loads each row's `W` weights and
+//! each token's `W` inputs once, `ROWS + TOKENS` loads for `ROWS · TOKENS` fused multiply-adds.
 //!
 //! The weights are widened (exactly) straight into f32 panels, a block of rows at a time, in one vectorised pass: per
-//! group of [`ROWS`] rows and per half, step by step, the rows' 16 weights side by side (`[half][step][row][16]`), so
+//! group of `ROWS` rows and per part, step by step, the rows' `W` weights side by side (`[part][step][row][W]`), so
 //! the inner loop reads them in order with no conversion. The inputs are laid out once per call the same way, per
-//! block of [`TOKENS`] tokens (`[half][step][token][16]`, padded with zero tokens). Every buffer is 64-byte aligned,
-//! so no load straddles two cache lines. Steps are taken [`STEPS`] at a time: the token block's inputs for those steps
-//! stay in the L1 cache while every row group of the block passes over them, the block's panel in L2; between them
-//! the accumulators wait in a small buffer, which changes no bit. At the end each output's two halves are combined
-//! as `matvec` combines its lanes and the `n mod 32` tail added one product at a time.
+//! block of `TOKENS` tokens (`[part][step][token][W]`, padded with zero tokens). Every buffer is 64-byte aligned, so
+//! no load straddles two cache lines. Steps are taken [`Isa::STEPS`] at a time: the token block's inputs for those
+//! steps stay in the L1 cache while every row group of the block passes over them, the block's panel in L2; between
+//! them the accumulators wait in a buffer, which changes no bit.
+//!
+//! A panel holds at most half the L2 cache ([`panel_bytes`]). Where a block of rows would then be too short to pay
+//! for reading every input again (fewer than [`MIN_BLOCK_ROWS`] rows of the whole width), the steps are taken a
+//! chunk at a time: the panel holds the block's rows for one chunk of steps, every token passes over it, and the
+//! accumulators of every token wait in the buffer for the next chunk (still in order: no bit changes). At the end
+//! each output's parts are combined as `matvec` combines its lanes and the `n mod 32` tail added one product at a
+//! time.
 //!
 //! Blocks of rows are split across the rayon threads as [`super::matvec`] splits rows; the split decides only which
 //! thread computes an output, never how. Without AVX-512F ([`PromptKernel::detect`]) the caller keeps the blocked
-//! GEMM of `rows::blocked_gemm`.
+//! GEMM of `rows::blocked_gemm`: on AVX2 the same driver with a 3-row × 4-token tile of 8-lane quarters ran at
+//! 0.83-0.87 of candle's GEMM on the f32 matrix where the blocked GEMM ran at 0.92-0.94 (`docs/speed.md`).
+//!
+//! The driver ([`product_on`]) is written once against [`Isa`], the routines that touch registers; its unit tests
+//! run it on emulated registers of several widths and tiles, so every way a call is cut is checked on any CPU.
+
+// Off x86-64 only the tests run the driver.
+#![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(test)]
+mod tests;
 
-use super::{MappedMatrix, PackedMatrix};
+use super::kernel::LANES;
+use super::quant_kernel::PackedRow;
+use super::{Elem, MappedMatrix, PackedMatrix};
+use rayon::prelude::*;
+use std::ops::Range;
 
-/// Rows in the register tile.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-const ROWS: usize = 4;
+/// Rows a block should hold across the whole width before the steps are split into chunks (see the module docs).
+const MIN_BLOCK_ROWS: usize = 32;
 
-/// Tokens in the register tile.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-const TOKENS: usize = 6;
-
-/// Half steps (16 inputs) taken between two visits of the accumulators' buffer.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-const STEPS: usize = 48;
-
-/// The f32 bytes of widened weights a block of rows holds at most (in the L2 cache beside the inputs).
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-const PANEL_BYTES: usize = 1 << 20;
+/// Tokens laid out and multiplied per pass over the weights: bounds the accumulators' buffer (a chunked block keeps
+/// `32` accumulators per row and token) at the cost of widening the weights once more per pass.
+const TOKENS_PER_PASS: usize = 512;
 
 /// Which product a prompt call (`T >` [`super::MATVEC_MAX_TOKENS`]) of a mapped or packed weight runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,12 +79,105 @@ impl PromptKernel {
 /// `y = x Wᵀ` for `t` tokens (`x` `[t, cols]` row-major, the result `[t, rows]`) on [`PromptKernel::Avx512`], in
 /// [`super::matvec`]'s summation order; `None` when the CPU lacks it (the caller then runs the blocked GEMM).
 pub(super) fn product(w: &impl Panels, x: &[f32], t: usize) -> Option<Vec<f32>> {
-    #[cfg(target_arch = "x86_64")]
-    if PromptKernel::detect() == PromptKernel::Avx512 {
-        return Some(x86::product(w, x, t));
+    match PromptKernel::detect() {
+        // SAFETY: `detect` found the instruction sets it runs on.
+        #[cfg(target_arch = "x86_64")]
+        PromptKernel::Avx512 => Some(unsafe { product_on::<avx512::Avx512>(w, x, t) }),
+        _ => {
+            let _ = (w, x, t);
+            None
+        }
     }
-    let _ = (w, x, t);
-    None
+}
+
+/// A vector instruction set the product runs on: the register tile's shape and the routines that touch registers.
+/// The driver ([`product_on`]) is written once against it.
+pub(super) trait Isa {
+    /// Lanes of a register: an output's 32 lane accumulators run as `32 / WIDTH` parts.
+    const WIDTH: usize;
+    /// Rows in the register tile.
+    const ROWS: usize;
+    /// Tokens in the register tile.
+    const TOKENS: usize;
+    /// Part steps (`WIDTH` inputs) taken between two visits of the accumulators' buffer.
+    const STEPS: usize;
+
+    /// The register tile: for `ROWS` rows and `TOKENS` tokens, `len` steps of one part added to the `WIDTH` lane
+    /// accumulators of that part of each output: lane `l` of step `s` adds `x[32s + pW + l] · w[32s + pW + l]`
+    /// (fused), steps in order. `panel` is the rows' `[step][row][W]` weights of the part, `xs` the tokens'
+    /// `[step][token][W]` inputs; `acc` holds the accumulators between calls, `[row][token][W]`, and is read unless
+    /// `first` (then they start at zero, as [`super::matvec`]'s do). All three are aligned to `4 · WIDTH` bytes.
+    ///
+    /// # Safety
+    /// The CPU runs the instruction set.
+    unsafe fn tile(panel: &[f32], xs: &[f32], len: usize, acc: &mut [f32], first: bool);
+
+    /// Steps `steps` of a stored row (`elem`) widened into `dst`: part `p` of step `s` at
+    /// `dst[p · second + (s - steps.start) · stride..][..W]`.
+    ///
+    /// # Safety
+    /// The CPU runs the instruction set.
+    unsafe fn widen_stored(
+        row: &[u8],
+        elem: Elem,
+        steps: Range<usize>,
+        dst: &mut [f32],
+        stride: usize,
+        second: usize,
+    );
+
+    /// Steps `steps` of a packed row's weights `f32(code) · f32(scale)` into `dst`, laid out as
+    /// [`Isa::widen_stored`] lays them.
+    ///
+    /// # Safety
+    /// The CPU runs the instruction set.
+    unsafe fn widen_packed(
+        row: &PackedRow,
+        steps: Range<usize>,
+        dst: &mut [f32],
+        stride: usize,
+        second: usize,
+    );
+
+    /// One output's 32 lane accumulators (part `p` at `acc[p · part..][..W]`) combined in [`super::matvec`]'s
+    /// order: lanes `(l + (l+8)) + ((l+16) + (l+24))` for `l < 8`, then reduced as `(l, l+4)`, `(l, l+2)`,
+    /// `(l, l+1)`.
+    ///
+    /// # Safety
+    /// The CPU runs the instruction set.
+    unsafe fn combine(acc: &[f32], part: usize) -> f32;
+
+    /// Asks for the cache lines of `values` in the L2 cache (a hint: nothing is read).
+    ///
+    /// # Safety
+    /// The CPU runs the instruction set.
+    unsafe fn prefetch(values: &[f32]);
+}
+
+/// Asserts that `dst` holds `32 / width` parts `second` apart, each `steps` runs of `width` values `stride` apart.
+fn check_panel(dst: &[f32], width: usize, steps: usize, stride: usize, second: usize) {
+    assert!(stride >= width && second >= steps * stride);
+    assert!(steps == 0 || dst.len() >= (LANES / width - 1) * second + (steps - 1) * stride + width);
+}
+
+/// Steps `steps` of a packed row widened a step at a time by [`PackedRow::widen`] and laid out as
+/// [`Isa::widen_stored`] lays them (rows whose groups split a part, and the instruction sets without a faster way).
+fn widen_packed_by_steps(
+    row: &PackedRow,
+    width: usize,
+    steps: Range<usize>,
+    dst: &mut [f32],
+    stride: usize,
+    second: usize,
+) {
+    check_panel(dst, width, steps.len(), stride, second);
+    let mut buf = [0f32; LANES];
+    for (k, s) in steps.enumerate() {
+        row.widen(s * LANES, &mut buf);
+        for (p, part) in buf.chunks_exact(width).enumerate() {
+            dst[p * second + k * stride..][..width].copy_from_slice(part);
+        }
+    }
 }
 
 /// A weight matrix whose rows can be widened into the panels.
@@ -82,20 +185,21 @@ pub(super) trait Panels: Sync {
     /// `(rows, cols)`.
     fn shape(&self) -> (usize, usize);
 
-    /// Row `r`'s first `32⌊cols/32⌋` weights into `dst`: the 16 of half `h` of step `s` at
-    /// `dst[h · second + s · stride..][..16]`; its last `cols mod 32` into `tail`.
+    /// Steps `steps` of row `r` (`32` weights each) into `dst`, laid out as [`Isa::widen_stored`] lays them.
     ///
     /// # Safety
-    /// The CPU has AVX-512F, AVX2, FMA and F16C ([`PromptKernel::Avx512`]).
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn widen(
+    /// The CPU runs `I`.
+    unsafe fn widen<I: Isa>(
         &self,
         r: usize,
+        steps: Range<usize>,
         dst: &mut [f32],
         stride: usize,
         second: usize,
-        tail: &mut [f32],
     );
+
+    /// Row `r`'s last `cols mod 32` weights into `tail`.
+    fn tail(&self, r: usize, tail: &mut [f32]);
 }
 
 impl Panels for MappedMatrix {
@@ -103,20 +207,25 @@ impl Panels for MappedMatrix {
         (self.rows(), self.cols())
     }
 
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn widen(
+    unsafe fn widen<I: Isa>(
         &self,
         r: usize,
+        steps: Range<usize>,
         dst: &mut [f32],
         stride: usize,
         second: usize,
-        tail: &mut [f32],
     ) {
-        let row = self.row_bytes(r);
-        // SAFETY: the features are the caller's guarantee.
-        unsafe { avx512::widen_stored(row, self.elem(), self.cols(), dst, stride, second) };
-        let main = self.cols() / 32 * 32;
-        super::kernel::widen(&row[main * self.elem().size()..], self.elem(), tail);
+        // SAFETY: the caller's guarantee.
+        unsafe { I::widen_stored(self.row_bytes(r), self.elem(), steps, dst, stride, second) };
+    }
+
+    fn tail(&self, r: usize, tail: &mut [f32]) {
+        let main = self.cols() / LANES * LANES;
+        super::kernel::widen(
+            &self.row_bytes(r)[main * self.elem().size()..],
+            self.elem(),
+            tail,
+        );
     }
 }
 
@@ -125,243 +234,370 @@ impl Panels for PackedMatrix {
         (self.rows(), self.cols())
     }
 
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn widen(
+    unsafe fn widen<I: Isa>(
         &self,
         r: usize,
+        steps: Range<usize>,
         dst: &mut [f32],
         stride: usize,
         second: usize,
-        tail: &mut [f32],
     ) {
-        let row = self.row(r);
-        // SAFETY: the features are the caller's guarantee.
-        unsafe { avx512::widen_packed(&row, dst, stride, second) };
-        row.widen(self.cols() / 32 * 32, tail);
+        // SAFETY: the caller's guarantee.
+        unsafe { I::widen_packed(&self.row(r), steps, dst, stride, second) };
+    }
+
+    fn tail(&self, r: usize, tail: &mut [f32]) {
+        self.row(r).widen(self.cols() / LANES * LANES, tail);
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-mod x86 {
-    use super::super::kernel::LANES;
-    use super::{Panels, ROWS, STEPS, TOKENS, avx512};
-    use rayon::prelude::*;
+/// The f32 bytes of widened weights a panel holds at most: half this CPU's L2 cache (Linux says its size; 2 MiB is
+/// assumed where it does not), between 128 KiB and 2 MiB.
+fn panel_bytes() -> usize {
+    static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BYTES.get_or_init(|| {
+        let read = |index: usize, what: &str| {
+            std::fs::read_to_string(format!(
+                "/sys/devices/system/cpu/cpu0/cache/index{index}/{what}"
+            ))
+        };
+        let l2 = (0..8)
+            .find(|&i| read(i, "level").is_ok_and(|l| l.trim() == "2"))
+            .and_then(|i| read(i, "size").ok())
+            .and_then(|s| cache_bytes(&s))
+            .unwrap_or(2 << 20);
+        (l2 / 2).clamp(128 << 10, 2 << 20)
+    })
+}
 
-    /// Inputs in half a step: the lanes of one 512-bit register.
-    const HALF: usize = LANES / 2;
+/// A cache's size as Linux writes it (`512K`, `2M`), in bytes.
+fn cache_bytes(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (digits, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit())?);
+    let n: usize = digits.parse().ok()?;
+    match unit {
+        "K" => Some(n << 10),
+        "M" => Some(n << 20),
+        _ => None,
+    }
+}
 
-    /// 16 f32 on a 64-byte boundary: one cache line, one register.
-    #[derive(Clone, Copy)]
-    #[repr(C, align(64))]
-    struct Line([f32; HALF]);
+/// 16 f32 on a 64-byte boundary: one cache line.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([f32; 16]);
 
-    /// A buffer of f32 on a 64-byte boundary (whole cache lines).
-    #[derive(Default)]
-    struct Aligned(Vec<Line>);
+/// A buffer of f32 on a 64-byte boundary (whole cache lines).
+#[derive(Default)]
+struct Aligned(Vec<Line>);
 
-    impl Aligned {
-        /// At least `len` values (a multiple of 16), zero when new.
-        fn zeroed(len: usize) -> Self {
-            Aligned(vec![Line([0.0; HALF]); len.div_ceil(HALF)])
-        }
+impl Aligned {
+    /// At least `len` values, zero when new.
+    fn zeroed(len: usize) -> Self {
+        Aligned(vec![Line([0.0; 16]); len.div_ceil(16)])
+    }
 
-        /// Makes room for `len` values (a multiple of 16); what it held may remain.
-        fn grow(&mut self, len: usize) {
-            if self.0.len() * HALF < len {
-                self.0.resize(len.div_ceil(HALF), Line([0.0; HALF]));
-            }
-        }
-
-        fn as_slice(&self) -> &[f32] {
-            // SAFETY: `Line` is `repr(C)` around 16 f32 and its size is exactly 64 bytes (no padding), so the lines
-            // are `16 · len` consecutive, initialised f32.
-            unsafe {
-                std::slice::from_raw_parts(self.0.as_ptr() as *const f32, self.0.len() * HALF)
-            }
-        }
-
-        fn as_mut_slice(&mut self) -> &mut [f32] {
-            // SAFETY: as in `as_slice`, borrowed mutably once.
-            unsafe {
-                std::slice::from_raw_parts_mut(self.0.as_mut_ptr() as *mut f32, self.0.len() * HALF)
-            }
+    /// Makes room for `len` values; what it held may remain.
+    fn grow(&mut self, len: usize) {
+        if self.0.len() * 16 < len {
+            self.0.resize(len.div_ceil(16), Line([0.0; 16]));
         }
     }
 
-    /// [`super::product`] on a CPU with AVX-512F, AVX2, FMA and F16C (the caller checked).
-    pub(super) fn product(w: &impl Panels, x: &[f32], t: usize) -> Vec<f32> {
-        let (rows, cols) = w.shape();
-        assert_eq!(x.len(), t * cols, "product: x must be [t, cols]");
-        if rows == 0 || t == 0 {
-            return vec![0f32; rows * t];
+    fn as_slice(&self) -> &[f32] {
+        // SAFETY: `Line` is `repr(C)` around 16 f32 and its size is exactly 64 bytes (no padding), so the lines are
+        // `16 · len` consecutive, initialised f32.
+        unsafe { std::slice::from_raw_parts(self.0.as_ptr() as *const f32, self.0.len() * 16) }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [f32] {
+        // SAFETY: as in `as_slice`, borrowed mutably once.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.0.as_mut_ptr() as *mut f32, self.0.len() * 16)
         }
-        let steps = cols / LANES;
-        let xs = token_blocks(x, t, cols);
-        // Rows per block: the panel within PANEL_BYTES, at least 16 blocks per thread where the matrix allows, a
-        // multiple of the tile's rows.
-        let threads = rayon::current_num_threads().max(1);
-        let fit = super::PANEL_BYTES / (steps * LANES * 4).max(1);
-        let block = fit
-            .min(rows.div_ceil(16 * threads))
-            .max(1)
-            .next_multiple_of(ROWS);
-        let mut y = vec![0f32; rows * t];
-        let out = Output(y.as_mut_ptr());
-        (0..rows.div_ceil(block)).into_par_iter().for_each(|b| {
-            let first = b * block;
-            let count = block.min(rows - first);
+    }
+}
+
+/// How a call is cut: steps per chunk and rows per block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Blocking {
+    chunk: usize,
+    block: usize,
+}
+
+/// The chunk of steps and the block of rows for a `[rows, steps · 32]` product on `threads` threads within
+/// `panel_bytes` of panel: the whole width where [`MIN_BLOCK_ROWS`] rows of it fit, else chunks of as many steps as
+/// let them fit; blocks as long as fit, but at least 16 per thread where the matrix allows, a multiple of `rows_tile`.
+fn blocking(
+    rows: usize,
+    steps: usize,
+    threads: usize,
+    panel_bytes: usize,
+    rows_tile: usize,
+) -> Blocking {
+    let step_bytes = LANES * 4;
+    let chunk = (panel_bytes / (MIN_BLOCK_ROWS * step_bytes))
+        .max(1)
+        .min(steps.max(1));
+    let fit = panel_bytes / (chunk * step_bytes);
+    let block = fit
+        .min(rows.div_ceil(16 * threads.max(1)))
+        .max(1)
+        .next_multiple_of(rows_tile);
+    Blocking { chunk, block }
+}
+
+/// [`product`] on `I`.
+///
+/// # Safety
+/// The CPU runs `I`.
+pub(super) unsafe fn product_on<I: Isa>(w: &impl Panels, x: &[f32], t: usize) -> Vec<f32> {
+    let (rows, cols) = w.shape();
+    assert_eq!(x.len(), t * cols, "product: x must be [t, cols]");
+    let mut y = vec![0f32; rows * t];
+    if rows == 0 || t == 0 {
+        return y;
+    }
+    let cut = blocking(
+        rows,
+        cols / LANES,
+        rayon::current_num_threads(),
+        panel_bytes(),
+        I::ROWS,
+    );
+    // SAFETY: the caller's guarantee.
+    unsafe { product_cut::<I>(w, x, t, cut, TOKENS_PER_PASS, &mut y) };
+    y
+}
+
+/// [`product_on`] cut as `cut` says, `pass` tokens (rounded up to whole token blocks) at a time, into `y`
+/// (`[t, rows]`).
+///
+/// # Safety
+/// The CPU runs `I`.
+unsafe fn product_cut<I: Isa>(
+    w: &impl Panels,
+    x: &[f32],
+    t: usize,
+    cut: Blocking,
+    pass: usize,
+    y: &mut [f32],
+) {
+    let rows = w.shape().0;
+    let cols = x.len() / t.max(1);
+    assert!(y.len() == rows * t && x.len() == t * cols && cut.block > 0);
+    let out = Output(y.as_mut_ptr());
+    let pass = pass.max(1).next_multiple_of(I::TOKENS);
+    for first_token in (0..t).step_by(pass) {
+        let count = pass.min(t - first_token);
+        let xp = &x[first_token * cols..(first_token + count) * cols];
+        let xs = token_blocks::<I>(xp, count, cols);
+        (0..rows.div_ceil(cut.block)).into_par_iter().for_each(|b| {
+            let first = b * cut.block;
+            let rows_here = cut.block.min(rows - first);
             BUFFERS.with(|bufs| {
                 let mut bufs = bufs.borrow_mut();
-                // SAFETY: the caller checked that the CPU has AVX-512F, AVX2, FMA and F16C; `y` holds `[t, rows]`,
-                // rows `first..first + count` are this task's alone, and `y` outlives the tasks.
-                unsafe { row_block(w, first, count, xs.as_slice(), x, t, out, &mut bufs) };
+                let pass = Pass {
+                    xs: xs.as_slice(),
+                    x: xp,
+                    tokens: count,
+                    first_token,
+                    chunk: cut.chunk.clamp(1, (cols / LANES).max(1)),
+                };
+                // SAFETY: the caller's guarantee; `y` holds `[t, rows]`, rows `first..first + rows_here` are
+                // this task's alone, and `y` outlives the tasks.
+                unsafe { row_block::<I>(w, first, rows_here, &pass, t, out, &mut bufs) };
             })
         });
-        y
     }
+}
 
-    /// The output `[t, rows]`, written by the tasks at once, each in its own rows' columns.
-    #[derive(Clone, Copy)]
-    struct Output(*mut f32);
+/// The output `[t, rows]`, written by the tasks at once, each in its own rows' columns.
+#[derive(Clone, Copy)]
+struct Output(*mut f32);
 
-    // SAFETY: the tasks write disjoint elements (their own rows) and nothing reads them until all are done.
-    unsafe impl Send for Output {}
-    // SAFETY: as above.
-    unsafe impl Sync for Output {}
+// SAFETY: the tasks write disjoint elements (their own rows) and nothing reads them until all are done.
+unsafe impl Send for Output {}
+// SAFETY: as above.
+unsafe impl Sync for Output {}
 
-    /// The inputs' first `32⌊cols/32⌋` columns per block of [`TOKENS`] tokens, `[block][half][step][token][16]`,
-    /// the last block padded with zero tokens.
-    fn token_blocks(x: &[f32], t: usize, cols: usize) -> Aligned {
-        let steps = cols / LANES;
-        let block_len = 2 * steps * TOKENS * HALF;
-        let mut xs = Aligned::zeroed(t.div_ceil(TOKENS) * block_len);
-        if steps == 0 {
-            return xs;
-        }
-        xs.as_mut_slice()
-            .par_chunks_mut(block_len)
-            .enumerate()
-            .for_each(|(b, dst)| {
-                for j in 0..TOKENS.min(t - b * TOKENS) {
-                    let src = &x[(b * TOKENS + j) * cols..][..steps * LANES];
-                    for (k, v) in src.chunks_exact(HALF).enumerate() {
-                        let (s, h) = (k / 2, k % 2);
-                        dst[((h * steps + s) * TOKENS + j) * HALF..][..HALF].copy_from_slice(v);
-                    }
+/// The inputs' first `32⌊cols/32⌋` columns per block of `TOKENS` tokens, `[block][part][step][token][W]`, the last
+/// block padded with zero tokens.
+fn token_blocks<I: Isa>(x: &[f32], t: usize, cols: usize) -> Aligned {
+    let (w, parts) = (I::WIDTH, LANES / I::WIDTH);
+    let steps = cols / LANES;
+    let block_len = parts * steps * I::TOKENS * w;
+    let mut xs = Aligned::zeroed(t.div_ceil(I::TOKENS) * block_len);
+    if steps == 0 {
+        return xs;
+    }
+    xs.as_mut_slice()
+        .par_chunks_mut(block_len)
+        .enumerate()
+        .for_each(|(b, dst)| {
+            for j in 0..I::TOKENS.min(t - b * I::TOKENS) {
+                let src = &x[(b * I::TOKENS + j) * cols..][..steps * LANES];
+                for (k, v) in src.chunks_exact(w).enumerate() {
+                    let (s, p) = (k / parts, k % parts);
+                    dst[((p * steps + s) * I::TOKENS + j) * w..][..w].copy_from_slice(v);
                 }
-            });
-        xs
-    }
+            }
+        });
+    xs
+}
 
-    /// A thread's buffers, kept between calls: the panel, the tails and the waiting accumulators.
-    #[derive(Default)]
-    struct Buffers {
-        panel: Aligned,
-        tail: Vec<f32>,
-        acc: Aligned,
-    }
+/// A thread's buffers, kept between calls: the panel, the tails and the waiting accumulators.
+#[derive(Default)]
+struct Buffers {
+    panel: Aligned,
+    tail: Vec<f32>,
+    acc: Aligned,
+}
 
-    thread_local! {
-        static BUFFERS: std::cell::RefCell<Buffers> = std::cell::RefCell::new(Buffers::default());
-    }
+thread_local! {
+    static BUFFERS: std::cell::RefCell<Buffers> = std::cell::RefCell::new(Buffers::default());
+}
 
-    /// The outputs of rows `first..first + count` into `out`, `[t, rows]` (element `j · rows + r` for token `j` and row
-    /// `r`):
-    /// their panel widened, then for each block of tokens ([`TOKENS`]) and each half, [`STEPS`] steps at a time,
-    /// every row group.
-    ///
-    /// # Safety
-    /// The CPU has AVX-512F, AVX2, FMA and F16C; `out` points to `t · rows` values of which no other thread touches
-    /// these rows'.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn row_block(
-        w: &impl Panels,
-        first: usize,
-        count: usize,
-        xs: &[f32],
-        x: &[f32],
-        t: usize,
-        out: Output,
-        bufs: &mut Buffers,
-    ) {
-        let (rows, cols) = w.shape();
-        assert!(first + count <= rows && x.len() >= t * cols);
-        let steps = cols / LANES;
-        let main = steps * LANES;
-        let tail_len = cols - main;
-        let groups = count.div_ceil(ROWS);
-        // A group's panel: per half, `steps` runs of ROWS · 16 weights.
-        let half_len = steps * ROWS * HALF;
-        let group_len = 2 * half_len;
-        // A group's accumulators: [half][row][token][16].
-        let acc_half = ROWS * TOKENS * HALF;
-        let acc_len = 2 * acc_half;
-        bufs.panel.grow(groups * group_len);
-        bufs.acc.grow(groups * acc_len);
-        if bufs.tail.len() < count * tail_len {
-            bufs.tail.resize(count * tail_len, 0.0);
-        }
+/// One pass's tokens: `tokens` of them from `first_token` on, laid out ([`token_blocks`]) and as given.
+struct Pass<'a> {
+    xs: &'a [f32],
+    x: &'a [f32],
+    tokens: usize,
+    first_token: usize,
+    chunk: usize,
+}
+
+/// The outputs of rows `first..first + count` for the pass's tokens into `out`, `[t, rows]` (element `j · rows + r`
+/// for token `j` and row `r`): per chunk of steps, their panel widened, then for each block of tokens and each part,
+/// `STEPS` steps at a time, every row group; after the last chunk the outputs combined.
+///
+/// # Safety
+/// The CPU runs `I`; `out` points to `t · rows` values of which no other thread touches these rows'.
+unsafe fn row_block<I: Isa>(
+    w: &impl Panels,
+    first: usize,
+    count: usize,
+    pass: &Pass,
+    t: usize,
+    out: Output,
+    bufs: &mut Buffers,
+) {
+    let (rows, cols) = w.shape();
+    let (wd, parts) = (I::WIDTH, LANES / I::WIDTH);
+    let (tokens, x) = (pass.tokens, pass.x);
+    assert!(first + count <= rows && x.len() >= tokens * cols);
+    assert!(pass.first_token + tokens <= t);
+    let steps = cols / LANES;
+    let main = steps * LANES;
+    let tail_len = cols - main;
+    let groups = count.div_ceil(I::ROWS);
+    let blocks = tokens.div_ceil(I::TOKENS);
+    let chunk = pass.chunk.max(1);
+    let chunks = steps.div_ceil(chunk).max(1);
+    // A group's panel: per part, up to `chunk` runs of ROWS · W weights.
+    let part_len = chunk * I::ROWS * wd;
+    let group_len = parts * part_len;
+    // The accumulators of a group and a token block: [part][row][token][W].
+    let acc_part = I::ROWS * I::TOKENS * wd;
+    let acc_len = parts * acc_part;
+    // Where every token block waits for the next chunk; with one chunk, a block's are combined before the next.
+    let acc_blocks = if chunks > 1 { blocks } else { 1 };
+    bufs.panel.grow(groups * group_len);
+    bufs.acc.grow(acc_blocks * groups * acc_len);
+    if bufs.tail.len() < count * tail_len {
+        bufs.tail.resize(count * tail_len, 0.0);
+    }
+    for k in 0..count {
+        w.tail(first + k, &mut bufs.tail[k * tail_len..(k + 1) * tail_len]);
+    }
+    let token_part = steps * I::TOKENS * wd;
+    let xs = pass.xs;
+    for c in 0..chunks {
+        let range = c * chunk..((c + 1) * chunk).min(steps);
         let panel = bufs.panel.as_mut_slice();
         for k in 0..count {
-            let (g, r) = (k / ROWS, k % ROWS);
+            let (g, r) = (k / I::ROWS, k % I::ROWS);
             // (Empty when the row is shorter than a step.)
-            let start = (g * group_len + r * HALF).min((g + 1) * group_len);
+            let start = (g * group_len + r * wd).min((g + 1) * group_len);
             let dst = &mut panel[start..(g + 1) * group_len];
-            let tail = &mut bufs.tail[k * tail_len..(k + 1) * tail_len];
-            // SAFETY: the caller's guarantee; `dst` holds, per half, `steps` runs of 16 values ROWS · 16 apart.
-            unsafe { w.widen(first + k, dst, ROWS * HALF, half_len, tail) };
+            // SAFETY: the caller's guarantee; `dst` holds, per part, `range.len()` runs of W values ROWS · W apart.
+            unsafe { w.widen::<I>(first + k, range.clone(), dst, I::ROWS * wd, part_len) };
         }
         // Rows of the last group past the matrix keep whatever the panel held: their outputs are never read.
         let panel = bufs.panel.as_slice();
         let acc = bufs.acc.as_mut_slice();
-        let token_half = steps * TOKENS * HALF;
-        for b in 0..t.div_ceil(TOKENS) {
-            for h in 0..2 {
-                let xb = &xs[(2 * b + h) * token_half..][..token_half];
-                let mut s = 0;
+        for b in 0..blocks {
+            let acc_b = &mut acc[(b % acc_blocks) * groups * acc_len..][..groups * acc_len];
+            for p in 0..parts {
+                let xb = &xs[(parts * b + p) * token_part..][..token_part];
+                let mut s = range.start;
                 loop {
-                    let len = STEPS.min(steps - s);
-                    // The inputs the next pass over the row groups reads (the next steps, half or token block: the
-                    // next values of `xs`), asked for a group's share at a time.
-                    let next = &xs[((2 * b + h) * steps + s + len) * TOKENS * HALF..];
-                    let next = &next[..next.len().min(STEPS * TOKENS * HALF)];
-                    let share = next.len().div_ceil(groups * HALF) * HALF;
+                    let len = I::STEPS.min(range.end - s);
+                    let next = next_inputs::<I>(xs, steps, blocks, &range, b, p, s + len);
+                    let share = next.len().div_ceil(groups * wd) * wd;
                     for g in 0..groups {
                         // SAFETY: the caller's guarantee.
-                        unsafe {
-                            avx512::prefetch(next.chunks(share.max(HALF)).nth(g).unwrap_or(&[]))
-                        };
-                        let p = &panel[g * group_len + h * half_len + s * ROWS * HALF..]
-                            [..len * ROWS * HALF];
-                        let a = &mut acc[g * acc_len + h * acc_half..][..acc_half];
-                        // SAFETY: the caller's guarantee; the slices hold `len` half steps of the group and of the
+                        unsafe { I::prefetch(next.chunks(share.max(wd)).nth(g).unwrap_or(&[])) };
+                        let pg = &panel
+                            [g * group_len + p * part_len + (s - range.start) * I::ROWS * wd..]
+                            [..len * I::ROWS * wd];
+                        let a = &mut acc_b[g * acc_len + p * acc_part..][..acc_part];
+                        // SAFETY: the caller's guarantee; the slices hold `len` part steps of the group and of the
                         // token block.
-                        unsafe { avx512::tile(p, &xb[s * TOKENS * HALF..], len, a, s == 0) };
+                        unsafe { I::tile(pg, &xb[s * I::TOKENS * wd..], len, a, s == 0) };
                     }
                     s += len;
-                    if s >= steps {
+                    if s >= range.end {
                         break;
                     }
                 }
             }
+            if c + 1 < chunks {
+                continue;
+            }
             for k in 0..count {
-                let (g, r) = (k / ROWS, k % ROWS);
+                let (g, r) = (k / I::ROWS, k % I::ROWS);
                 let tail = &bufs.tail[k * tail_len..(k + 1) * tail_len];
-                for j in 0..TOKENS.min(t - b * TOKENS) {
-                    let token = b * TOKENS + j;
-                    let lanes = |h: usize| {
-                        &acc[g * acc_len + h * acc_half + (r * TOKENS + j) * HALF..][..HALF]
-                    };
-                    // SAFETY: the caller's guarantee.
-                    let mut sum = unsafe { avx512::combine(lanes(0), lanes(1)) };
+                for j in 0..I::TOKENS.min(tokens - b * I::TOKENS) {
+                    let token = b * I::TOKENS + j;
+                    let lanes = &acc_b[g * acc_len + (r * I::TOKENS + j) * wd..];
+                    // SAFETY: the caller's guarantee; the parts are `acc_part` apart inside the group's.
+                    let mut sum = unsafe { I::combine(lanes, acc_part) };
                     for (i, wv) in tail.iter().enumerate() {
                         sum = x[token * cols + main + i].mul_add(*wv, sum);
                     }
-                    // SAFETY: `token < t` and `first + k < rows`: inside `out`, this task's row (the caller's
-                    // guarantee).
-                    unsafe { *out.0.add(token * rows + first + k) = sum };
+                    // SAFETY: `pass.first_token + token < t` and `first + k < rows`: inside `out`, this task's row
+                    // (the caller's guarantee).
+                    unsafe { *out.0.add((pass.first_token + token) * rows + first + k) = sum };
                 }
             }
         }
     }
+}
+
+/// The inputs the next pass over a block's row groups reads, after steps `..s` of part `p` of token block `b` in
+/// the chunk `range`: the next steps of the part, else the next part's or block's first steps of the chunk; at most
+/// `STEPS` steps of them.
+fn next_inputs<'a, I: Isa>(
+    xs: &'a [f32],
+    steps: usize,
+    blocks: usize,
+    range: &Range<usize>,
+    b: usize,
+    p: usize,
+    s: usize,
+) -> &'a [f32] {
+    let parts = LANES / I::WIDTH;
+    let (b, p, s) = if s < range.end {
+        (b, p, s)
+    } else if p + 1 < parts {
+        (b, p + 1, range.start)
+    } else if b + 1 < blocks {
+        (b + 1, 0, range.start)
+    } else {
+        return &[];
+    };
+    let len = I::STEPS.min(range.end - s) * I::TOKENS * I::WIDTH;
+    let start = ((parts * b + p) * steps + s) * I::TOKENS * I::WIDTH;
+    &xs[start.min(xs.len())..(start + len).min(xs.len())]
 }

@@ -6,7 +6,8 @@
 //! scalar code with fused multiply-adds: on odd shapes (tails of every length, widths past one block of steps, row
 //! counts that leave a partial row group and several row blocks, odd byte offsets), with inputs and weights of
 //! mixed magnitude, zeros and tiny values, on one thread or several. Where the CPU lacks AVX-512F the prompt keeps
-//! the blocked GEMM and these tests check nothing.
+//! the blocked GEMM and these tests check nothing here (the kernel's driver, with every way it cuts a call, is
+//! checked on any CPU by the unit tests of `gemm_kernel`, on emulated registers).
 
 use crate::common::random_quantized;
 use half::f16;

@@ -10,25 +10,75 @@
 use super::super::kernel::x86::hsum;
 use super::super::quant_kernel::PackedRow;
 use super::super::{Elem, kernel::LANES};
-use super::{ROWS, TOKENS};
+use super::{Isa, check_panel, widen_packed_by_steps};
 use std::arch::x86_64::*;
+use std::ops::Range;
 
 /// Half a step: the lanes of one 512-bit register.
 const HALF: usize = LANES / 2;
+
+/// Rows in the register tile.
+const ROWS: usize = 4;
+
+/// Tokens in the register tile (24 accumulators, 10 loads per 24 fused multiply-adds).
+const TOKENS: usize = 6;
+
+/// AVX-512F (with AVX2, FMA and F16C): two halves of 16 lanes, a tile of 4 rows × 6 tokens.
+pub(super) struct Avx512;
+
+impl Isa for Avx512 {
+    const WIDTH: usize = HALF;
+    const ROWS: usize = ROWS;
+    const TOKENS: usize = TOKENS;
+    // The token block's inputs for 48 half steps, 18 KiB, stay in the L1 cache.
+    const STEPS: usize = 48;
+
+    unsafe fn tile(panel: &[f32], xs: &[f32], len: usize, acc: &mut [f32], first: bool) {
+        // SAFETY: the caller's guarantee.
+        unsafe { tile(panel, xs, len, acc, first) }
+    }
+
+    unsafe fn widen_stored(
+        row: &[u8],
+        elem: Elem,
+        steps: Range<usize>,
+        dst: &mut [f32],
+        stride: usize,
+        second: usize,
+    ) {
+        // SAFETY: the caller's guarantee.
+        unsafe { widen_stored(row, elem, steps, dst, stride, second) }
+    }
+
+    unsafe fn widen_packed(
+        row: &PackedRow,
+        steps: Range<usize>,
+        dst: &mut [f32],
+        stride: usize,
+        second: usize,
+    ) {
+        // SAFETY: the caller's guarantee.
+        unsafe { widen_packed(row, steps, dst, stride, second) }
+    }
+
+    unsafe fn combine(acc: &[f32], part: usize) -> f32 {
+        // SAFETY: the caller's guarantee.
+        unsafe { combine(acc, &acc[part..]) }
+    }
+
+    unsafe fn prefetch(values: &[f32]) {
+        // SAFETY: the caller's guarantee.
+        unsafe { prefetch(values) }
+    }
+}
 
 /// The INT4 codes in nibble order, as f32: nibble `v` holds code `v` for `v < 8` and `v - 16` above.
 const NIBBLE_CODES: [f32; 16] = [
     0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0,
 ];
 
-/// Asserts that `dst` holds two halves `second` apart, each `steps` runs of 16 values `stride` apart.
-fn check_panel(dst: &[f32], steps: usize, stride: usize, second: usize) {
-    assert!(stride >= HALF && second >= steps * stride);
-    assert!(steps == 0 || dst.len() >= second + (steps - 1) * stride + HALF);
-}
-
-/// The first `32⌊cols/32⌋` stored values of `row` (`elem`) widened into `dst`, the 16 of half `h` of step `s` at
-/// `dst[h · second + s · stride..][..16]`.
+/// Steps `steps` of `row`'s stored values (`elem`) widened into `dst`, the 16 of half `h` of step `s` at
+/// `dst[h · second + (s - steps.start) · stride..][..16]`.
 ///
 /// # Safety
 /// The CPU has AVX-512F, AVX2, FMA and F16C.
@@ -36,20 +86,19 @@ fn check_panel(dst: &[f32], steps: usize, stride: usize, second: usize) {
 pub(super) unsafe fn widen_stored(
     row: &[u8],
     elem: Elem,
-    cols: usize,
+    steps: Range<usize>,
     dst: &mut [f32],
     stride: usize,
     second: usize,
 ) {
-    let steps = cols / LANES;
-    check_panel(dst, steps, stride, second);
-    assert!(row.len() >= cols * elem.size());
+    check_panel(dst, HALF, steps.len(), stride, second);
+    assert!(row.len() >= steps.end * LANES * elem.size());
     let (src, out) = (row.as_ptr(), dst.as_mut_ptr());
-    for s in 0..steps {
+    for (k, s) in steps.enumerate() {
         for h in 0..2 {
             let i = s * LANES + h * HALF;
-            // SAFETY: `i + 16 <= 32⌊cols/32⌋`, inside the row (asserted); the 16 values written at
-            // `h · second + s · stride` are inside `dst` (`check_panel`). The loads and stores are unaligned.
+            // SAFETY: `i + 16 <= 32 · steps.end`, inside the row (asserted); the 16 values written at
+            // `h · second + k · stride` are inside `dst` (`check_panel`). The loads and stores are unaligned.
             unsafe {
                 let v = match elem {
                     Elem::Bf16 => {
@@ -61,32 +110,33 @@ pub(super) unsafe fn widen_stored(
                     }
                     Elem::F32 => _mm512_loadu_ps(src.add(4 * i) as *const f32),
                 };
-                _mm512_storeu_ps(out.add(h * second + s * stride), v);
+                _mm512_storeu_ps(out.add(h * second + k * stride), v);
             }
         }
     }
 }
 
-/// The first `32⌊cols/32⌋` weights `f32(code) · f32(scale)` of a packed row into `dst`, the 16 of half `h` of step
-/// `s` at `dst[h · second + s · stride..][..16]`. Rows whose groups split a half step (16 codes) are widened by
-/// [`PackedRow::widen`].
+/// Steps `steps` of a packed row's weights `f32(code) · f32(scale)` into `dst`, the 16 of half `h` of step `s` at
+/// `dst[h · second + (s - steps.start) · stride..][..16]`. Rows whose groups split a half step (16 codes) are widened
+/// by [`PackedRow::widen`].
 ///
 /// # Safety
 /// The CPU has AVX-512F, AVX2, FMA and F16C.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-pub(super) unsafe fn widen_packed(row: &PackedRow, dst: &mut [f32], stride: usize, second: usize) {
-    let steps = row.cols / LANES;
-    check_panel(dst, steps, stride, second);
+pub(super) unsafe fn widen_packed(
+    row: &PackedRow,
+    steps: Range<usize>,
+    dst: &mut [f32],
+    stride: usize,
+    second: usize,
+) {
     let group = row.group;
     if group == 0 || !(group.is_multiple_of(HALF) || group >= row.cols) {
-        let mut buf = [0f32; LANES];
-        for s in 0..steps {
-            row.widen(s * LANES, &mut buf);
-            dst[s * stride..][..HALF].copy_from_slice(&buf[..HALF]);
-            dst[second + s * stride..][..HALF].copy_from_slice(&buf[HALF..]);
-        }
+        widen_packed_by_steps(row, HALF, steps, dst, stride, second);
         return;
     }
+    check_panel(dst, HALF, steps.len(), stride, second);
+    assert!(steps.end <= row.cols / LANES);
     let code_bytes = if row.int4 {
         row.cols.div_ceil(2)
     } else {
@@ -96,7 +146,7 @@ pub(super) unsafe fn widen_packed(row: &PackedRow, dst: &mut [f32], stride: usiz
     // SAFETY: 16 values.
     let nibbles = unsafe { _mm512_loadu_ps(NIBBLE_CODES.as_ptr()) };
     let (codes, out) = (row.codes.as_ptr(), dst.as_mut_ptr());
-    for s in 0..steps {
+    for (k, s) in steps.enumerate() {
         for h in 0..2 {
             let i = s * LANES + h * HALF;
             // The half step's scale (one group holds it: `group` is a multiple of 16 or the whole row), widened
@@ -104,7 +154,7 @@ pub(super) unsafe fn widen_packed(row: &PackedRow, dst: &mut [f32], stride: usiz
             let scale = _mm512_cvtph_ps(_mm256_set1_epi16(row.scales[i / group].to_bits() as i16));
             // SAFETY: the codes of step `s` are inside the row (asserted): 16 bytes at `16s` for INT4 (lanes
             // 0..16 in the low nibbles, 16..32 in the high ones), 16 at `i` for INT8; the 16 values written at
-            // `h · second + s · stride` are inside `dst` (`check_panel`). The loads and stores are unaligned.
+            // `h · second + k · stride` are inside `dst` (`check_panel`). The loads and stores are unaligned.
             unsafe {
                 let v = if row.int4 {
                     let bytes = _mm_loadu_si128(codes.add(s * HALF) as *const __m128i);
@@ -120,7 +170,7 @@ pub(super) unsafe fn widen_packed(row: &PackedRow, dst: &mut [f32], stride: usiz
                     let c = _mm512_cvtepi8_epi32(_mm_loadu_si128(codes.add(i) as *const __m128i));
                     _mm512_mul_ps(_mm512_cvtepi32_ps(c), scale)
                 };
-                _mm512_storeu_ps(out.add(h * second + s * stride), v);
+                _mm512_storeu_ps(out.add(h * second + k * stride), v);
             }
         }
     }
