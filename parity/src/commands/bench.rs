@@ -7,20 +7,21 @@ use super::args::{Backend, DeviceArgs, Dtype, FormArgs, ModelArgs};
 use crate::device::own::engine;
 use crate::device::{DeviceSettings, check_context, check_positions, reference_on};
 use crate::outputs::Paths;
-use crate::perf::flops::{self, Flops, RunShape};
-use crate::perf::machine::{self, Machine};
+use crate::perf::flops::{self, RunShape};
+use crate::perf::machine::{self, shares};
 use crate::perf::memory::{self, Sampler};
+use crate::perf::weights::{active_parameters, decode_weight_bytes, decode_weight_parameters};
+use crate::report::bench::vision_terminal;
+pub use crate::report::bench::{BenchReport, PagesReport, terminal};
 use anyhow::{Context, Result, bail};
 use npu::graphs::DeltaNetGraphForm;
-use reference::backend::{RunRecord, greedy};
-use reference::config::Config;
+use reference::backend::greedy;
 use reference::deltanet::Form;
 use reference::model::Model;
 use reference::pages::Pages;
 use reference::quant::WeightFormat;
-use reference::schema::{Param, Role, Schema, TensorSpec};
+use reference::schema::Schema;
 use reference::synthetic::Rng;
-use reference::weights::WeightStore;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -76,86 +77,6 @@ enum PagesArg {
     KeepAlwaysRead,
 }
 
-/// Everything `qwen35 bench` measured (`schema_version` 1). Rates are per second of wall time; FLOPs follow
-/// [`crate::perf::flops`]; memory follows [`crate::perf::memory`].
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct BenchReport {
-    /// The JSON layout's version.
-    pub schema_version: u32,
-    /// The checkpoint directory.
-    pub model: String,
-    /// Decoder layers.
-    pub layers: usize,
-    /// Decoder parameters (embedding, layers, final norm, LM head).
-    pub parameters: u64,
-    /// The decoder parameters one token runs through: all of them in a dense decoder; in an MoE one, `k` of each
-    /// layer's `E` routed experts.
-    pub active_parameters: u64,
-    /// What ran (backend, device, forms, precision).
-    pub record: RunRecord,
-    /// The reference's pages policy (`release` or `keep-always-read`, [`Pages::name`]) and the bytes of the
-    /// always-read weights it reads in place (what `keep-always-read` keeps resident); absent on OpenVINO.
-    pub pages: Option<PagesReport>,
-    /// Threads (candle's count for the reference: `RAYON_NUM_THREADS`, else every core).
-    pub threads: usize,
-    /// Prompt tokens.
-    pub prompt_tokens: usize,
-    /// Decode steps (single-token forward calls).
-    pub decode_tokens: usize,
-    /// Seconds to read the config, open the weights and build the model (or the graphs, compiled).
-    pub load_seconds: f64,
-    /// Seconds of the prompt's forward call(s).
-    pub prompt_seconds: f64,
-    /// Seconds of the decode steps, greedy choice included.
-    pub decode_seconds: f64,
-    /// Prompt tokens per second.
-    pub prompt_tokens_per_s: f64,
-    /// Decode tokens per second.
-    pub decode_tokens_per_s: f64,
-    /// FLOPs of the prompt by kind.
-    pub prompt_flops: Flops,
-    /// FLOPs of all decode steps by kind.
-    pub decode_flops: Flops,
-    /// Achieved prompt GFLOP/s.
-    pub prompt_gflops_per_s: f64,
-    /// Achieved decode GFLOP/s.
-    pub decode_gflops_per_s: f64,
-    /// Bytes of weights a decode step reads (projections and LM head at the precision they are held in), if known.
-    pub decode_weight_bytes_per_token: Option<u64>,
-    /// Those bytes times decode tokens per second, GB/s.
-    pub decode_weight_gb_per_s: Option<f64>,
-    /// The process's peak resident set (`VmHWM`: anonymous memory and resident pages of the mapped checkpoint).
-    pub peak_rss_bytes: u64,
-    /// The largest anonymous resident memory (`RssAnon`) sampled every 10 ms over load and run.
-    pub peak_anon_bytes: u64,
-    /// The machine's own limits, measured after the run (absent with `--no-machine`).
-    pub machine: Option<Machine>,
-    /// The prompt's achieved GFLOP/s over the machine's f32 GEMM rate (`machine.gemm_gflops_per_s`), whatever the
-    /// weight format: a slower prompt shows here as a smaller share, the machine's load divided out (absent with
-    /// `--no-machine`).
-    pub prompt_share_of_gemm: Option<f64>,
-    /// A decode step's time over the time to read the weights it streams once at the machine's read bandwidth
-    /// (`decode_weight_bytes_per_token / machine.read_gb_per_s`), whatever the weight format: 1.0 is a step bound
-    /// by memory, and a kernel that computes slower than memory delivers shows above it (absent with
-    /// `--no-machine`, or when the bytes a step reads are not known).
-    pub decode_read_ratio: Option<f64>,
-    /// The prompt's token ids.
-    pub prompt_ids: Vec<u32>,
-    /// The greedy tokens chosen: `decode_tokens + 1`, the first from the prompt's logits, then one per decode step.
-    pub generated_ids: Vec<u32>,
-}
-
-/// The reference's pages policy in a [`BenchReport`].
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct PagesReport {
-    /// [`Pages::name`] of the policy that ran.
-    pub policy: String,
-    /// Whether `--pages auto` chose it.
-    pub auto: bool,
-    /// [`Model::always_read_bytes`].
-    pub always_read_bytes: u64,
-}
-
 /// What a benchmark runs, validated before any work.
 enum Plan {
     Reference(reference::model::RunOptions),
@@ -168,74 +89,6 @@ pub fn prompt_ids(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
     (0..n)
         .map(|_| (rng.next_u64() % vocab as u64) as u32)
         .collect()
-}
-
-/// Parameters a decode step reads from memory: every projection (of an MoE layer's routed experts, the `k` a token
-/// runs) and the LM head (one row of the embedding aside).
-fn decode_weight_parameters(c: &Config) -> u64 {
-    let (mut all, mut experts) = (0, 0);
-    for t in decode_matrices(c) {
-        let n = t.shape.iter().product::<usize>() as u64;
-        if flops::token_share(c, t.param) == 1.0 {
-            all += n;
-        } else {
-            experts += n;
-        }
-    }
-    all + routed_share(c, experts)
-}
-
-/// The part of the routed experts' `total` (parameters or bytes, summed over every expert) that a token reads: `k`
-/// of the `E` experts of each layer, all of one size.
-fn routed_share(c: &Config, total: u64) -> u64 {
-    c.moe.as_ref().map_or(0, |m| {
-        total * m.num_experts_per_tok as u64 / m.num_experts as u64
-    })
-}
-
-/// The decoder parameters one token runs through (`k` of the `E` routed experts of an MoE layer).
-fn active_parameters(c: &Config) -> u64 {
-    let (mut all, mut experts) = (0, 0);
-    for t in Schema::new(c).tensors() {
-        let n = t.shape.iter().product::<usize>() as u64;
-        if flops::token_share(c, t.param) == 1.0 {
-            all += n;
-        } else {
-            experts += n;
-        }
-    }
-    all + routed_share(c, experts)
-}
-
-/// The matrices a decode step multiplies: every projection of every layer (every routed expert's: a step reads `k`
-/// of them, [`routed_share`]), then the LM head (the embedding when they are tied).
-fn decode_matrices(c: &Config) -> Vec<TensorSpec> {
-    let s = Schema::new(c);
-    let mut specs: Vec<TensorSpec> = (0..c.num_layers())
-        .flat_map(|i| s.layer_tensors(i))
-        .filter(|t| t.role() == Role::Projection)
-        .collect();
-    specs.push(s.global(if c.tie_word_embeddings {
-        Param::EmbedTokens
-    } else {
-        Param::LmHead
-    }));
-    specs
-}
-
-/// The bytes of weights a reference decode step reads, as the store holds them (stored bf16, packed INT4/INT8
-/// codes and scales, f16, or the run's dtype): of an MoE layer's routed experts, the `k` it runs.
-fn decode_weight_bytes(c: &Config, store: &WeightStore) -> Result<u64> {
-    let (mut all, mut experts) = (0, 0);
-    for spec in decode_matrices(c) {
-        let bytes = store.linear_bytes(&spec)?;
-        if flops::token_share(c, spec.param) == 1.0 {
-            all += bytes;
-        } else {
-            experts += bytes;
-        }
-    }
-    Ok(all + routed_share(c, experts))
 }
 
 /// Runs `qwen35 bench`.
@@ -425,124 +278,6 @@ pub fn exec(args: BenchArgs) -> Result<Outcome> {
     Ok(Outcome::Pass)
 }
 
-/// The prompt's share of the machine's GEMM rate and a decode step's time over the time to read its weights once at
-/// the machine's read bandwidth (the same as the ratio of that bandwidth to the rate the step streamed them at).
-fn shares(
-    machine: Option<&Machine>,
-    prompt_gflops_per_s: f64,
-    decode_weight_gb_per_s: Option<f64>,
-) -> (Option<f64>, Option<f64>) {
-    let Some(m) = machine else {
-        return (None, None);
-    };
-    (
-        Some(prompt_gflops_per_s / m.gemm_gflops_per_s),
-        decode_weight_gb_per_s.map(|rate| m.read_gb_per_s / rate),
-    )
-}
-
-/// The report as a table for the terminal.
-pub fn terminal(r: &BenchReport) -> String {
-    use crate::report::size;
-    let mut out = String::new();
-    let what = match &r.record.device {
-        Some(d) => format!(
-            "{} on {d} ({})",
-            r.record.backend,
-            r.record.precision_text()
-        ),
-        None => format!("{} {}", r.record.backend, r.record.dtype),
-    };
-    let active = if r.active_parameters < r.parameters {
-        format!(
-            ", {} active per token",
-            crate::report::count(r.active_parameters)
-        )
-    } else {
-        String::new()
-    };
-    out += &format!(
-        "qwen35 bench: {} ({} layers, {} parameters{active}), {what}, weights {}, {} threads\n",
-        r.model,
-        r.layers,
-        crate::report::count(r.parameters),
-        r.record.weights,
-        r.threads
-    );
-    out += &format!(
-        "  DeltaNet: prompt {}, decode {}\n",
-        r.record.deltanet_prefill, r.record.deltanet_decode
-    );
-    if let Some(p) = &r.pages {
-        out += &format!(
-            "  pages    {}{} (the weights every token reads: {} read in place)\n",
-            p.policy,
-            if p.auto {
-                ", by the rule"
-            } else {
-                ", as asked"
-            },
-            size(p.always_read_bytes)
-        );
-    }
-    out += &format!("  load     {:>9.2} s\n", r.load_seconds);
-    let gflop = |f: &Flops, n: usize| f.total() / 1e9 / n as f64;
-    out += &format!(
-        "  prompt   {:>9.2} s  {:>5} tokens  {:>9.2} tok/s  {:>8.1} GFLOP/s  ({:.2} GFLOP/token)\n",
-        r.prompt_seconds,
-        r.prompt_tokens,
-        r.prompt_tokens_per_s,
-        r.prompt_gflops_per_s,
-        gflop(&r.prompt_flops, r.prompt_tokens)
-    );
-    out += &format!(
-        "  decode   {:>9.2} s  {:>5} steps   {:>9.2} tok/s  {:>8.1} GFLOP/s  ({:.2} GFLOP/token; {} tokens chosen, \
-         the first from the prompt)\n",
-        r.decode_seconds,
-        r.decode_tokens,
-        r.decode_tokens_per_s,
-        r.decode_gflops_per_s,
-        gflop(&r.decode_flops, r.decode_tokens),
-        r.generated_ids.len()
-    );
-    if let (Some(b), Some(rate)) = (r.decode_weight_bytes_per_token, r.decode_weight_gb_per_s) {
-        out += &format!(
-            "  decode reads {} of weights per token: {rate:.2} GB/s\n",
-            size(b)
-        );
-    }
-    out += &format!(
-        "  memory   peak resident {} (VmHWM), peak anonymous {} (RssAnon sampled every 10 ms)\n",
-        size(r.peak_rss_bytes),
-        size(r.peak_anon_bytes)
-    );
-    if let Some(m) = &r.machine {
-        out += &format!(
-            "  machine  f32 GEMM {:.1} GFLOP/s ({n}x{n}x{n}, candle), read {:.1} GB/s, copy {:.1} GB/s (read + write, {}), best of {}, {} threads\n",
-            m.gemm_gflops_per_s,
-            m.read_gb_per_s,
-            m.copy_gb_per_s,
-            size(m.copy_bytes as u64),
-            m.repeats,
-            m.threads,
-            n = m.gemm_size
-        );
-        if let Some(share) = r.prompt_share_of_gemm {
-            out += &format!(
-                "  share    prompt at {:.0}% of the GEMM rate",
-                100.0 * share
-            );
-        }
-        if let Some(ratio) = r.decode_read_ratio {
-            out += &format!(
-                "; a decode step takes {ratio:.2}x the time to read its weights once at the read bandwidth"
-            );
-        }
-        out += "\n";
-    }
-    out
-}
-
 /// `bench --image-grid HxW`: the vision tower on one image of that grid.
 fn bench_vision(args: &BenchArgs, grid: &str) -> Result<Outcome> {
     let (h, w) = super::args::parse_pair("--image-grid", grid, "HxW in patches, e.g. 32x32")?;
@@ -572,77 +307,9 @@ fn bench_vision(args: &BenchArgs, grid: &str) -> Result<Outcome> {
         device.as_ref().map(|s| (s.device.as_str(), &s.compile)),
         args.image_runs,
     )?;
-    println!(
-        "vision tower on {}: one image of {h}x{w} patches ({} patches -> {} rows) in {:.3} s (median of {}; {:.1} \
-         GFLOP/s), loaded in {:.2} s, peak anonymous memory {:.2} GiB",
-        r.backend,
-        r.patches,
-        r.rows,
-        r.median_seconds,
-        r.run_seconds.len(),
-        r.gflops_per_s,
-        r.load_seconds,
-        r.peak_anon_bytes as f64 / (1u64 << 30) as f64
-    );
+    println!("{}", vision_terminal(&r));
     if let Some(path) = &args.json {
         crate::outputs::write(path, serde_json::to_string_pretty(&r)?.as_bytes())?;
     }
     Ok(Outcome::Pass)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use candle_core::DType;
-    use std::path::Path;
-
-    fn tiny_moe() -> (Config, WeightStore) {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/models/tiny-moe");
-        let c = Config::from_file(&dir.join("config.json")).unwrap();
-        (c, WeightStore::open(&dir, DType::F32).unwrap())
-    }
-
-    #[test]
-    fn the_shares_divide_the_machines_own_rates_out() {
-        let m = Machine {
-            threads: 2,
-            gemm_size: 2048,
-            gemm_gflops_per_s: 400.0,
-            copy_bytes: 1 << 20,
-            copy_gb_per_s: 30.0,
-            read_gb_per_s: 40.0,
-            repeats: 5,
-        };
-        // 100 GFLOP/s of 400; weights streamed at 20 GB/s where 40 could be read: a step twice the read time.
-        assert_eq!(shares(Some(&m), 100.0, Some(20.0)), (Some(0.25), Some(2.0)));
-        assert_eq!(shares(Some(&m), 100.0, None), (Some(0.25), None));
-        assert_eq!(shares(None, 100.0, Some(20.0)), (None, None));
-    }
-
-    #[test]
-    fn an_moe_decode_step_reads_k_of_the_e_experts() {
-        let (c, store) = tiny_moe();
-        // tiny-moe (f32, hidden 32, vocabulary 512): per layer the router 8 · 32, the shared expert 3 · 24 · 32 and
-        // its gate 32, and 3 of its 8 experts of 3 · 16 · 32 (the mixers as in flops' test), then the LM head.
-        let linear = (96 + 32 + 4 + 4 + 32) * 32;
-        let attention = (128 + 32 + 32 + 64) * 32;
-        let moe = 8 * 32 + 3 * 24 * 32 + 32 + 3 * 3 * 16 * 32;
-        let expected = 3 * linear + attention + 4 * moe + 512 * 32;
-        assert_eq!(decode_weight_parameters(&c), expected as u64);
-        assert_eq!(
-            decode_weight_bytes(&c, &store).unwrap(),
-            4 * expected as u64
-        );
-        assert_eq!(
-            2 * (decode_weight_parameters(&c) - 512 * 32),
-            flops::projections_per_token(&c) as u64
-        );
-        // Every parameter but 5 of each layer's 8 experts (and the embedding, read a row at a time, counted whole).
-        let all: u64 = Schema::new(&c)
-            .tensors()
-            .iter()
-            .map(|t| t.shape.iter().product::<usize>() as u64)
-            .sum();
-        assert_eq!(active_parameters(&c), all - 4 * 5 * 3 * 16 * 32);
-    }
 }

@@ -1,5 +1,6 @@
 //! The machine's own limits, measured beside every benchmark: the f32 matrix-product rate and the memory bandwidth
 //! (a copy, and a read alone: what a decode step does to its weights).
+//! A run's rates over them ([`shares`]) have the machine's load divided out.
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
@@ -112,6 +113,22 @@ fn read_sum(bytes: &[u8]) -> u64 {
     lanes.iter().fold(tail, |a, &b| a.wrapping_add(b))
 }
 
+/// The prompt's share of the machine's GEMM rate and a decode step's time over the time to read its weights once at
+/// the machine's read bandwidth (the same as the ratio of that bandwidth to the rate the step streamed them at).
+pub fn shares(
+    machine: Option<&Machine>,
+    prompt_gflops_per_s: f64,
+    decode_weight_gb_per_s: Option<f64>,
+) -> (Option<f64>, Option<f64>) {
+    let Some(m) = machine else {
+        return (None, None);
+    };
+    (
+        Some(prompt_gflops_per_s / m.gemm_gflops_per_s),
+        decode_weight_gb_per_s.map(|rate| m.read_gb_per_s / rate),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -126,5 +143,22 @@ mod tests {
             expected = expected.wrapping_add(b as u64 * weight);
         }
         assert_eq!(read_sum(&bytes), expected);
+    }
+
+    #[test]
+    fn the_shares_divide_the_machines_own_rates_out() {
+        let m = Machine {
+            threads: 2,
+            gemm_size: 2048,
+            gemm_gflops_per_s: 400.0,
+            copy_bytes: 1 << 20,
+            copy_gb_per_s: 30.0,
+            read_gb_per_s: 40.0,
+            repeats: 5,
+        };
+        // 100 GFLOP/s of 400; weights streamed at 20 GB/s where 40 could be read: a step twice the read time.
+        assert_eq!(shares(Some(&m), 100.0, Some(20.0)), (Some(0.25), Some(2.0)));
+        assert_eq!(shares(Some(&m), 100.0, None), (Some(0.25), None));
+        assert_eq!(shares(None, 100.0, Some(20.0)), (None, None));
     }
 }

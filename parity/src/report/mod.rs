@@ -1,7 +1,9 @@
 //! The reports of the comparison commands, for people and for CI: a one-screen terminal table (coloured only on a
 //! terminal), `--json` with a schema version, `--report` Markdown to paste into a bug report, `--plot` an SVG chart.
-//! [`compare`] renders `compare-devices`, [`probe`] renders `probe`; the JSON keys are documented there.
+//! [`compare`] renders `compare-devices`, [`probe`] renders `probe`, [`bench`] renders `bench`; the JSON keys are
+//! documented there.
 
+pub mod bench;
 pub mod compare;
 pub mod probe;
 mod probe_moe;
