@@ -10,42 +10,53 @@ use reference::weights::WeightStore;
 /// Parameters a decode step reads from memory: every projection (of an MoE layer's routed experts, the `k` a token
 /// runs) and the LM head (one row of the embedding aside).
 pub fn decode_weight_parameters(c: &Config) -> u64 {
-    let (mut all, mut experts) = (0, 0);
-    for t in decode_matrices(c) {
-        let n = t.shape.iter().product::<usize>() as u64;
-        if flops::token_share(c, t.param) == 1.0 {
-            all += n;
-        } else {
-            experts += n;
-        }
-    }
-    all + routed_share(c, experts)
-}
-
-/// The part of the routed experts' `total` (parameters or bytes, summed over every expert) that a token reads: `k`
-/// of the `E` experts of each layer, all of one size.
-fn routed_share(c: &Config, total: u64) -> u64 {
-    c.moe.as_ref().map_or(0, |m| {
-        total * m.num_experts_per_tok as u64 / m.num_experts as u64
-    })
+    token_reads(c, decode_matrices(c).iter().map(|t| (t.param, elements(t))))
 }
 
 /// The decoder parameters one token runs through (`k` of the `E` routed experts of an MoE layer).
 pub fn active_parameters(c: &Config) -> u64 {
+    token_reads(
+        c,
+        Schema::new(c)
+            .tensors()
+            .iter()
+            .map(|t| (t.param, elements(t))),
+    )
+}
+
+/// The bytes of weights a reference decode step reads, as the store holds them (stored bf16, packed INT4/INT8
+/// codes and scales, f16, or the run's dtype): of an MoE layer's routed experts, the `k` it runs.
+pub fn decode_weight_bytes(c: &Config, store: &WeightStore) -> Result<u64> {
+    let bytes = decode_matrices(c)
+        .iter()
+        .map(|t| Ok((t.param, store.linear_bytes(t)?)))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(token_reads(c, bytes))
+}
+
+/// Of an amount per tensor (parameters or bytes), what a token reads: every tensor whole, but of the routed experts
+/// (summed over every expert) `k` of the `E` of each layer, all of one size.
+fn token_reads(c: &Config, amounts: impl IntoIterator<Item = (Param, u64)>) -> u64 {
     let (mut all, mut experts) = (0, 0);
-    for t in Schema::new(c).tensors() {
-        let n = t.shape.iter().product::<usize>() as u64;
-        if flops::token_share(c, t.param) == 1.0 {
+    for (param, n) in amounts {
+        if flops::token_share(c, param) == 1.0 {
             all += n;
         } else {
             experts += n;
         }
     }
-    all + routed_share(c, experts)
+    all + c.moe.as_ref().map_or(0, |m| {
+        experts * m.num_experts_per_tok as u64 / m.num_experts as u64
+    })
+}
+
+/// The elements of a tensor.
+fn elements(t: &TensorSpec) -> u64 {
+    t.shape.iter().product::<usize>() as u64
 }
 
 /// The matrices a decode step multiplies: every projection of every layer (every routed expert's: a step reads `k`
-/// of them, [`routed_share`]), then the LM head (the embedding when they are tied).
+/// of them, [`token_reads`]), then the LM head (the embedding when they are tied).
 fn decode_matrices(c: &Config) -> Vec<TensorSpec> {
     let s = Schema::new(c);
     let mut specs: Vec<TensorSpec> = (0..c.num_layers())
@@ -58,21 +69,6 @@ fn decode_matrices(c: &Config) -> Vec<TensorSpec> {
         Param::LmHead
     }));
     specs
-}
-
-/// The bytes of weights a reference decode step reads, as the store holds them (stored bf16, packed INT4/INT8
-/// codes and scales, f16, or the run's dtype): of an MoE layer's routed experts, the `k` it runs.
-pub fn decode_weight_bytes(c: &Config, store: &WeightStore) -> Result<u64> {
-    let (mut all, mut experts) = (0, 0);
-    for spec in decode_matrices(c) {
-        let bytes = store.linear_bytes(&spec)?;
-        if flops::token_share(c, spec.param) == 1.0 {
-            all += bytes;
-        } else {
-            experts += bytes;
-        }
-    }
-    Ok(all + routed_share(c, experts))
 }
 
 #[cfg(test)]
