@@ -10,12 +10,15 @@
 //! evaluates every op as written, one term at a time (the specification, which the tiled kernels equal to the
 //! last bit).
 
+mod consts;
+mod dispatch;
 pub mod eval;
 mod kernel;
 mod norms;
 pub mod numeric;
 mod ops;
 mod products;
+mod value;
 mod weights;
 
 pub use numeric::{DEVICE, NumericModel};

@@ -1,8 +1,9 @@
 //! Fused normalizations: where the graph builder wrote RMSNorm or the L2 norm op by op, the nodes of its statistic,
 //! so that `norm=fused` evaluates them as one kernel keeping the statistic in f32.
 
-use super::eval::{V, decode_consts};
+use super::consts::decode_consts;
 use super::numeric::{NumericModel, Storage};
+use super::value::V;
 use crate::error::Result;
 use crate::ir::{ElemType, Graph, Node, Value};
 use std::collections::{HashMap, HashSet};

@@ -1,6 +1,6 @@
 //! The element-wise, shape and layout ops of the evaluator, on stored values (the caller rounds results).
 
-use super::eval::{Data, V, Val, broadcast, broadcast_index, strides};
+use super::value::{Data, V, Val, broadcast, broadcast_index, strides};
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Tensor};
 use std::rc::Rc;

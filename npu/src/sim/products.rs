@@ -3,10 +3,11 @@
 //! where it lies ([`super::weights`]).
 
 use super::Kernels;
-use super::eval::{Evaluator, V, Val, broadcast, broadcast_index};
+use super::eval::Evaluator;
 use super::kernel::{Dense, Rows, products};
 use super::numeric::Accumulation;
 use super::ops::transpose;
+use super::value::{V, Val, broadcast, broadcast_index};
 use super::weights::{Form, Offset, Packed, Weight};
 use crate::error::{Error, Result};
 use std::borrow::Cow;
