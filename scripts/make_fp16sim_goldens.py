@@ -12,7 +12,8 @@ of scripts/requirements-graphs.txt has both too):
 It writes testdata/goldens/fp16sim.safetensors and adds its entry to testdata/manifest.json (`files`, and an
 `fp16sim_goldens` section). Deterministic: one fixed seed, no threads, safetensors header with sorted metadata.
 
-The rounding points, read from npu/src/sim/ (eval.rs, numeric.rs, norms.rs), are those of `Arith` below:
+The rounding points, read from npu/src/sim/ (eval.rs, dispatch.rs, consts.rs, numeric.rs, norms.rs), are those of
+`Arith` below:
 
 - R(x), "store": round to nearest even fp16 (numpy's float32 -> float16 cast) then, under ftz=on, flush every fp16
   subnormal (|y| < 2^-14) to a zero of its sign. Every graph input (but a state input under state=f32), every
