@@ -1,8 +1,9 @@
-//! The driver ([`super::product_cut`]) on an emulated instruction set: scalar leaves of any register width and tile
-//! (the AVX-512 kernel's among them), so the way a call is cut (chunks of steps, passes of tokens, partial row
-//! groups and token blocks, several row blocks) is checked bit for bit on every CPU, whatever it runs.
+//! The driver ([`super::driver::product_cut`]) on an emulated instruction set: scalar leaves of any register width
+//! and tile (the AVX-512 kernel's among them), so the way a call is cut (chunks of steps, passes of tokens, partial
+//! row groups and token blocks, several row blocks) is checked bit for bit on every CPU, whatever it runs.
 
 use super::super::kernel::{combine, widen};
+use super::driver::{Blocking, blocking, cache_bytes, product_cut};
 use super::*;
 use crate::quant::{QuantKind, QuantizedMatrix};
 use crate::synthetic::Rng;
