@@ -106,7 +106,8 @@ pub(super) trait Isa {
     /// accumulators of that part of each output: lane `l` of step `s` adds `x[32s + pW + l] · w[32s + pW + l]`
     /// (fused), steps in order. `panel` is the rows' `[step][row][W]` weights of the part, `xs` the tokens'
     /// `[step][token][W]` inputs; `acc` holds the accumulators between calls, `[row][token][W]`, and is read unless
-    /// `first` (then they start at zero, as [`super::matvec`]'s do). All three are aligned to `4 · WIDTH` bytes.
+    /// `first` (then they start at zero, as [`super::matvec`]'s do). All three are aligned to `4 · WIDTH` bytes (64
+    /// at most).
     ///
     /// # Safety
     /// The CPU runs the instruction set.

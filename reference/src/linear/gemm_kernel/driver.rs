@@ -139,8 +139,7 @@ pub(super) unsafe fn product_cut<I: Isa>(
     pass: usize,
     y: &mut [f32],
 ) {
-    let rows = w.shape().0;
-    let cols = x.len() / t.max(1);
+    let (rows, cols) = w.shape();
     assert!(y.len() == rows * t && x.len() == t * cols && cut.block > 0);
     let out = Output(y.as_mut_ptr());
     let pass = pass.max(1).next_multiple_of(I::TOKENS);
@@ -273,8 +272,7 @@ unsafe fn row_block<I: Isa>(
         let panel = bufs.panel.as_mut_slice();
         for k in 0..count {
             let (g, r) = (k / I::ROWS, k % I::ROWS);
-            // (Empty when the row is shorter than a step.)
-            let start = (g * group_len + r * wd).min((g + 1) * group_len);
+            let start = g * group_len + r * wd;
             let dst = &mut panel[start..(g + 1) * group_len];
             // SAFETY: the caller's guarantee; `dst` holds, per part, `range.len()` runs of W values ROWS · W apart.
             unsafe { w.widen::<I>(first + k, range.clone(), dst, I::ROWS * wd, part_len) };

@@ -21,6 +21,9 @@ impl<const W: usize, const R: usize, const T: usize, const S: usize> Isa for Emu
 
     unsafe fn tile(panel: &[f32], xs: &[f32], len: usize, acc: &mut [f32], first: bool) {
         assert!(acc.len() >= R * T * W);
+        // The alignment a register of W lanes loads with (64 bytes at most), as the real tiles assert it.
+        let aligned = |p: *const f32| (p as usize).is_multiple_of((4 * W).min(64));
+        assert!(aligned(panel.as_ptr()) && aligned(xs.as_ptr()) && aligned(acc.as_ptr()));
         if first {
             acc[..R * T * W].fill(0.0);
         }
@@ -132,6 +135,25 @@ fn bf16_matrix(rows: usize, cols: usize, seed: u64) -> (MappedMatrix, Vec<f32>) 
     (m, vals.iter().map(|v| v.to_f32()).collect())
 }
 
+/// A packed matrix of random codes and positive scales, and the values it holds.
+fn packed_matrix(kind: QuantKind, rows: usize, cols: usize, seed: u64) -> (PackedMatrix, Vec<f32>) {
+    let mut rng = Rng::new(seed);
+    let (lo, hi) = kind.code_range();
+    let span = (hi as i64 - lo as i64 + 1) as u64;
+    let codes = (0..rows * cols)
+        .map(|_| (lo as i64 + (rng.next_u64() % span) as i64) as i8)
+        .collect();
+    let per_row = match kind {
+        QuantKind::Int4Sym { group } => cols / group,
+        QuantKind::Int8Sym => 1,
+    };
+    let scales = (0..rows * per_row)
+        .map(|_| f16::from_f64(rng.range(0.01, 2.0)))
+        .collect();
+    let q = QuantizedMatrix::from_parts(kind, rows, cols, codes, scales).unwrap();
+    (PackedMatrix::from_quantized(&q).unwrap(), q.dequantize())
+}
+
 /// Chunks of one, two and every step; blocks of one tile, of a few and of every row; passes of one token block and
 /// of more tokens than there are.
 fn cuts(rows_tile: usize, tokens_tile: usize) -> Vec<(usize, usize, usize)> {
@@ -168,22 +190,7 @@ fn every_cut_of_a_packed_product_gives_the_documented_order_bit_for_bit() {
     .into_iter()
     .enumerate()
     {
-        let mut rng = Rng::new(40 + k as u64);
-        let (lo, hi) = kind.code_range();
-        let span = (hi as i64 - lo as i64 + 1) as u64;
-        let codes = (0..rows * cols)
-            .map(|_| (lo as i64 + (rng.next_u64() % span) as i64) as i8)
-            .collect();
-        let per_row = match kind {
-            QuantKind::Int4Sym { group } => cols / group,
-            QuantKind::Int8Sym => 1,
-        };
-        let scales = (0..rows * per_row)
-            .map(|_| f16::from_f64(rng.range(0.01, 2.0)))
-            .collect();
-        let q = QuantizedMatrix::from_parts(kind, rows, cols, codes, scales).unwrap();
-        let p = PackedMatrix::from_quantized(&q).unwrap();
-        let w = q.dequantize();
+        let (p, w) = packed_matrix(kind, rows, cols, 40 + k as u64);
         let what = format!("{kind:?}");
         check::<Emulated<16, 4, 6, 2>>(&what, &p, &w, &cuts(4, 6));
         check::<Emulated<8, 3, 4, 3>>(&what, &p, &w, &cuts(3, 4));
@@ -231,4 +238,29 @@ fn cache_sizes_read_as_linux_writes_them() {
     assert_eq!(cache_bytes("2048"), None);
     assert_eq!(cache_bytes("1 MiB"), None);
     assert_eq!(cache_bytes(""), None);
+}
+
+#[test]
+fn every_cut_on_the_avx512_routines_gives_the_documented_order_bit_for_bit() {
+    // The real leaves under the same cuts (chunks that start mid-row, accumulators carried across chunks, several
+    // passes), where the CPU runs them; the integration tests' shapes fit one chunk.
+    #[cfg(target_arch = "x86_64")]
+    if PromptKernel::detect() == PromptKernel::Avx512 {
+        use super::avx512::Avx512;
+        let (m, w) = bf16_matrix(13, 200, 3);
+        check::<Avx512>("bf16 on AVX-512", &m, &w, &cuts(4, 6));
+        for (k, kind) in [
+            QuantKind::Int4Sym { group: 32 },
+            QuantKind::Int4Sym { group: 128 },
+            QuantKind::Int8Sym,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let (p, w) = packed_matrix(kind, 9, 256, 60 + k as u64);
+            check::<Avx512>(&format!("{kind:?} on AVX-512"), &p, &w, &cuts(4, 6));
+        }
+        return;
+    }
+    eprintln!("no AVX-512F here: the real routines are not run");
 }
