@@ -14,7 +14,7 @@ use reference::weights::WeightStore;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-mod common;
+use crate::common;
 use common::{Worst, ids_of, run};
 
 fn testdata() -> PathBuf {

@@ -13,7 +13,7 @@ use reference::config::Config;
 use reference::weights::WeightStore;
 use std::path::{Path, PathBuf};
 
-mod common;
+use crate::common;
 use common::run;
 
 fn tiny_copy(dir: &Path) -> PathBuf {

@@ -1,10 +1,7 @@
 //! The MoE decoder's graphs (`npu::graphs::moe`) on tiny-moe: the decoder and per-layer graphs on the CPU device
 //! against the reference and transformers' goldens, in both forms (gathered and masked experts) and through decode
 //! steps after a prompt; INT4/INT8 experts against the reference on the same packed weights; FP16SIM's routing
-//! against the reference's, every flip reported with the reference's margin. One binary, a module per topic.
-
-#[path = "../common/mod.rs"]
-mod common;
+//! against the reference's, every flip reported with the reference's margin. A module per topic.
 
 /// The MoE block graph fed a routing.
 mod block;

@@ -1,6 +1,6 @@
 //! Experts stored fused, as transformers 5 holds them, build the very graphs experts stored one by one build.
 
-use crate::support::{model_dir, open};
+use crate::moe::support::{model_dir, open};
 use candle_core::{DType, Tensor};
 use npu::graphs::{Builder, GraphOptions};
 use reference::config::Config;

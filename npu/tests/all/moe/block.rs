@@ -1,7 +1,7 @@
 //! The MoE block graph fed a routing (the probe's fed-routing graph) against its own layer graph and the reference.
 
 use crate::common::{Worst, ids_of};
-use crate::support::{FORMS, golden, layer_outputs, open, reference_taps, rows};
+use crate::moe::support::{FORMS, golden, layer_outputs, open, reference_taps, rows};
 use candle_core::Tensor;
 use npu::devices::CompileOptions;
 use npu::engine::MoeBlockRunner;

@@ -15,7 +15,7 @@ use reference::weights::WeightStore;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-mod common;
+use crate::common;
 use common::{ids_of, run};
 
 fn testdata() -> PathBuf {

@@ -3,7 +3,7 @@
 //! packed weights.
 
 use crate::common::{self, Worst, ids_of};
-use crate::support::{
+use crate::moe::support::{
     FORMS, Outputs, chosen_names, golden, layer_outputs, open, reference_taps, rows,
 };
 use npu::devices::CompileOptions;

@@ -2,7 +2,7 @@
 //! and the device's own probability error.
 
 use crate::common::{self, ids_of};
-use crate::support::{chosen_names, golden, layer_outputs, open, reference_taps, rows};
+use crate::moe::support::{chosen_names, golden, layer_outputs, open, reference_taps, rows};
 use candle_core::{DType, Tensor};
 use npu::devices::CompileOptions;
 use npu::engine::DecoderEngine;
