@@ -5,7 +5,7 @@
 //! graph of the image's grid, without `vision`, or whose decoder takes token ids is refused naming its manifest; a
 //! vision graph whose weights are changed fails the comparison (the set's graph is what runs).
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Tensor};
 use common::vl::{LOGITS_ATOL, VISION_RTOL, golden};

@@ -2,7 +2,7 @@
 //! to be writable before any work, files are replaced whole with the umask's mode, directories are written whole
 //! (export-ir, synth) and synth checks the free space first; OS errors name the flag and the path once.
 
-mod common;
+use crate::common;
 
 use common::{expect_error, qwen35, stderr, testdata};
 use std::path::Path;

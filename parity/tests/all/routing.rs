@@ -9,7 +9,7 @@ use parity::dump::Dump;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
-mod common;
+use crate::common;
 use common::{golden_ids, qwen35, stderr, testdata};
 
 /// `qwen35 dump` of tiny-moe on its golden prompt with `args`, at `dir/file`.

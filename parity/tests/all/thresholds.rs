@@ -9,7 +9,7 @@
 use serde_json::Value;
 use std::path::Path;
 
-mod common;
+use crate::common;
 use common::{dump, qwen35, stderr};
 
 /// Runs `qwen35 args --json DIR/NAME.json`: the exit code and the JSON.

@@ -6,7 +6,7 @@
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
-mod common;
+use crate::common;
 use common::{expect_error, qwen35, stderr, testdata};
 
 /// Every check, in the report's order.

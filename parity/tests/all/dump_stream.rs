@@ -11,7 +11,7 @@ use reference::taps::SharedTapSink;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-mod common;
+use crate::common;
 use common::{qwen35, same_dump, stderr, testdata};
 
 /// The reference on the tiny model, with taps, feeding prompts in calls of `block` tokens.

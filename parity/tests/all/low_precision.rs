@@ -5,7 +5,7 @@
 
 use reference::compare::diff;
 
-mod common;
+use crate::common;
 use common::{
     F32, Tolerance, check_dump, config, dump, golden_ids, qwen35_env as qwen35, stderr, testdata,
 };

@@ -6,7 +6,7 @@ use candle_core::{DType, Tensor};
 use parity::dump::Dump;
 use std::path::Path;
 
-mod common;
+use crate::common;
 use common::{dump, qwen35, stderr};
 
 /// A copy of `d` with `edit` applied to the tensor `name`, written to `dir/file`.

@@ -4,7 +4,7 @@
 //! runs or keys do not fit is refused, naming the file, the key, the video and the frame; run and compare-devices
 //! take a video.
 
-mod common;
+use crate::common;
 
 use candle_core::{Device, Tensor};
 use common::vl::*;

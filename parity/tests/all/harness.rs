@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-mod common;
+use crate::common;
 use common::{expect_error, qwen35, stderr};
 
 fn json(path: &Path) -> serde_json::Value {

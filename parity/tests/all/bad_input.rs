@@ -8,10 +8,7 @@ use parity::dump::Dump;
 use std::collections::BTreeMap;
 use std::process::Command;
 
-#[path = "bad_input/cases.rs"]
 mod cases;
-mod common;
-#[path = "bad_input/fixtures.rs"]
 mod fixtures;
 use cases::cases;
 use fixtures::{fill, fixtures, ids};

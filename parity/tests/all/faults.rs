@@ -17,7 +17,7 @@ use reference::weights::WeightStore;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-mod common;
+use crate::common;
 use common::testdata;
 
 fn tiny() -> PathBuf {

@@ -3,7 +3,7 @@
 
 use parity::dump::Dump;
 
-mod common;
+use crate::common;
 use common::{
     F32, check_dump, config, dump, expect_error_env as expect_error, golden_ids,
     qwen35_env as qwen35, same_dump, stderr, testdata,

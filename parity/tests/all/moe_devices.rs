@@ -8,7 +8,7 @@ use parity::dump::Dump;
 use serde_json::Value;
 use std::path::Path;
 
-mod common;
+use crate::common;
 use common::{golden_ids, qwen35, stderr, testdata};
 
 fn model() -> String {

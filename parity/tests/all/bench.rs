@@ -1,7 +1,7 @@
 //! `qwen35 synth` and `qwen35 bench` end to end: a synthetic checkpoint written, loaded and timed on both backends, the
 //! JSON's keys, and clear errors on bad flags. Timings are never asserted.
 
-mod common;
+use crate::common;
 use common::{expect_error, qwen35, stderr};
 use std::path::Path;
 

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-mod common;
+use crate::common;
 use common::{expect_error, qwen35, stderr, testdata};
 
 /// Runs `compare-devices --ir` on one short prompt and returns the exit code and the device's JSON report.

@@ -2,7 +2,7 @@
 //! with the figure, what it holds, and the options that would fit; the JSON report carries the estimate beside the
 //! peak measured.
 
-mod common;
+use crate::common;
 
 use common::{expect_error_env, qwen35_env, stderr, testdata};
 

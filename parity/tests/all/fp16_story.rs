@@ -10,7 +10,7 @@
 
 use std::path::Path;
 
-mod common;
+use crate::common;
 use common::{ids_arg, qwen35, stderr, testdata};
 
 fn json(path: &Path) -> serde_json::Value {

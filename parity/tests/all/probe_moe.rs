@@ -21,7 +21,7 @@ use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-mod common;
+use crate::common;
 use common::{golden_ids, qwen35, stderr, testdata};
 
 fn model() -> PathBuf {

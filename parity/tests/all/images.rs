@@ -5,7 +5,7 @@
 //! itself; a prompt whose image tokens do not fit its images is refused, naming the image; compare-devices, export-ir,
 //! ranges and probe take images. Videos: `videos.rs`.
 
-mod common;
+use crate::common;
 
 use candle_core::DType;
 use common::vl::*;

@@ -6,7 +6,7 @@
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
-mod common;
+use crate::common;
 use common::{qwen35, stderr, testdata};
 
 fn set(name: &str) -> PathBuf {

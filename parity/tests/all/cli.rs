@@ -6,7 +6,7 @@ use reference::synthetic::{random_weights, small_config_json, write_safetensors}
 use std::collections::BTreeMap;
 use std::path::Path;
 
-mod common;
+use crate::common;
 use common::{F32, Tolerance, check_dump, config, expect_error, ids_arg, qwen35, stderr, testdata};
 
 fn golden(name: &str) -> Dump {

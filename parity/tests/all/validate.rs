@@ -5,11 +5,10 @@
 use serde_json::Value;
 use std::path::Path;
 
-mod common;
+use crate::common;
 use common::{expect_error, qwen35, small_validate_args as small, stderr};
 
 /// Each fault of the device failing the one check that looks for it.
-#[path = "validate/faults.rs"]
 mod faults;
 
 /// Every check, in the report's order.

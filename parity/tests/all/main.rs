@@ -1,0 +1,30 @@
+//! The `qwen35` tool's integration tests: one binary (one link, and tests of different topics run side by side), a
+//! module per topic. Most run the built binary as a user would.
+
+mod bad_input;
+mod bench;
+mod cli;
+#[path = "../common/mod.rs"]
+mod common;
+mod dump_props;
+mod dump_stream;
+mod external_ir;
+mod faults;
+mod fp16_story;
+mod graph_sets;
+mod harness;
+mod images;
+mod low_precision;
+mod memory;
+mod moe_devices;
+mod non_finite;
+mod non_finite_props;
+mod openvino;
+mod outputs;
+mod probe_moe;
+mod routing;
+mod set_images;
+mod thresholds;
+mod validate;
+mod validate_ir;
+mod videos;
