@@ -178,10 +178,13 @@ enum Kind {
     Output,
 }
 
+/// A command's arguments, from the fixtures and a path.
+type Args = fn(&Fixtures, &Path) -> Vec<String>;
+
 /// A valid command and the flags a case may change (or add).
 struct Base {
     name: &'static str,
-    args: fn(&Fixtures, &Path) -> Vec<String>,
+    args: Args,
     flags: &'static [(&'static str, Kind)],
     /// Whether a valid value runs the whole thing (then only values refused before any work are drawn).
     costly: bool,
@@ -693,7 +696,7 @@ fn make(n: usize, m: &Mutation, f: &Fixtures, bases: &[Base]) -> Case {
             case.args = s(&["diff", &p(&path), &p(&f.clean)]);
         }
         Mutation::Truncated { what, cut } => {
-            let (src, run): (&Path, fn(&Fixtures, &Path) -> Vec<String>) = match what % 3 {
+            let (src, run): (&Path, Args) = match what % 3 {
                 0 => (&f.clean, |f, x| s(&["diff", &p(x), &p(&f.clean)])),
                 1 => (&f.image, |f, x| {
                     s(&[
