@@ -166,6 +166,8 @@ fn cases(dir: &Path) -> Vec<(Vec<String>, i32)> {
             ]),
             0,
         ),
+        (s(&["devices"]), 0),
+        (s(&["devices", "--json"]), 0),
         // A failing run: a finding (exit 1), its report on standard output.
         (s(&["diff", &nan, &clean]), 1),
     ]);
