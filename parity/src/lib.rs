@@ -2,10 +2,13 @@
 //! comparisons, the probe and the validate checks written once against it, the dump format every backend writes,
 //! the reports, and one module per subcommand (`commands/`, the only place the command line is parsed).
 #![deny(missing_docs)]
+// Every print goes through `console` (a failed write is an error, never a panic).
+#![deny(clippy::print_stdout, clippy::print_stderr)]
 
 pub mod bundled;
 pub mod commands;
 pub mod compare;
+pub mod console;
 pub mod device;
 pub mod dump;
 pub mod images;

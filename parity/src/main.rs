@@ -1,10 +1,13 @@
 //! `qwen35`: run, dump and compare the Qwen3.5 decoder.
 //!
 //! Exit codes: 0 success (every check within its threshold), 1 a failed check, 2 an error (bad input, missing file,
-//! failed run).
+//! failed run). A report that could not be printed (a full standard output) leaves the run's own code, said on
+//! standard error ([`parity::console`]).
+#![deny(clippy::print_stdout, clippy::print_stderr)]
 
 use clap::{Parser, Subcommand};
 use parity::commands::{self, Outcome};
+use parity::{console, errln};
 use std::process::ExitCode;
 
 #[derive(Parser)]
@@ -59,8 +62,22 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
-    let cli = Cli::parse();
-    let result = match cli.command {
+    let code = match Cli::try_parse() {
+        Ok(cli) => exec(cli.command),
+        Err(e) => console::clap_error(&e),
+    };
+    if let Some(why) = console::stdout_failure() {
+        errln!(
+            "warning: the report could not be printed on standard output ({why}); the exit code ({code}) is the \
+             run's own"
+        );
+    }
+    ExitCode::from(code)
+}
+
+/// Runs the command; its exit code.
+fn exec(command: Command) -> u8 {
+    let result = match command {
         Command::Run(a) => commands::run::exec(a),
         Command::Dump(a) => commands::dump::exec(a),
         Command::Devices(a) => commands::devices::exec(a),
@@ -74,11 +91,11 @@ fn main() -> ExitCode {
         Command::Bench(a) => commands::bench::exec(a),
     };
     match result {
-        Ok(Outcome::Pass) => ExitCode::SUCCESS,
-        Ok(Outcome::Fail) => ExitCode::from(1),
+        Ok(Outcome::Pass) => 0,
+        Ok(Outcome::Fail) => 1,
         Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::from(2)
+            errln!("error: {e:#}");
+            2
         }
     }
 }

@@ -1,6 +1,6 @@
 //! Progress of long runs: a bar on a terminal, nothing when standard error is not one (CI logs stay quiet).
 
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use indicatif::{ProgressBar, ProgressStyle};
 
 /// A progress bar over a number of steps.
 pub struct Progress {
@@ -8,9 +8,10 @@ pub struct Progress {
 }
 
 impl Progress {
-    /// A bar of `steps` steps, drawn on standard error when it is a terminal.
+    /// A bar of `steps` steps, drawn on standard error (through [`crate::console`]) when it is a terminal.
     pub fn new(steps: usize) -> Self {
-        let bar = ProgressBar::with_draw_target(Some(steps as u64), ProgressDrawTarget::stderr());
+        let bar =
+            ProgressBar::with_draw_target(Some(steps as u64), crate::console::progress_target());
         if let Ok(style) = ProgressStyle::with_template("{elapsed:>4} [{bar:30}] {pos}/{len} {msg}")
         {
             bar.set_style(style.progress_chars("=> "));

@@ -269,7 +269,7 @@ pub fn exec(args: BenchArgs) -> Result<Outcome> {
         prompt_ids: ids,
         generated_ids: generation.tokens,
     };
-    print!("{}", terminal(&report));
+    crate::out!("{}", terminal(&report));
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&report)?;
         reference::io::write_atomic(path, (text + "\n").as_bytes())
@@ -307,7 +307,7 @@ fn bench_vision(args: &BenchArgs, grid: &str) -> Result<Outcome> {
         device.as_ref().map(|s| (s.device.as_str(), &s.compile)),
         args.image_runs,
     )?;
-    println!("{}", vision_terminal(&r));
+    crate::outln!("{}", vision_terminal(&r));
     if let Some(path) = &args.json {
         crate::outputs::write(path, serde_json::to_string_pretty(&r)?.as_bytes())?;
     }

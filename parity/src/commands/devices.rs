@@ -33,24 +33,26 @@ pub fn exec(args: DevicesArgs) -> Result<Outcome> {
             "pseudo_devices": [{"name": npu::sim::DEVICE, "default": sim.to_string(),
                                 "options": {"store": "f16|bf16|f32", "ftz": "on|off", "acc": "f32|f16", "state": "f16|f32"}}],
         });
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        crate::outln!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(Outcome::Pass);
     }
-    println!("OpenVINO {version} ({})", runtime.library.display());
+    crate::outln!("OpenVINO {version} ({})", runtime.library.display());
     for d in devices {
-        println!("{}: {}", d.name, d.full_name);
+        crate::outln!("{}: {}", d.name, d.full_name);
         if let Some(a) = &d.architecture {
-            println!("  architecture: {a}");
+            crate::outln!("  architecture: {a}");
         }
         if let Some(v) = &d.driver_version {
-            println!("  NPU driver: {v}");
+            crate::outln!("  NPU driver: {v}");
         }
-        println!("  capabilities: {}", d.capabilities.join(" "));
+        crate::outln!("  capabilities: {}", d.capabilities.join(" "));
         if let Some(p) = &d.default_precision {
-            println!("  default inference precision: {p} (reference runs ask for f32 explicitly)");
+            crate::outln!(
+                "  default inference precision: {p} (reference runs ask for f32 explicitly)"
+            );
         }
     }
-    println!(
+    crate::outln!(
         "{}: pseudo-device, an fp16 accelerator's arithmetic applied to the same graphs (no runtime needed)\n  \
          default {}; options store=f16|bf16|f32, ftz=on|off, acc=f32|f16, state=f16|f32, norm=ops|fused",
         npu::sim::DEVICE,

@@ -292,7 +292,7 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
             }
         },
     };
-    eprintln!(
+    crate::errln!(
         "wrote {} tensors ({} prompt tokens, {} generated, {} on {}) to {}",
         d.tensors,
         ids.len(),
@@ -314,7 +314,7 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
     let first = crate::non_finite::summary(&d.non_finite);
     if stopped.is_some() || first.is_some() {
         let what: Vec<String> = [stopped, first].into_iter().flatten().collect();
-        eprintln!("error: {}", what.join("; "));
+        crate::errln!("error: {}", what.join("; "));
         return Ok(Outcome::Fail);
     }
     Ok(Outcome::Pass)

@@ -257,7 +257,7 @@ pub fn exec(args: ExportArgs) -> Result<Outcome> {
     let text = serde_json::to_string_pretty(&manifest::to_json(&set, extra))? + "\n";
     crate::report::write(&out.join(manifest::MANIFEST), &text)?;
     staged.commit()?;
-    eprintln!(
+    crate::errln!(
         "wrote {count} graphs, {bin_name} and {} to {}",
         manifest::MANIFEST,
         args.out.display()

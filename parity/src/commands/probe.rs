@@ -285,7 +285,7 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
             .map(|b| (b as &mut dyn DeviceUnderTest, args.factor)),
     )?;
     if let (Some(_), Some(s)) = (&images, target.set()) {
-        eprintln!(
+        crate::errln!(
             "note: the vision graphs of {} are whole towers, not a graph per block: their blocks are not probed \
              (compare-devices --ir --image and validate --ir --image compare their taps)",
             s.set.source

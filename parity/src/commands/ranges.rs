@@ -108,7 +108,7 @@ fn finish(
     label: &str,
 ) -> Result<Outcome> {
     let report = scan.finish(config, store)?;
-    print!("{}", report.terminal());
+    crate::out!("{}", report.terminal());
     if let Some(p) = &args.json {
         let mut v = serde_json::to_value(&report)?;
         if let Some(o) = v.as_object_mut() {

@@ -11,7 +11,6 @@ use anyhow::{Context, Result};
 use reference::backend::{greedy, greedy_embedded};
 use reference::model::Model;
 use reference::tokenizer::ChatTokenizer;
-use std::io::Write;
 
 /// Arguments of `qwen35 run`.
 #[derive(clap::Args)]
@@ -89,7 +88,6 @@ pub fn exec(args: RunArgs) -> Result<Outcome> {
     stop.extend(config.eos_token_ids.iter().copied());
     let mut generated = Vec::new();
     let mut printed = 0;
-    let mut out = std::io::stdout().lock();
     let on_token = |id| {
         generated.push(id);
         if stop.contains(&id) {
@@ -98,8 +96,7 @@ pub fn exec(args: RunArgs) -> Result<Outcome> {
         let text = tok.decode(&generated, true)?;
         // Print only whole characters: a token may end inside a multi-byte character.
         if !text.ends_with('\u{FFFD}') && text.len() > printed {
-            let _ = write!(out, "{}", &text[printed..]);
-            let _ = out.flush();
+            crate::out!("{}", &text[printed..]);
             printed = text.len();
         }
         Ok(())
@@ -117,17 +114,17 @@ pub fn exec(args: RunArgs) -> Result<Outcome> {
     };
     let text = tok.decode(&generated, true)?;
     if text.len() > printed {
-        write!(out, "{}", &text[printed..])?;
+        crate::out!("{}", &text[printed..]);
     }
-    writeln!(out)?;
+    crate::outln!();
     if let Some(i) = generation.nan_at {
-        eprintln!(
+        crate::errln!(
             "error: the logits hold NaN at generated token {i}, so no token could be chosen there: {}",
             explain_reference(&config, &store, opts, &ids)?
         );
         return Ok(Outcome::Fail);
     }
-    eprintln!(
+    crate::errln!(
         "[{}] prompt {} tokens in {:.2} s ({:.1} tok/s); generated {} tokens in {:.2} s ({:.1} tok/s)",
         dir.display(),
         ids.len(),

@@ -6,7 +6,7 @@ use crate::outputs::{Kind, Paths, StagedDir, catch_interrupts, free_bytes, inter
 use crate::perf::memory;
 use crate::report::{count, size};
 use anyhow::{Result, bail};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use indicatif::{ProgressBar, ProgressStyle};
 use reference::synth::{Arch, DEFAULT_SHARD_BYTES, SynthOptions, planned_bytes, write_checkpoint};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -70,7 +70,7 @@ pub fn exec(args: SynthArgs) -> Result<Outcome> {
         );
     }
     catch_interrupts();
-    let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
+    let bar = ProgressBar::with_draw_target(Some(0), crate::console::progress_target());
     if let Ok(style) = ProgressStyle::with_template(
         "{elapsed:>4} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec}",
     ) {
@@ -81,7 +81,7 @@ pub fn exec(args: SynthArgs) -> Result<Outcome> {
         if interrupted() {
             bar.finish_and_clear();
             let _ = std::fs::remove_dir_all(staged.path());
-            eprintln!(
+            crate::errln!(
                 "interrupted: removed what was written ({})",
                 staged.path().display()
             );
@@ -93,7 +93,7 @@ pub fn exec(args: SynthArgs) -> Result<Outcome> {
     bar.finish_and_clear();
     staged.commit()?;
     let seconds = start.elapsed().as_secs_f64();
-    println!(
+    crate::outln!(
         "wrote {}: {} ({} layers), seed {}, {} tensors, {} parameters ({} in the decoder), bf16",
         args.out.display(),
         arch.name(),
@@ -104,15 +104,15 @@ pub fn exec(args: SynthArgs) -> Result<Outcome> {
         count(summary.decoder_parameters)
     );
     for (file, bytes) in &summary.files {
-        println!("  {file:<40} {:>10}", size(*bytes));
+        crate::outln!("  {file:<40} {:>10}", size(*bytes));
     }
     let peak = memory::status().map_or("unknown".to_string(), |s| size(s.peak_rss));
-    println!(
+    crate::outln!(
         "  {} in {seconds:.1} s ({}/s); peak resident memory {peak}",
         size(summary.bytes()),
         size((summary.bytes() as f64 / seconds.max(1e-9)) as u64)
     );
-    println!(
+    crate::outln!(
         "  no tokenizer (the real vocabulary has no small tokenizer to go with it): give prompts as --token-ids"
     );
     Ok(Outcome::Pass)

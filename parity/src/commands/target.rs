@@ -34,7 +34,7 @@ impl Target {
                 refuse_graph_flags(form, graph, ir)?;
                 let s = model.open_set(ir)?;
                 if let Some(w) = &s.weights_warning {
-                    eprintln!("warning: {w}");
+                    crate::errln!("warning: {w}");
                 }
                 Target::Set(Box::new(s))
             }

@@ -266,7 +266,7 @@ pub fn warn_precision(dut: &mut dyn DeviceUnderTest) -> Result<()> {
     if let Some(asked) = &r.precision_requested
         && r.precision.as_ref() != Some(asked)
     {
-        eprintln!(
+        crate::errln!(
             "warning: {} computed in {} although {asked} was requested (the device has no such arithmetic); \
              recorded as `precision`",
             dut.label(),

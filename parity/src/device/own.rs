@@ -140,7 +140,7 @@ pub fn engine(
     if !npu::sim::NumericModel::is_sim(&settings.device)
         && r.precision.as_ref() != r.precision_requested.as_ref()
     {
-        eprintln!(
+        crate::errln!(
             "warning: {} computed in {} although {} was requested (the device has no such arithmetic); recorded \
              as `precision`",
             settings.device,

@@ -92,7 +92,7 @@ fn remove_stale(dir: &Path, stem: &str) {
             continue;
         };
         if !process_alive(pid) && std::fs::remove_dir_all(entry.path()).is_ok() {
-            eprintln!(
+            crate::errln!(
                 "removed {}, left by an interrupted run",
                 entry.path().display()
             );

@@ -39,7 +39,6 @@ use anyhow::Result;
 use reference::backend::RunRecord;
 use serde::Serialize;
 use std::fmt::Write as _;
-use std::io::IsTerminal;
 
 /// What was compared.
 #[derive(Debug, Clone, Serialize)]
@@ -104,8 +103,8 @@ impl CompareReport {
 
     /// Prints the terminal summary and writes the files asked for.
     pub fn emit(&self, args: &Outputs) -> Result<()> {
-        let color = std::io::stdout().is_terminal();
-        print!("{}", self.terminal(color));
+        let color = crate::console::Stream::Out.is_terminal();
+        crate::out!("{}", self.terminal(color));
         if let Some(p) = &args.json {
             write(p, &serde_json::to_string_pretty(&self.json()?)?)?;
         }

@@ -28,7 +28,6 @@ use anyhow::Result;
 use reference::backend::RunRecord;
 use serde::Serialize;
 use std::fmt::Write as _;
-use std::io::IsTerminal;
 use std::path::Path;
 
 /// What was probed.
@@ -118,7 +117,10 @@ impl ProbeReport {
 
     /// Prints the terminal summary and writes the files asked for.
     pub fn emit(&self, args: &Outputs) -> Result<()> {
-        print!("{}", self.terminal(std::io::stdout().is_terminal()));
+        crate::out!(
+            "{}",
+            self.terminal(crate::console::Stream::Out.is_terminal())
+        );
         if let Some(p) = &args.json {
             write(p, &serde_json::to_string_pretty(&self.json()?)?)?;
         }

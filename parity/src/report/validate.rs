@@ -32,7 +32,6 @@ use crate::validate::{Check, CheckId};
 use anyhow::Result;
 use serde::Serialize;
 use std::fmt::Write as _;
-use std::io::IsTerminal;
 
 /// What was validated, and how.
 #[derive(Debug, Clone, Serialize)]
@@ -121,7 +120,10 @@ impl ValidateReport {
 
     /// Prints the terminal summary and writes the files asked for.
     pub fn emit(&self, args: &Outputs) -> Result<()> {
-        print!("{}", self.terminal(std::io::stdout().is_terminal()));
+        crate::out!(
+            "{}",
+            self.terminal(crate::console::Stream::Out.is_terminal())
+        );
         if let Some(p) = &args.json {
             write(p, &serde_json::to_string_pretty(&self.json()?)?)?;
         }
