@@ -1,16 +1,19 @@
 //! The `qwen35` tool's integration tests: one binary (one link, and tests of different topics run side by side), a
 //! module per topic. Most run the built binary as a user would.
 
-mod bad_input;
-mod bench;
-mod cli;
 #[path = "../common/mod.rs"]
 mod common;
+mod bad_input;
+mod bad_input_props;
+mod bench;
+mod cli;
+
 mod dump_props;
 mod dump_stream;
 mod external_ir;
 mod faults;
 mod fp16_story;
+mod full_streams;
 mod graph_sets;
 mod harness;
 mod images;

@@ -10,7 +10,7 @@ use std::fs::OpenOptions;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
-mod common;
+use crate::common;
 use common::testdata;
 
 /// Where a stream of the run goes.
