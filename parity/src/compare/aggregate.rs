@@ -52,13 +52,17 @@ impl Distribution {
                 .count()
         };
         let n = p.len();
+        // Over no position, or over positions whose logits hold NaN or infinity on either side, no rate or
+        // divergence is defined (NaN: `null` in the JSON).
+        let undefined = n == 0
+            || p.iter()
+                .any(|x| x.agreement.non_finite + x.agreement.ref_non_finite > 0);
+        let defined = |x: f64| if undefined { f64::NAN } else { x };
         Distribution {
             positions: n,
-            same_top1: if n == 0 {
-                f64::NAN
-            } else {
-                p.iter().filter(|x| x.agreement.same_top()).count() as f64 / n as f64
-            },
+            same_top1: defined(
+                p.iter().filter(|x| x.agreement.same_top()).count() as f64 / n.max(1) as f64,
+            ),
             top5_overlap: mean(
                 &p.iter()
                     .map(|x| x.agreement.top5_overlap)
@@ -66,12 +70,12 @@ impl Distribution {
             ),
             kl_mean: mean(&kl),
             kl_p99: percentile(&kl, 0.99),
-            kl_max: nan_max(kl.iter().copied()),
+            kl_max: defined(nan_max(kl.iter().copied())),
             delta_p_mean: mean(&dp),
             delta_p_rms: mean(&dp.iter().map(|x| x * x).collect::<Vec<_>>()).sqrt(),
             near_tie_flips: flips(true),
             confident_flips: flips(false),
-            eos_drift_max: nan_max(eos.iter().map(|x| x.abs())),
+            eos_drift_max: defined(nan_max(eos.iter().map(|x| x.abs()))),
             eos_drift_mean: mean(&eos),
         }
     }
@@ -174,7 +178,7 @@ pub struct DeviceReport {
 
 /// The worse of two errors, by NRMSE.
 fn worse(a: TensorError, b: TensorError) -> TensorError {
-    if b.nrmse > a.nrmse || (!b.finite() && a.finite()) {
+    if b.nrmse.get() > a.nrmse.get() || (!b.finite() && a.finite()) {
         b
     } else {
         a
@@ -219,8 +223,10 @@ impl DeviceReport {
         // Positions along the run: the first prompt's trace (the per-prompt traces are in `prompts`).
         let layer_over = layers
             .iter()
-            .find(|l| exceeds(l.output.nrmse, thresholds.max_layer_nrmse) || !l.output.finite())
-            .map(|l| (l.layer, l.output.nrmse));
+            .find(|l| {
+                exceeds(l.output.nrmse.get(), thresholds.max_layer_nrmse) || !l.output.finite()
+            })
+            .map(|l| (l.layer, l.output.nrmse.get()));
         let position_over = prompts[0]
             .layers
             .iter()
@@ -314,7 +320,7 @@ impl DeviceReport {
                 ));
             }
         }
-        if exceeds(self.logits.nmse, t.max_logits_nmse) || !self.logits.finite() {
+        if exceeds(self.logits.nmse.get(), t.max_logits_nmse) || !self.logits.finite() {
             f.push(format!(
                 "logits NMSE {:.2e} > {:.1e} (--max-nmse)",
                 self.logits.nmse, t.max_logits_nmse
@@ -349,7 +355,7 @@ impl DeviceReport {
             ));
         }
         for l in &self.layers {
-            if exceeds(l.output.nrmse, t.max_layer_nrmse) || !l.output.finite() {
+            if exceeds(l.output.nrmse.get(), t.max_layer_nrmse) || !l.output.finite() {
                 f.push(format!(
                     "layer {} output NRMSE {:.2e} > {:.1e} (--max-layer-nrmse)",
                     l.layer, l.output.nrmse, t.max_layer_nrmse
@@ -357,7 +363,7 @@ impl DeviceReport {
             }
         }
         for s in &self.states {
-            if exceeds(s.error.nrmse, t.max_state_nrmse) || !s.error.finite() {
+            if exceeds(s.error.nrmse.get(), t.max_state_nrmse) || !s.error.finite() {
                 f.push(format!(
                     "{} NRMSE {:.2e} > {:.1e} (--max-state-nrmse)",
                     s.name, s.error.nrmse, t.max_state_nrmse

@@ -381,7 +381,9 @@ pub fn compare_prompt(
 ) -> Result<PromptComparison> {
     let (free, forced) = (&deployed.free, &deployed.forced);
     let tapped_vs_deployed = match tapped {
-        Some(t) => TensorError::of(&t.run.logits, &forced.run.logits)?.max_abs,
+        Some(t) => TensorError::of(&t.run.logits, &forced.run.logits)?
+            .max_abs
+            .get(),
         None => 0.0,
     };
     let taps = tapped.unwrap_or(forced);
@@ -467,7 +469,7 @@ pub fn compare_runs(
             output: TensorError::of(a, b).with_context(|| format!("`{output}`"))?,
             mixer: error(&names::layer(layer, names::MIXER_OUTPUT))?,
             mlp: error(&names::layer(layer, names::MLP_OUTPUT))?,
-            nrmse_by_position: per_slice(a, b, 0)?.iter().map(|e| e.nrmse).collect(),
+            nrmse_by_position: per_slice(a, b, 0)?.iter().map(|e| e.nrmse.get()).collect(),
         });
     }
     for layer in 0..kinds.len() {

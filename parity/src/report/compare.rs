@@ -180,8 +180,8 @@ impl CompareReport {
             let worst = d
                 .layers
                 .iter()
-                .max_by(|a, b| a.output.nrmse.total_cmp(&b.output.nrmse));
-            let state = nan_max(d.states.iter().map(|s| s.error.nrmse));
+                .max_by(|a, b| a.output.nrmse.get().total_cmp(&b.output.nrmse.get()));
+            let state = nan_max(d.states.iter().map(|s| s.error.nrmse.get()));
             let verdict = if d.passed() {
                 paint("PASS", "32", color)
             } else {
@@ -224,7 +224,7 @@ impl CompareReport {
             }
             if !d.tensors.is_empty() {
                 let mut worst: Vec<&crate::compare::Row> = d.tensors.iter().collect();
-                worst.sort_by(|a, b| b.error.nrmse.total_cmp(&a.error.nrmse));
+                worst.sort_by(|a, b| b.error.nrmse.get().total_cmp(&a.error.nrmse.get()));
                 let top: Vec<String> = worst
                     .iter()
                     .take(4)
@@ -551,7 +551,7 @@ fn vision_lines(d: &crate::compare::DeviceReport) -> Vec<String> {
             .vision
             .iter()
             .filter(|r| r.name.starts_with(&blocks))
-            .max_by(|a, b| a.error.nrmse.total_cmp(&b.error.nrmse));
+            .max_by(|a, b| a.error.nrmse.get().total_cmp(&b.error.nrmse.get()));
         let graph = d
             .vision_graph
             .as_deref()

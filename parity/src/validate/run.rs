@@ -139,13 +139,13 @@ fn compare_finding(report: &DeviceReport) -> Finding {
     } else {
         format!(
             "worst layer NRMSE {:.1e}",
-            nan_max(report.layers.iter().map(|l| l.output.nrmse))
+            nan_max(report.layers.iter().map(|l| l.output.nrmse.get()))
         )
     };
     let states = match report
         .states
         .iter()
-        .max_by(|a, b| a.error.nrmse.total_cmp(&b.error.nrmse))
+        .max_by(|a, b| a.error.nrmse.get().total_cmp(&b.error.nrmse.get()))
     {
         Some(s) => format!(", worst state NRMSE {:.1e} ({})", s.error.nrmse, s.name),
         None => String::new(),
@@ -475,12 +475,16 @@ fn probe_finding(
     let worst = report
         .layers
         .iter()
-        .filter_map(|l| l.output.map(|o| (l.layer, o.nrmse)))
+        .filter_map(|l| l.output.map(|o| (l.layer, o.nrmse.get())))
         .max_by(|a, b| a.1.total_cmp(&b.1));
     let state = report
         .layers
         .iter()
-        .flat_map(|l| l.states.iter().map(|s| (s.error.nrmse, s.name.clone())))
+        .flat_map(|l| {
+            l.states
+                .iter()
+                .map(|s| (s.error.nrmse.get(), s.name.clone()))
+        })
         .max_by(|a, b| a.0.total_cmp(&b.0));
     Finding {
         figure: format!(
