@@ -1,39 +1,40 @@
 //! A device's comparisons over every prompt, aggregated and checked against the thresholds.
 
 use super::{LayerTrace, Position, PositionClass, PromptComparison, Row, Thresholds};
-use crate::metrics::{TensorError, exceeds, falls_short, mean, nan_max, percentile};
+use crate::metrics::{Measure, TensorError, Why, exceeds, falls_short, mean, nan_max, percentile};
 use crate::non_finite::{NonFinite, summary};
 use crate::routing::RoutingReport;
 use reference::backend::RunRecord;
 use serde::Serialize;
 
-/// Teacher-forced agreement over a set of positions.
+/// Teacher-forced agreement over a set of positions; every rate and divergence undefined (`null`) over no position
+/// or over positions whose logits hold NaN or infinity on either side.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Distribution {
     /// Positions.
     pub positions: usize,
     /// Share where both choose the same top token ("same top p").
-    pub same_top1: f64,
+    pub same_top1: Measure,
     /// Mean share of the reference's top 5 among the device's top 5.
-    pub top5_overlap: f64,
+    pub top5_overlap: Measure,
     /// `KL(P_ref ‖ P_device)`: mean, 99th percentile and maximum, in nats.
-    pub kl_mean: f64,
+    pub kl_mean: Measure,
     /// 99th percentile of the KL.
-    pub kl_p99: f64,
+    pub kl_p99: Measure,
     /// Largest KL.
-    pub kl_max: f64,
+    pub kl_max: Measure,
     /// Mean Δp (device minus reference probability of the reference's top token).
-    pub delta_p_mean: f64,
+    pub delta_p_mean: Measure,
     /// RMS of Δp.
-    pub delta_p_rms: f64,
+    pub delta_p_rms: Measure,
     /// Disagreements where the reference's margin is within twice the logit error (near ties).
     pub near_tie_flips: usize,
     /// Disagreements at confident positions: faults.
     pub confident_flips: usize,
     /// Largest `|P_device(eos) − P_ref(eos)|`.
-    pub eos_drift_max: f64,
+    pub eos_drift_max: Measure,
     /// Mean `P_device(eos) − P_ref(eos)`.
-    pub eos_drift_mean: f64,
+    pub eos_drift_mean: Measure,
 }
 
 impl Distribution {
@@ -52,31 +53,36 @@ impl Distribution {
                 .count()
         };
         let n = p.len();
-        // Over no position, or over positions whose logits hold NaN or infinity on either side, no rate or
-        // divergence is defined (NaN: `null` in the JSON).
-        let undefined = n == 0
-            || p.iter()
-                .any(|x| x.agreement.non_finite + x.agreement.ref_non_finite > 0);
-        let defined = |x: f64| if undefined { f64::NAN } else { x };
+        let rows = |f: fn(&Position) -> usize| p.iter().filter(|x| f(x) > 0).count();
+        let (device, reference) = (
+            rows(|x| x.agreement.non_finite),
+            rows(|x| x.agreement.ref_non_finite),
+        );
+        let why = if device + reference > 0 {
+            Some(Why::Rows { device, reference })
+        } else {
+            (n == 0).then_some(Why::Empty)
+        };
+        let m = |x: f64| Measure::of(x, why);
         Distribution {
             positions: n,
-            same_top1: defined(
-                p.iter().filter(|x| x.agreement.same_top()).count() as f64 / n.max(1) as f64,
+            same_top1: m(
+                p.iter().filter(|x| x.agreement.same_top()).count() as f64 / n.max(1) as f64
             ),
-            top5_overlap: mean(
+            top5_overlap: m(mean(
                 &p.iter()
                     .map(|x| x.agreement.top5_overlap)
                     .collect::<Vec<_>>(),
-            ),
-            kl_mean: mean(&kl),
-            kl_p99: percentile(&kl, 0.99),
-            kl_max: defined(nan_max(kl.iter().copied())),
-            delta_p_mean: mean(&dp),
-            delta_p_rms: mean(&dp.iter().map(|x| x * x).collect::<Vec<_>>()).sqrt(),
+            )),
+            kl_mean: m(mean(&kl)),
+            kl_p99: m(percentile(&kl, 0.99)),
+            kl_max: m(nan_max(kl.iter().copied())),
+            delta_p_mean: m(mean(&dp)),
+            delta_p_rms: m(mean(&dp.iter().map(|x| x * x).collect::<Vec<_>>()).sqrt()),
             near_tie_flips: flips(true),
             confident_flips: flips(false),
-            eos_drift_max: defined(nan_max(eos.iter().map(|x| x.abs()))),
-            eos_drift_mean: mean(&eos),
+            eos_drift_max: m(nan_max(eos.iter().map(|x| x.abs()))),
+            eos_drift_mean: m(mean(&eos)),
         }
     }
 }
@@ -326,16 +332,16 @@ impl DeviceReport {
                 self.logits.nmse, t.max_logits_nmse
             ));
         }
-        if exceeds(self.all.kl_mean, t.max_mean_kl) {
+        if exceeds(self.all.kl_mean.get(), t.max_mean_kl) {
             f.push(format!(
                 "mean KL {:.2e} > {:.1e} (--max-kl)",
                 self.all.kl_mean, t.max_mean_kl
             ));
         }
-        if falls_short(self.all.same_top1, t.min_top1) {
+        if falls_short(self.all.same_top1.get(), t.min_top1) {
             f.push(format!(
                 "same top-1 {:.1}% < {:.1}% (--min-token-agreement)",
-                100.0 * self.all.same_top1,
+                self.all.same_top1.map(|x| 100.0 * x),
                 100.0 * t.min_top1
             ));
         }

@@ -11,6 +11,22 @@ use std::fmt;
 pub enum Why {
     /// No values were compared.
     Empty,
+    /// The measure divides by zero (an NMSE against a reference that is all zero while the other side is not).
+    DivisionByZero,
+    /// Values of one tensor (a measure of one side, as a range) that are NaN or infinite.
+    Values {
+        /// NaN.
+        nan: usize,
+        /// Infinities.
+        inf: usize,
+    },
+    /// Rows (positions of logits) holding NaN or infinity, on the side under test and on the reference's.
+    Rows {
+        /// Rows of the side under test.
+        device: usize,
+        /// Rows of the reference.
+        reference: usize,
+    },
     /// Values that are NaN or infinite, on the side under test and on the reference's.
     NonFinite {
         /// NaN on the side under test (the device).
@@ -28,6 +44,12 @@ impl fmt::Display for Why {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match *self {
             Why::Empty => write!(f, "no values compared"),
+            Why::DivisionByZero => write!(f, "a division by zero: the reference is zero"),
+            Why::Rows { device, reference } => write!(
+                f,
+                "{device} row(s) with NaN or Inf on the device side, {reference} on the reference side"
+            ),
+            Why::Values { nan, inf } => write!(f, "{nan} NaN / {inf} Inf among the values"),
             Why::NonFinite {
                 nan,
                 inf,
@@ -103,10 +125,12 @@ pub enum Measure {
 }
 
 impl Measure {
-    /// `x` unless `why` says the values it was computed from leave it undefined; a NaN `x` is undefined too.
+    /// `x` unless `why` says the values it was computed from leave it undefined; a NaN or infinite `x` is undefined
+    /// too (JSON has no number for it).
     pub fn of(x: f64, why: Option<Why>) -> Self {
         match why {
             Some(w) => Measure::Undefined(w),
+            None if x.is_infinite() => Measure::Undefined(Why::DivisionByZero),
             None if x.is_nan() => Measure::Undefined(Why::NonFinite {
                 nan: 0,
                 inf: 0,

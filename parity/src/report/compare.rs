@@ -10,7 +10,8 @@
 //! `confident` ({`positions`, `same_top1`, `top5_overlap`, `kl_mean`, `kl_p99`, `kl_max`, `delta_p_mean`,
 //! `delta_p_rms`, `near_tie_flips`, `confident_flips`, `eos_drift_max`, `eos_drift_mean`}; KL is
 //! `KL(P_ref ‖ P_device)` in nats), `logits`, `final_norm` (tensor errors: `max_abs`, `nmse`, `nrmse`, `rel_l2`,
-//! `cosine`, `nan`, `inf`, `count`; `final_norm` is null when not available), `layers` ([{`layer`, `kind`,
+//! `cosine`, `nan`, `inf`, `ref_nan`, `ref_inf`, `count`, `undefined` (null, or why the measures are null);
+//! `final_norm` is null when not available), `layers` ([{`layer`, `kind`,
 //! `output`, `mixer`, `mlp`, `nrmse_by_position`}]), `states` ([{`name`, `layer`, `error`}]), `not_available`
 //! (present only when the backend exposes no hidden state nor state, e.g. an external IR: why `layers`, `states` and
 //! `final_norm` are empty), `tapped_vs_deployed`, `first_divergence` {`layer`, `position`,
@@ -28,7 +29,9 @@
 //! `router_off`}]); see [`crate::routing`]; `diff` scores the chosen experts there, not in `tensors`),
 //! `prompt_tokens_per_s`, `decode_tokens_per_s` and `prompts` (every prompt's own comparison, with every
 //! teacher-forced position, and `non_finite` / `reference_non_finite`: every tensor of either side holding NaN or
-//! infinity, in computation order). A measure that is undefined (NaN: a side held a non-finite value) is `null`.
+//! infinity, in computation order). A measure is undefined unless it is defined ([`crate::metrics::Measure`]): over
+//! no value, or over values either side of which holds NaN or infinity, it is `null`, and the text says
+//! `undefined (why)`.
 
 pub use super::trace::first_divergence_line;
 use super::trace::hidden_sections;
@@ -139,7 +142,7 @@ impl CompareReport {
                 "compression alone (reference, {} vs original weights): logits NMSE {:.2e}, same top-1 {:.1}%, KL mean {:.2e}",
                 i.weights,
                 q.logits.nmse,
-                100.0 * q.distribution.same_top1,
+                q.distribution.same_top1.map(|x| 100.0 * x),
                 q.distribution.kl_mean
             );
         }
@@ -192,7 +195,7 @@ impl CompareReport {
                 "{:<w$} {:>7} {:>7.1}% {:>6} {:>9.2e} {:>9.2e} {:>10.2e} {:>18} {:>9}  {verdict}",
                 label,
                 format!("{}/{}", d.greedy_matched, d.greedy_total),
-                100.0 * d.all.same_top1,
+                d.all.same_top1.map(|x| 100.0 * x),
                 format!("{}+{}", d.all.confident_flips, d.all.near_tie_flips),
                 d.all.kl_mean,
                 d.all.kl_p99,
@@ -321,7 +324,7 @@ impl CompareReport {
                 s,
                 "| compression alone | logits NMSE {:.2e}, same top-1 {:.1}%, KL mean {:.2e} (reference on {} vs original weights) |",
                 q.logits.nmse,
-                100.0 * q.distribution.same_top1,
+                q.distribution.same_top1.map(|x| 100.0 * x),
                 q.distribution.kl_mean,
                 i.weights
             );
@@ -435,7 +438,7 @@ impl CompareReport {
                     s,
                     "| {name} | {} | {:.1}% | {:.3} | {:.2e} | {:.2e} | {:.2e} | {:+.2e} | {} / {} | {:.2e} |",
                     dist.positions,
-                    100.0 * dist.same_top1,
+                    dist.same_top1.map(|x| 100.0 * x),
                     dist.top5_overlap,
                     dist.kl_mean,
                     dist.kl_p99,

@@ -155,7 +155,7 @@ fn compare_finding(report: &DeviceReport) -> Finding {
             "greedy {}/{}, top-1 {:.1}%, KL mean {:.1e}, logits NMSE {:.1e}, {layers}{states}",
             report.greedy_matched,
             report.greedy_total,
-            100.0 * report.all.same_top1,
+            report.all.same_top1.map(|x| 100.0 * x),
             report.all.kl_mean,
             report.logits.nmse,
         ),
