@@ -145,7 +145,7 @@ pub struct DeviceReport {
     /// Per state, the worst over the prompts.
     pub states: Vec<Row>,
     /// Largest logits difference between the graphs with taps and as deployed.
-    pub tapped_vs_deployed: f64,
+    pub tapped_vs_deployed: Measure,
     /// Where the device first leaves tolerance.
     pub first_divergence: FirstDivergence,
     /// An MoE model's routing against the reference's over every prompt, where both sides expose the chosen
@@ -277,7 +277,11 @@ impl DeviceReport {
             final_norm,
             states,
             not_available: prompts.iter().find_map(|p| p.not_available.clone()),
-            tapped_vs_deployed: nan_max(prompts.iter().map(|p| p.tapped_vs_deployed)),
+            tapped_vs_deployed: prompts
+                .iter()
+                .map(|p| p.tapped_vs_deployed)
+                .reduce(Measure::worst)
+                .unwrap_or(Measure::Undefined(Why::Empty)),
             first_non_finite: prompts.iter().find_map(|p| {
                 Some(FirstNonFinite {
                     prompt: p.label.clone(),
@@ -340,8 +344,8 @@ impl DeviceReport {
         }
         if falls_short(self.all.same_top1.get(), t.min_top1) {
             f.push(format!(
-                "same top-1 {:.1}% < {:.1}% (--min-token-agreement)",
-                self.all.same_top1.map(|x| 100.0 * x),
+                "same top-1 {:.1} < {:.1}% (--min-token-agreement)",
+                self.all.same_top1.percent(),
                 100.0 * t.min_top1
             ));
         }

@@ -45,10 +45,14 @@ impl fmt::Display for Why {
         match *self {
             Why::Empty => write!(f, "no values compared"),
             Why::DivisionByZero => write!(f, "a division by zero: the reference is zero"),
-            Why::Rows { device, reference } => write!(
-                f,
-                "{device} row(s) with NaN or Inf on the device side, {reference} on the reference side"
-            ),
+            Why::Rows { device, reference } => {
+                let parts: Vec<String> = [(device, "device"), (reference, "reference")]
+                    .iter()
+                    .filter(|(n, _)| *n > 0)
+                    .map(|(n, side)| format!("{n} row(s) with NaN or Inf on the {side} side"))
+                    .collect();
+                write!(f, "{}", parts.join(", "))
+            }
             Why::Values { nan, inf } => write!(f, "{nan} NaN / {inf} Inf among the values"),
             Why::NonFinite {
                 nan,
@@ -188,6 +192,27 @@ impl Measure {
     }
 }
 
+impl Measure {
+    /// The measure as a percentage for the text: `{:.1}` prints `97.5%`, or `undefined (why)` with no `%`.
+    pub fn percent(self) -> Percent {
+        Percent(self)
+    }
+}
+
+/// A share printed as a percentage ([`Measure::percent`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Percent(Measure);
+
+impl fmt::Display for Percent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let text = match self.0 {
+            Measure::Defined(x) => format!("{:.*}%", f.precision().unwrap_or(1), 100.0 * x),
+            u => u.to_string(),
+        };
+        write!(f, "{text:>0$}", f.width().unwrap_or(0))
+    }
+}
+
 impl Serialize for Measure {
     /// The number, or `null` when undefined.
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
@@ -242,5 +267,19 @@ mod tests {
         assert_eq!(d.worst(Measure::Defined(0.25)), d);
         assert_eq!(d.worst(m), m);
         assert_eq!(m.worst(d), m);
+        assert_eq!(format!("{:.1}", Measure::Defined(0.975).percent()), "97.5%");
+        assert_eq!(
+            format!("{:>6.0}", Measure::Defined(0.5).percent()),
+            "   50%"
+        );
+        assert!(format!("{:.1}", m.percent()).starts_with("undefined ("));
+        let rows = Why::Rows {
+            device: 0,
+            reference: 2,
+        };
+        assert_eq!(
+            rows.to_string(),
+            "2 row(s) with NaN or Inf on the reference side"
+        );
     }
 }

@@ -10,7 +10,7 @@ use candle_core::{DType, Tensor};
 use serde::Serialize;
 
 mod measure;
-pub use measure::{Measure, Why};
+pub use measure::{Measure, Percent, Why};
 
 /// fp16's smallest normal magnitude, 2⁻¹⁴ ≈ 6.10e-5: below it an fp16 value loses precision (or is flushed).
 pub const F16_MIN_NORMAL: f64 = 6.103_515_625e-5;

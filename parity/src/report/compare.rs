@@ -37,7 +37,7 @@ pub use super::trace::first_divergence_line;
 use super::trace::hidden_sections;
 use super::{Machine, Outputs, paint, routing, short_model, stamped, write};
 use crate::compare::{DeviceReport, Distribution};
-use crate::metrics::{TensorError, nan_max};
+use crate::metrics::{Measure, TensorError, nan_max};
 use anyhow::Result;
 use reference::backend::RunRecord;
 use serde::Serialize;
@@ -139,10 +139,10 @@ impl CompareReport {
         if let Some(q) = &self.quantization {
             let _ = writeln!(
                 s,
-                "compression alone (reference, {} vs original weights): logits NMSE {:.2e}, same top-1 {:.1}%, KL mean {:.2e}",
+                "compression alone (reference, {} vs original weights): logits NMSE {:.2e}, same top-1 {:.1}, KL mean {:.2e}",
                 i.weights,
                 q.logits.nmse,
-                q.distribution.same_top1.map(|x| 100.0 * x),
+                q.distribution.same_top1.percent(),
                 q.distribution.kl_mean
             );
         }
@@ -192,10 +192,10 @@ impl CompareReport {
             };
             let _ = writeln!(
                 s,
-                "{:<w$} {:>7} {:>7.1}% {:>6} {:>9.2e} {:>9.2e} {:>10.2e} {:>18} {:>9}  {verdict}",
+                "{:<w$} {:>7} {:>8.1} {:>6} {:>9.2e} {:>9.2e} {:>10.2e} {:>18} {:>9}  {verdict}",
                 label,
                 format!("{}/{}", d.greedy_matched, d.greedy_total),
-                d.all.same_top1.map(|x| 100.0 * x),
+                d.all.same_top1.percent(),
                 format!("{}+{}", d.all.confident_flips, d.all.near_tie_flips),
                 d.all.kl_mean,
                 d.all.kl_p99,
@@ -253,7 +253,7 @@ impl CompareReport {
                     );
                 }
             }
-            if d.tapped_vs_deployed > 0.0 {
+            if d.tapped_vs_deployed != Measure::Defined(0.0) {
                 let _ = writeln!(
                     s,
                     "  note: the graphs with taps moved the logits by up to {:.2e} against the deployed graphs",
@@ -322,9 +322,9 @@ impl CompareReport {
         if let Some(q) = &self.quantization {
             let _ = writeln!(
                 s,
-                "| compression alone | logits NMSE {:.2e}, same top-1 {:.1}%, KL mean {:.2e} (reference on {} vs original weights) |",
+                "| compression alone | logits NMSE {:.2e}, same top-1 {:.1}, KL mean {:.2e} (reference on {} vs original weights) |",
                 q.logits.nmse,
-                q.distribution.same_top1.map(|x| 100.0 * x),
+                q.distribution.same_top1.percent(),
                 q.distribution.kl_mean,
                 i.weights
             );
@@ -436,9 +436,9 @@ impl CompareReport {
                 }
                 let _ = writeln!(
                     s,
-                    "| {name} | {} | {:.1}% | {:.3} | {:.2e} | {:.2e} | {:.2e} | {:+.2e} | {} / {} | {:.2e} |",
+                    "| {name} | {} | {:.1} | {:.3} | {:.2e} | {:.2e} | {:.2e} | {:+.2e} | {} / {} | {:.2e} |",
                     dist.positions,
-                    dist.same_top1.map(|x| 100.0 * x),
+                    dist.same_top1.percent(),
                     dist.top5_overlap,
                     dist.kl_mean,
                     dist.kl_p99,

@@ -101,13 +101,13 @@ pub fn lookup(
         .filter(|r| r.agreement.near_tie(ctx.thresholds.max_logits_nmse))
         .count();
     let figure = format!(
-        "{identical}/{} prompts token-identical{}; acceptance {:.1}% ({accepted}/{proposed}; `{}` {:.1}%), {} vs {} \
+        "{identical}/{} prompts token-identical{}; acceptance {:.1} ({accepted}/{proposed}; `{}` {:.1}), {} vs {} \
          forward calls, decode speed-up ×{speedup:.2}",
         runs.len(),
         ties_text(ties),
-        acceptance.map(|a| 100.0 * a),
+        acceptance.percent(),
         ctx.repeated.label,
-        repeated.map(|a| 100.0 * a),
+        repeated.percent(),
         sum(|r| r.lookup_calls),
         sum(|r| r.greedy_calls),
     );

@@ -152,10 +152,10 @@ fn compare_finding(report: &DeviceReport) -> Finding {
     };
     Finding {
         figure: format!(
-            "greedy {}/{}, top-1 {:.1}%, KL mean {:.1e}, logits NMSE {:.1e}, {layers}{states}",
+            "greedy {}/{}, top-1 {:.1}, KL mean {:.1e}, logits NMSE {:.1e}, {layers}{states}",
             report.greedy_matched,
             report.greedy_total,
-            report.all.same_top1.map(|x| 100.0 * x),
+            report.all.same_top1.percent(),
             report.all.kl_mean,
             report.logits.nmse,
         ),
