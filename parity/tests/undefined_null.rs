@@ -87,6 +87,8 @@ fn fine_looking(text: &str) -> Vec<&str> {
                 || l.contains("up to 0.00e0")
                 || l.contains("max |Δ| NaN")
                 || l.contains("acceptance NaN")
+                || l.contains("NaN%")
+                || l.contains(")%")
         })
         .collect()
 }
@@ -122,6 +124,7 @@ fn the_walk_finds_what_it_looks_for() {
         ]
     );
     assert!(fine_looking("prompt logits NMSE 0.0e0, ok").len() == 1);
+    assert!(fine_looking("top-1 undefined (no values compared)%").len() == 1);
 }
 
 /// A copy of `d` with `value` planted in tensor `name` at every `stride`-th element from `start`, at `dir/file`.
