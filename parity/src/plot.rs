@@ -162,7 +162,7 @@ pub fn compare_chart(report: &CompareReport, path: &Path) -> Result<()> {
                 points: d
                     .layers
                     .iter()
-                    .map(|l| (l.layer as f64, l.output.nrmse))
+                    .map(|l| (l.layer as f64, l.output.nrmse.get()))
                     .collect(),
             })
             .collect(),

@@ -7,7 +7,7 @@
 //! the weights and the constants: the values that do not survive the cast (`rms_norm_eps = 1e-6` is an fp16
 //! subnormal: flushed, it is zero). The first overflow, in the order the decoder computes, is named.
 
-use crate::metrics::values;
+use crate::metrics::{Measure, Why, values};
 use crate::non_finite::NonFinite;
 use anyhow::Result;
 use candle_core::Tensor;
@@ -53,8 +53,8 @@ impl Limits {
 /// What a tensor's values (or their squares) do in the format.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Range {
-    /// Largest magnitude of the finite values.
-    pub max_abs: f64,
+    /// Largest magnitude (undefined, `null`, over no value or when a value is NaN or infinite).
+    pub max_abs: Measure,
     /// Values that are NaN or infinite already in the reference (a broken checkpoint: no format holds them).
     pub non_finite: usize,
     /// Values beyond the largest finite value.
@@ -143,6 +143,7 @@ fn store(x: f64, storage: Storage) -> f64 {
 #[derive(Debug, Clone, Copy, Default)]
 struct RangeSum {
     max_abs: f64,
+    nan: usize,
     non_finite: usize,
     overflow: usize,
     below_normal: usize,
@@ -155,6 +156,7 @@ impl RangeSum {
         for &v in x {
             if !v.is_finite() {
                 self.non_finite += 1;
+                self.nan += usize::from(v.is_nan());
                 continue;
             }
             let a = v.abs();
@@ -170,7 +172,17 @@ impl RangeSum {
 
     fn range(&self) -> Range {
         Range {
-            max_abs: self.max_abs,
+            max_abs: Measure::of(
+                self.max_abs,
+                if self.non_finite > 0 {
+                    Some(Why::Values {
+                        nan: self.nan,
+                        inf: self.non_finite - self.nan,
+                    })
+                } else {
+                    (self.count == 0).then_some(Why::Empty)
+                },
+            ),
             non_finite: self.non_finite,
             overflow: self.overflow,
             below_normal: self.below_normal as f64 / self.nonzero.max(1) as f64,

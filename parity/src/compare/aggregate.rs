@@ -1,39 +1,40 @@
 //! A device's comparisons over every prompt, aggregated and checked against the thresholds.
 
 use super::{LayerTrace, Position, PositionClass, PromptComparison, Row, Thresholds};
-use crate::metrics::{TensorError, exceeds, falls_short, mean, nan_max, percentile};
+use crate::metrics::{Measure, TensorError, Why, exceeds, falls_short, mean, nan_max, percentile};
 use crate::non_finite::{NonFinite, summary};
 use crate::routing::RoutingReport;
 use reference::backend::RunRecord;
 use serde::Serialize;
 
-/// Teacher-forced agreement over a set of positions.
+/// Teacher-forced agreement over a set of positions; every rate and divergence undefined (`null`) over no position
+/// or over positions whose logits hold NaN or infinity on either side.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Distribution {
     /// Positions.
     pub positions: usize,
     /// Share where both choose the same top token ("same top p").
-    pub same_top1: f64,
+    pub same_top1: Measure,
     /// Mean share of the reference's top 5 among the device's top 5.
-    pub top5_overlap: f64,
+    pub top5_overlap: Measure,
     /// `KL(P_ref ‖ P_device)`: mean, 99th percentile and maximum, in nats.
-    pub kl_mean: f64,
+    pub kl_mean: Measure,
     /// 99th percentile of the KL.
-    pub kl_p99: f64,
+    pub kl_p99: Measure,
     /// Largest KL.
-    pub kl_max: f64,
+    pub kl_max: Measure,
     /// Mean Δp (device minus reference probability of the reference's top token).
-    pub delta_p_mean: f64,
+    pub delta_p_mean: Measure,
     /// RMS of Δp.
-    pub delta_p_rms: f64,
+    pub delta_p_rms: Measure,
     /// Disagreements where the reference's margin is within twice the logit error (near ties).
     pub near_tie_flips: usize,
     /// Disagreements at confident positions: faults.
     pub confident_flips: usize,
     /// Largest `|P_device(eos) − P_ref(eos)|`.
-    pub eos_drift_max: f64,
+    pub eos_drift_max: Measure,
     /// Mean `P_device(eos) − P_ref(eos)`.
-    pub eos_drift_mean: f64,
+    pub eos_drift_mean: Measure,
 }
 
 impl Distribution {
@@ -52,27 +53,36 @@ impl Distribution {
                 .count()
         };
         let n = p.len();
+        let rows = |f: fn(&Position) -> usize| p.iter().filter(|x| f(x) > 0).count();
+        let (device, reference) = (
+            rows(|x| x.agreement.non_finite),
+            rows(|x| x.agreement.ref_non_finite),
+        );
+        let why = if device + reference > 0 {
+            Some(Why::Rows { device, reference })
+        } else {
+            (n == 0).then_some(Why::Empty)
+        };
+        let m = |x: f64| Measure::of(x, why);
         Distribution {
             positions: n,
-            same_top1: if n == 0 {
-                f64::NAN
-            } else {
-                p.iter().filter(|x| x.agreement.same_top()).count() as f64 / n as f64
-            },
-            top5_overlap: mean(
+            same_top1: m(
+                p.iter().filter(|x| x.agreement.same_top()).count() as f64 / n.max(1) as f64
+            ),
+            top5_overlap: m(mean(
                 &p.iter()
                     .map(|x| x.agreement.top5_overlap)
                     .collect::<Vec<_>>(),
-            ),
-            kl_mean: mean(&kl),
-            kl_p99: percentile(&kl, 0.99),
-            kl_max: nan_max(kl.iter().copied()),
-            delta_p_mean: mean(&dp),
-            delta_p_rms: mean(&dp.iter().map(|x| x * x).collect::<Vec<_>>()).sqrt(),
+            )),
+            kl_mean: m(mean(&kl)),
+            kl_p99: m(percentile(&kl, 0.99)),
+            kl_max: m(nan_max(kl.iter().copied())),
+            delta_p_mean: m(mean(&dp)),
+            delta_p_rms: m(mean(&dp.iter().map(|x| x * x).collect::<Vec<_>>()).sqrt()),
             near_tie_flips: flips(true),
             confident_flips: flips(false),
-            eos_drift_max: nan_max(eos.iter().map(|x| x.abs())),
-            eos_drift_mean: mean(&eos),
+            eos_drift_max: m(nan_max(eos.iter().map(|x| x.abs()))),
+            eos_drift_mean: m(mean(&eos)),
         }
     }
 }
@@ -135,7 +145,7 @@ pub struct DeviceReport {
     /// Per state, the worst over the prompts.
     pub states: Vec<Row>,
     /// Largest logits difference between the graphs with taps and as deployed.
-    pub tapped_vs_deployed: f64,
+    pub tapped_vs_deployed: Measure,
     /// Where the device first leaves tolerance.
     pub first_divergence: FirstDivergence,
     /// An MoE model's routing against the reference's over every prompt, where both sides expose the chosen
@@ -174,7 +184,7 @@ pub struct DeviceReport {
 
 /// The worse of two errors, by NRMSE.
 fn worse(a: TensorError, b: TensorError) -> TensorError {
-    if b.nrmse > a.nrmse || (!b.finite() && a.finite()) {
+    if b.nrmse.get() > a.nrmse.get() || (!b.finite() && a.finite()) {
         b
     } else {
         a
@@ -219,8 +229,10 @@ impl DeviceReport {
         // Positions along the run: the first prompt's trace (the per-prompt traces are in `prompts`).
         let layer_over = layers
             .iter()
-            .find(|l| exceeds(l.output.nrmse, thresholds.max_layer_nrmse) || !l.output.finite())
-            .map(|l| (l.layer, l.output.nrmse));
+            .find(|l| {
+                exceeds(l.output.nrmse.get(), thresholds.max_layer_nrmse) || !l.output.finite()
+            })
+            .map(|l| (l.layer, l.output.nrmse.get()));
         let position_over = prompts[0]
             .layers
             .iter()
@@ -265,7 +277,11 @@ impl DeviceReport {
             final_norm,
             states,
             not_available: prompts.iter().find_map(|p| p.not_available.clone()),
-            tapped_vs_deployed: nan_max(prompts.iter().map(|p| p.tapped_vs_deployed)),
+            tapped_vs_deployed: prompts
+                .iter()
+                .map(|p| p.tapped_vs_deployed)
+                .reduce(Measure::worst)
+                .unwrap_or(Measure::Undefined(Why::Empty)),
             first_non_finite: prompts.iter().find_map(|p| {
                 Some(FirstNonFinite {
                     prompt: p.label.clone(),
@@ -314,22 +330,22 @@ impl DeviceReport {
                 ));
             }
         }
-        if exceeds(self.logits.nmse, t.max_logits_nmse) || !self.logits.finite() {
+        if exceeds(self.logits.nmse.get(), t.max_logits_nmse) || !self.logits.finite() {
             f.push(format!(
                 "logits NMSE {:.2e} > {:.1e} (--max-nmse)",
                 self.logits.nmse, t.max_logits_nmse
             ));
         }
-        if exceeds(self.all.kl_mean, t.max_mean_kl) {
+        if exceeds(self.all.kl_mean.get(), t.max_mean_kl) {
             f.push(format!(
                 "mean KL {:.2e} > {:.1e} (--max-kl)",
                 self.all.kl_mean, t.max_mean_kl
             ));
         }
-        if falls_short(self.all.same_top1, t.min_top1) {
+        if falls_short(self.all.same_top1.get(), t.min_top1) {
             f.push(format!(
-                "same top-1 {:.1}% < {:.1}% (--min-token-agreement)",
-                100.0 * self.all.same_top1,
+                "same top-1 {:.1} < {:.1}% (--min-token-agreement)",
+                self.all.same_top1.percent(),
                 100.0 * t.min_top1
             ));
         }
@@ -349,7 +365,7 @@ impl DeviceReport {
             ));
         }
         for l in &self.layers {
-            if exceeds(l.output.nrmse, t.max_layer_nrmse) || !l.output.finite() {
+            if exceeds(l.output.nrmse.get(), t.max_layer_nrmse) || !l.output.finite() {
                 f.push(format!(
                     "layer {} output NRMSE {:.2e} > {:.1e} (--max-layer-nrmse)",
                     l.layer, l.output.nrmse, t.max_layer_nrmse
@@ -357,7 +373,7 @@ impl DeviceReport {
             }
         }
         for s in &self.states {
-            if exceeds(s.error.nrmse, t.max_state_nrmse) || !s.error.finite() {
+            if exceeds(s.error.nrmse.get(), t.max_state_nrmse) || !s.error.finite() {
                 f.push(format!(
                     "{} NRMSE {:.2e} > {:.1e} (--max-state-nrmse)",
                     s.name, s.error.nrmse, t.max_state_nrmse

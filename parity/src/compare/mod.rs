@@ -15,7 +15,7 @@ pub use aggregate::{DeviceReport, Distribution, FirstDivergence, FirstNonFinite}
 
 use crate::device::{Capabilities, DeviceUnderTest};
 use crate::images::PromptInput;
-use crate::metrics::{TensorError, TokenAgreement, max_abs_diff, per_slice, values};
+use crate::metrics::{Measure, TensorError, TokenAgreement, max_abs_diff, per_slice, values};
 use crate::non_finite::{NonFinite, scan_all};
 use crate::routing::{self, RoutingReport};
 use anyhow::{Context, Result, bail};
@@ -325,7 +325,7 @@ pub struct PromptComparison {
     pub routing: Option<RoutingReport>,
     /// Largest difference between the logits of the graphs with taps and as deployed (0: the taps changed
     /// nothing).
-    pub tapped_vs_deployed: f64,
+    pub tapped_vs_deployed: Measure,
     /// Seconds of the deployed free-running prompt and decode.
     pub prompt_seconds: f64,
     /// Seconds of the deployed free-running single-token calls.
@@ -382,7 +382,8 @@ pub fn compare_prompt(
     let (free, forced) = (&deployed.free, &deployed.forced);
     let tapped_vs_deployed = match tapped {
         Some(t) => TensorError::of(&t.run.logits, &forced.run.logits)?.max_abs,
-        None => 0.0,
+        // The taps were read from the deployed graphs themselves.
+        None => Measure::Defined(0.0),
     };
     let taps = tapped.unwrap_or(forced);
     let mut c = compare_runs(
@@ -467,7 +468,7 @@ pub fn compare_runs(
             output: TensorError::of(a, b).with_context(|| format!("`{output}`"))?,
             mixer: error(&names::layer(layer, names::MIXER_OUTPUT))?,
             mlp: error(&names::layer(layer, names::MLP_OUTPUT))?,
-            nrmse_by_position: per_slice(a, b, 0)?.iter().map(|e| e.nrmse).collect(),
+            nrmse_by_position: per_slice(a, b, 0)?.iter().map(|e| e.nrmse.get()).collect(),
         });
     }
     for layer in 0..kinds.len() {
@@ -557,7 +558,7 @@ pub fn compare_tokens(
         reference_non_finite: Vec::new(),
         not_available: None,
         routing: None,
-        tapped_vs_deployed: 0.0,
+        tapped_vs_deployed: Measure::Defined(0.0),
         prompt_seconds: 0.0,
         decode_seconds: 0.0,
     })

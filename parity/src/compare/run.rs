@@ -112,7 +112,7 @@ pub fn quantization_error(
     }
     let worst = logits_errors
         .into_iter()
-        .reduce(|a, b| if b.nmse > a.nmse { b } else { a })
+        .reduce(|a, b| if b.nmse.get() > a.nmse.get() { b } else { a })
         .context("no prompts")?;
     Ok(QuantizationError {
         logits: worst,

@@ -47,7 +47,7 @@ pub fn probe_decoder(
         for &layer in layers {
             let kind = config.layer_types[layer];
             let e = main_state_error(&after.tensors, layer, &trace.states[b + 1], kind)?;
-            drift.entry(layer).or_default().push(e.nrmse);
+            drift.entry(layer).or_default().push(e.nrmse.get());
         }
     }
     let taps: BTreeMap<String, Tensor> = pieces

@@ -49,7 +49,7 @@ impl LayerProbe {
     /// Decides `over` under `t`: an output (an MoE block's fed the reference's routing included), a state after
     /// the prompt or after any block over its threshold, or not finite; and what an MoE layer's MLP error comes from.
     pub fn judge(&mut self, t: ProbeThresholds) {
-        let over_nrmse = |e: &TensorError, max: f64| !e.finite() || exceeds(e.nrmse, max);
+        let over_nrmse = |e: &TensorError, max: f64| !e.finite() || exceeds(e.nrmse.get(), max);
         self.thresholds = t;
         self.blame = moe::blame(self.mlp.as_ref(), self.fed_routing.as_ref(), |e| {
             over_nrmse(e, t.max_nrmse)
@@ -75,11 +75,11 @@ impl LayerProbe {
             .into_iter()
             .flatten()
             .chain(self.fed_routing.as_ref().map(|f| f.mlp))
-            .map(|e| e.nrmse);
+            .map(|e| e.nrmse.get());
         let states = self
             .states
             .iter()
-            .map(|s| s.error.nrmse)
+            .map(|s| s.error.nrmse.get())
             .chain(self.state_drift.iter().copied());
         (nan_max(outputs), nan_max(states))
     }
@@ -88,7 +88,7 @@ impl LayerProbe {
     pub fn worst_state(&self) -> Option<&Named> {
         self.states
             .iter()
-            .max_by(|a, b| a.error.nrmse.total_cmp(&b.error.nrmse))
+            .max_by(|a, b| a.error.nrmse.get().total_cmp(&b.error.nrmse.get()))
     }
 }
 
@@ -119,7 +119,7 @@ pub fn thresholds_from(
 pub fn drill_down(layers: &[LayerProbe]) -> Option<DrillDown> {
     let first = layers.iter().find(|l| l.over)?;
     let t = first.thresholds;
-    let over = |e: &TensorError, max: f64| !e.finite() || exceeds(e.nrmse, max);
+    let over = |e: &TensorError, max: f64| !e.finite() || exceeds(e.nrmse.get(), max);
     Some(DrillDown {
         layer: first.layer,
         first_over: first

@@ -121,8 +121,8 @@ pub fn head_errors(a: &Tensor, b: &Tensor) -> Result<Vec<HeadError>> {
             let e = TensorError::of(&a.get(h)?, &b.get(h)?)?;
             Ok(HeadError {
                 head: h,
-                nrmse: e.nrmse,
-                rel_l2: e.rel_l2,
+                nrmse: e.nrmse.get(),
+                rel_l2: e.rel_l2.get(),
             })
         })
         .collect()

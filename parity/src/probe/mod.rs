@@ -166,7 +166,11 @@ pub fn probe_with(
                 pieces.entry(k).or_default().push(v);
             }
             let ours: BTreeMap<String, Tensor> = state.dump_tensors(layer)?.into_iter().collect();
-            drift.push(main_state_error(&ours, layer, &trace.states[b + 1], kind)?.nrmse);
+            drift.push(
+                main_state_error(&ours, layer, &trace.states[b + 1], kind)?
+                    .nrmse
+                    .get(),
+            );
         }
         let device_taps: BTreeMap<String, Tensor> = pieces
             .into_iter()

@@ -112,7 +112,7 @@ pub fn fed_routing(
             TensorError::of(a, reference)?,
             per_slice(a, reference, 0)?
                 .iter()
-                .map(|e| e.nrmse)
+                .map(|e| e.nrmse.get())
                 .collect(),
         ))
     };

@@ -68,7 +68,7 @@ pub fn probe_vision(
         out.push(VisionBlockProbe {
             block: i,
             // NaN is over.
-            over: isolated.nrmse.is_nan() || isolated.nrmse > max_nrmse,
+            over: isolated.nrmse.get().is_nan() || isolated.nrmse.get() > max_nrmse,
             isolated,
             chained,
         });

@@ -10,7 +10,8 @@
 //! `confident` ({`positions`, `same_top1`, `top5_overlap`, `kl_mean`, `kl_p99`, `kl_max`, `delta_p_mean`,
 //! `delta_p_rms`, `near_tie_flips`, `confident_flips`, `eos_drift_max`, `eos_drift_mean`}; KL is
 //! `KL(P_ref ‖ P_device)` in nats), `logits`, `final_norm` (tensor errors: `max_abs`, `nmse`, `nrmse`, `rel_l2`,
-//! `cosine`, `nan`, `inf`, `count`; `final_norm` is null when not available), `layers` ([{`layer`, `kind`,
+//! `cosine`, `nan`, `inf`, `ref_nan`, `ref_inf`, `count`, `undefined` (null, or why the measures are null);
+//! `final_norm` is null when not available), `layers` ([{`layer`, `kind`,
 //! `output`, `mixer`, `mlp`, `nrmse_by_position`}]), `states` ([{`name`, `layer`, `error`}]), `not_available`
 //! (present only when the backend exposes no hidden state nor state, e.g. an external IR: why `layers`, `states` and
 //! `final_norm` are empty), `tapped_vs_deployed`, `first_divergence` {`layer`, `position`,
@@ -28,13 +29,15 @@
 //! `router_off`}]); see [`crate::routing`]; `diff` scores the chosen experts there, not in `tensors`),
 //! `prompt_tokens_per_s`, `decode_tokens_per_s` and `prompts` (every prompt's own comparison, with every
 //! teacher-forced position, and `non_finite` / `reference_non_finite`: every tensor of either side holding NaN or
-//! infinity, in computation order). A measure that is undefined (NaN: a side held a non-finite value) is `null`.
+//! infinity, in computation order). A measure is undefined unless it is defined ([`crate::metrics::Measure`]): over
+//! no value, or over values either side of which holds NaN or infinity, it is `null`, and the text says
+//! `undefined (why)`.
 
 pub use super::trace::first_divergence_line;
 use super::trace::hidden_sections;
 use super::{Machine, Outputs, paint, routing, short_model, stamped, write};
 use crate::compare::{DeviceReport, Distribution};
-use crate::metrics::{TensorError, nan_max};
+use crate::metrics::{Measure, TensorError, nan_max};
 use anyhow::Result;
 use reference::backend::RunRecord;
 use serde::Serialize;
@@ -135,10 +138,10 @@ impl CompareReport {
         if let Some(q) = &self.quantization {
             let _ = writeln!(
                 s,
-                "compression alone (reference, {} vs original weights): logits NMSE {:.2e}, same top-1 {:.1}%, KL mean {:.2e}",
+                "compression alone (reference, {} vs original weights): logits NMSE {:.2e}, same top-1 {:.1}, KL mean {:.2e}",
                 i.weights,
                 q.logits.nmse,
-                100.0 * q.distribution.same_top1,
+                q.distribution.same_top1.percent(),
                 q.distribution.kl_mean
             );
         }
@@ -179,8 +182,8 @@ impl CompareReport {
             let worst = d
                 .layers
                 .iter()
-                .max_by(|a, b| a.output.nrmse.total_cmp(&b.output.nrmse));
-            let state = nan_max(d.states.iter().map(|s| s.error.nrmse));
+                .max_by(|a, b| a.output.nrmse.get().total_cmp(&b.output.nrmse.get()));
+            let state = nan_max(d.states.iter().map(|s| s.error.nrmse.get()));
             let verdict = if d.passed() {
                 paint("PASS", "32", color)
             } else {
@@ -188,10 +191,10 @@ impl CompareReport {
             };
             let _ = writeln!(
                 s,
-                "{:<w$} {:>7} {:>7.1}% {:>6} {:>9.2e} {:>9.2e} {:>10.2e} {:>18} {:>9}  {verdict}",
+                "{:<w$} {:>7} {:>8.1} {:>6} {:>9.2e} {:>9.2e} {:>10.2e} {:>18} {:>9}  {verdict}",
                 label,
                 format!("{}/{}", d.greedy_matched, d.greedy_total),
-                100.0 * d.all.same_top1,
+                d.all.same_top1.percent(),
                 format!("{}+{}", d.all.confident_flips, d.all.near_tie_flips),
                 d.all.kl_mean,
                 d.all.kl_p99,
@@ -223,7 +226,7 @@ impl CompareReport {
             }
             if !d.tensors.is_empty() {
                 let mut worst: Vec<&crate::compare::Row> = d.tensors.iter().collect();
-                worst.sort_by(|a, b| b.error.nrmse.total_cmp(&a.error.nrmse));
+                worst.sort_by(|a, b| b.error.nrmse.get().total_cmp(&a.error.nrmse.get()));
                 let top: Vec<String> = worst
                     .iter()
                     .take(4)
@@ -249,7 +252,7 @@ impl CompareReport {
                     );
                 }
             }
-            if d.tapped_vs_deployed > 0.0 {
+            if d.tapped_vs_deployed != Measure::Defined(0.0) {
                 let _ = writeln!(
                     s,
                     "  note: the graphs with taps moved the logits by up to {:.2e} against the deployed graphs",
@@ -318,9 +321,9 @@ impl CompareReport {
         if let Some(q) = &self.quantization {
             let _ = writeln!(
                 s,
-                "| compression alone | logits NMSE {:.2e}, same top-1 {:.1}%, KL mean {:.2e} (reference on {} vs original weights) |",
+                "| compression alone | logits NMSE {:.2e}, same top-1 {:.1}, KL mean {:.2e} (reference on {} vs original weights) |",
                 q.logits.nmse,
-                100.0 * q.distribution.same_top1,
+                q.distribution.same_top1.percent(),
                 q.distribution.kl_mean,
                 i.weights
             );
@@ -432,9 +435,9 @@ impl CompareReport {
                 }
                 let _ = writeln!(
                     s,
-                    "| {name} | {} | {:.1}% | {:.3} | {:.2e} | {:.2e} | {:.2e} | {:+.2e} | {} / {} | {:.2e} |",
+                    "| {name} | {} | {:.1} | {:.3} | {:.2e} | {:.2e} | {:.2e} | {:+.2e} | {} / {} | {:.2e} |",
                     dist.positions,
-                    100.0 * dist.same_top1,
+                    dist.same_top1.percent(),
                     dist.top5_overlap,
                     dist.kl_mean,
                     dist.kl_p99,
@@ -550,7 +553,7 @@ fn vision_lines(d: &crate::compare::DeviceReport) -> Vec<String> {
             .vision
             .iter()
             .filter(|r| r.name.starts_with(&blocks))
-            .max_by(|a, b| a.error.nrmse.total_cmp(&b.error.nrmse));
+            .max_by(|a, b| a.error.nrmse.get().total_cmp(&b.error.nrmse.get()));
         let graph = d
             .vision_graph
             .as_deref()

@@ -168,7 +168,7 @@ impl ProbeReport {
             "<f16 min"
         );
         for l in &self.layers {
-            let state = nan_max(l.states.iter().map(|n| n.error.nrmse));
+            let state = nan_max(l.states.iter().map(|n| n.error.nrmse.get()));
             let drift = nan_max(l.state_drift.iter().copied());
             let (rms, small) = l.magnitudes.first().map_or(("-".into(), "-".into()), |m| {
                 (
@@ -492,11 +492,11 @@ impl ProbeReport {
                 x_label: "layer".into(),
                 y_label: "NRMSE".into(),
                 series: vec![
-                    per_layer("output", &|l| l.output.map(|e| e.nrmse)),
-                    per_layer("mixer", &|l| l.mixer.map(|e| e.nrmse)),
-                    per_layer("MLP", &|l| l.mlp.map(|e| e.nrmse)),
+                    per_layer("output", &|l| l.output.map(|e| e.nrmse.get())),
+                    per_layer("mixer", &|l| l.mixer.map(|e| e.nrmse.get())),
+                    per_layer("MLP", &|l| l.mlp.map(|e| e.nrmse.get())),
                     per_layer("MLP fed the reference's routing", &|l| {
-                        l.fed_routing.as_ref().map(|f| f.mlp.nrmse)
+                        l.fed_routing.as_ref().map(|f| f.mlp.nrmse.get())
                     }),
                 ],
                 threshold: Some(self.thresholds.max_nrmse),

@@ -79,9 +79,9 @@ fn next(r: &ProbeReport) -> Option<String> {
                 .filter_map(|l| Some((l.layer, f(l)?)))
                 .max_by(|a, b| a.1.total_cmp(&b.1))
         };
-        let fed = worst(&|l| Some(l.fed_routing.as_ref()?.mlp.nrmse));
-        let own_input = worst(&|l| Some(l.fed_routing.as_ref()?.mlp_own_input?.nrmse));
-        let own = worst(&|l| Some(l.fed_routing.as_ref().and(l.mlp)?.nrmse));
+        let fed = worst(&|l| Some(l.fed_routing.as_ref()?.mlp.nrmse.get()));
+        let own_input = worst(&|l| Some(l.fed_routing.as_ref()?.mlp_own_input?.nrmse.get()));
+        let own = worst(&|l| Some(l.fed_routing.as_ref().and(l.mlp)?.nrmse.get()));
         let at = |w: Option<(usize, f64)>| {
             w.map_or("-".to_string(), |(l, e)| format!("{e:.2e} (layer {l})"))
         };
@@ -99,10 +99,10 @@ fn next(r: &ProbeReport) -> Option<String> {
         let split = own.and_then(|(layer, o)| {
             let l = r.layers.iter().find(|l| l.layer == layer)?;
             let f = l.fed_routing.as_ref()?;
-            let i = f.mlp_own_input?.nrmse;
+            let i = f.mlp_own_input?.nrmse.get();
             let steps = [
-                ("the experts' arithmetic", f.mlp.nrmse),
-                ("what the block reads", i - f.mlp.nrmse),
+                ("the experts' arithmetic", f.mlp.nrmse.get()),
+                ("what the block reads", i - f.mlp.nrmse.get()),
                 ("the routing", o - i),
             ];
             let most = steps.iter().max_by(|a, b| a.1.total_cmp(&b.1))?.0;

@@ -82,7 +82,7 @@ pub fn first_divergence_line(d: &DeviceReport) -> String {
         let state = d
             .states
             .iter()
-            .find(|r| r.error.nrmse > d.thresholds.max_state_nrmse || !r.error.finite())
+            .find(|r| r.error.nrmse.get() > d.thresholds.max_state_nrmse || !r.error.finite())
             .map_or(String::new(), |r| {
                 format!(
                     "first state over threshold: {} (NRMSE {:.2e}); ",

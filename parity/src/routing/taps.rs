@@ -70,7 +70,7 @@ fn per_token(
         return Ok(None);
     };
     let errors = per_slice(d, r, 0).with_context(|| format!("`{name}`"))?;
-    Ok(Some(errors.iter().map(|e| e.nrmse).collect()))
+    Ok(Some(errors.iter().map(|e| e.nrmse.get()).collect()))
 }
 
 /// The routing of layers `0..layers` of one prompt from both sides' taps (`reference` first), over the layers where

@@ -13,7 +13,7 @@
 
 use super::{Agreement, Context, Finding, StateDiff, details, greedy_on, state_within, ties_text};
 use crate::device::DeviceUnderTest;
-use crate::metrics::{TensorError, exceeds, nan_max};
+use crate::metrics::{Measure, TensorError, Why, exceeds};
 use crate::prompts::LabelledPrompt;
 use anyhow::Result;
 use reference::backend::{Backend, Generation, continue_greedy, greedy};
@@ -92,7 +92,7 @@ pub fn blocks(
             )?;
             let what = format!("blocks of {block} vs deployed");
             let prompt_logits = TensorError::of(&g.prompt.logits, &whole.prompt.logits)?;
-            if exceeds(prompt_logits.nmse, max_nmse) || !prompt_logits.finite() {
+            if exceeds(prompt_logits.nmse.get(), max_nmse) || !prompt_logits.finite() {
                 failures.push(format!(
                     "{what}, `{}`: the prompt positions' logits NMSE {:.2e} > {max_nmse:.1e} (--max-nmse)",
                     prompt.label, prompt_logits.nmse
@@ -123,7 +123,7 @@ pub fn blocks(
     }
     let identical = runs
         .iter()
-        .filter(|r| r.against_deployed.first_divergence.is_none())
+        .filter(|r| r.against_deployed.identical())
         .count();
     let ties = runs
         .iter()
@@ -132,13 +132,14 @@ pub fn blocks(
     let worst = |f: fn(&BlockRun) -> &TensorError| {
         runs.iter()
             .map(f)
-            .max_by(|a, b| a.nmse.total_cmp(&b.nmse))
+            .max_by(|a, b| a.nmse.get().total_cmp(&b.nmse.get()))
             .map_or("-".into(), |e| format!("{:.1e}", e.nmse))
     };
-    let max_abs = nan_max(
-        runs.iter()
-            .flat_map(|r| [r.prompt_logits.max_abs, r.against_deployed.logits.max_abs]),
-    );
+    let max_abs = runs
+        .iter()
+        .flat_map(|r| [r.prompt_logits.max_abs, r.against_deployed.logits.max_abs])
+        .reduce(Measure::worst)
+        .unwrap_or(Measure::Undefined(Why::Empty));
     let sizes: Vec<String> = blocks.iter().map(|b| b.to_string()).collect();
     let deployed = caps
         .block
@@ -245,7 +246,7 @@ pub fn padding(ctx: &Context, dut: &mut dyn DeviceUnderTest) -> Result<Finding> 
     dut.set_padding(true)?;
     let unpadded = unpadded?;
     let prompt_logits = TensorError::of(&padded.prompt.logits, &unpadded.prompt.logits)?;
-    if exceeds(prompt_logits.nmse, t.max_logits_nmse) || !prompt_logits.finite() {
+    if exceeds(prompt_logits.nmse.get(), t.max_logits_nmse) || !prompt_logits.finite() {
         failures.push(format!(
             "the prompt positions' logits: NMSE {:.2e} > {:.1e} (--max-nmse)",
             prompt_logits.nmse, t.max_logits_nmse
@@ -529,7 +530,7 @@ pub fn back_to_back(ctx: &Context, dut: &mut dyn DeviceUnderTest) -> Result<Find
         &mut failures,
     )?;
     let prompt_logits = TensorError::of(&after.prompt.logits, &alone.prompt.logits)?;
-    if prompt_logits.max_abs != 0.0 || !prompt_logits.finite() {
+    if prompt_logits.max_abs.get() != 0.0 || !prompt_logits.finite() {
         failures.push(format!(
             "the prompt positions' logits differ by up to {:.2e} (bit-identical expected)",
             prompt_logits.max_abs
@@ -537,7 +538,7 @@ pub fn back_to_back(ctx: &Context, dut: &mut dyn DeviceUnderTest) -> Result<Find
     }
     let state = if states {
         let s = StateDiff::of(&after.after_prompt, &alone.after_prompt)?;
-        if s.max_abs != 0.0 || !s.finite {
+        if s.max_abs.get() != 0.0 || !s.finite {
             failures.push(format!(
                 "the state after the prompt differs by up to {:.2e}, most in {} (bit-identical expected)",
                 s.max_abs, s.worst
@@ -559,7 +560,7 @@ pub fn back_to_back(ctx: &Context, dut: &mut dyn DeviceUnderTest) -> Result<Find
         first.label,
         generated.matched,
         generated.tokens,
-        prompt_logits.max_abs.max(generated.logits.max_abs),
+        prompt_logits.max_abs.worst(generated.logits.max_abs),
         state
             .as_ref()
             .map_or(String::new(), |s| format!(", state {:.1e}", s.max_abs))

@@ -90,7 +90,7 @@ pub fn images(
     };
     let vision = vision_rows(&theirs.taps, &own.taps)?;
     for row in &vision {
-        if exceeds(row.error.nrmse, t.max_layer_nrmse) || !row.error.finite() {
+        if exceeds(row.error.nrmse.get(), t.max_layer_nrmse) || !row.error.finite() {
             failures.push(format!(
                 "{}: NRMSE {:.2e} > {:.1e} (--max-layer-nrmse)",
                 row.name, row.error.nrmse, t.max_layer_nrmse
@@ -191,7 +191,7 @@ pub fn images(
         Some(_) => "not probed (the set's vision graph is the whole tower)".to_string(),
         None => blocks
             .iter()
-            .max_by(|a, b| a.isolated.nrmse.total_cmp(&b.isolated.nrmse))
+            .max_by(|a, b| a.isolated.nrmse.get().total_cmp(&b.isolated.nrmse.get()))
             .map_or("-".into(), |b| {
                 format!("{:.1e} (block {})", b.isolated.nrmse, b.block)
             }),

@@ -17,7 +17,7 @@
 use super::{Context, Finding, StateDiff, details};
 use crate::compare::Thresholds;
 use crate::device::{Capabilities, check_context};
-use crate::metrics::{TensorError, TokenAgreement, exceeds, max_abs_diff, values};
+use crate::metrics::{Measure, TensorError, TokenAgreement, Why, exceeds, max_abs_diff, values};
 use crate::prompts::LabelledPrompt;
 use anyhow::{Result, bail};
 use candle_core::Tensor;
@@ -161,12 +161,12 @@ fn compare_at(
     }
     let state = state.map(|s| StateDiff::of(&s, &ref_state)).transpose()?;
     let t = ctx.thresholds;
-    let passed = !exceeds(logits.nmse, t.max_logits_nmse)
+    let passed = !exceeds(logits.nmse.get(), t.max_logits_nmse)
         && logits.finite()
         && confident_flips == 0
         && state
             .as_ref()
-            .is_none_or(|s| !exceeds(s.nrmse, t.max_state_nrmse) && s.finite);
+            .is_none_or(|s| !exceeds(s.nrmse.get(), t.max_state_nrmse) && s.finite);
     Ok(LengthPoint {
         length: len,
         bisection,
@@ -237,12 +237,12 @@ pub fn length(
     points.sort_by_key(|p| p.length);
     let worst_logits = points
         .iter()
-        .max_by(|a, b| a.logits.nmse.total_cmp(&b.logits.nmse))
+        .max_by(|a, b| a.logits.nmse.get().total_cmp(&b.logits.nmse.get()))
         .map(|p| (p.length, p.logits.nmse));
     let worst_state = points
         .iter()
         .filter_map(|p| p.state.as_ref().map(|s| (p.length, s.nrmse)))
-        .max_by(|a, b| a.1.total_cmp(&b.1));
+        .max_by(|a, b| a.1.get().total_cmp(&b.1.get()));
     let probed = points.iter().filter(|p| !p.bisection).count();
     let mut failures = Vec::new();
     let figure = match (first_failing, bracket) {
@@ -269,7 +269,7 @@ pub fn length(
         _ => format!(
             "lengths {}…{max_length} ({probed} points) pass; worst logits NMSE {:.1e} (L={}){}",
             points.first().map_or(0, |p| p.length),
-            worst_logits.map_or(0.0, |w| w.1),
+            worst_logits.map_or(Measure::Undefined(Why::Empty), |w| w.1),
             worst_logits.map_or(0, |w| w.0),
             worst_state.map_or(String::new(), |(l, nrmse)| format!(
                 ", state NRMSE {nrmse:.1e} (L={l})"

@@ -2,6 +2,7 @@
 
 use super::{Agreement, Context, Finding, details, greedy_on, ties_text};
 use crate::device::DeviceUnderTest;
+use crate::metrics::{Measure, Why};
 use anyhow::Result;
 use reference::backend::{LookupOptions, prompt_lookup};
 use serde::Serialize;
@@ -78,39 +79,35 @@ pub fn lookup(
     let sum = |f: fn(&LookupRun) -> usize| runs.iter().map(f).sum::<usize>();
     let sum_s = |f: fn(&LookupRun) -> f64| runs.iter().map(f).sum::<f64>();
     let (proposed, accepted) = (sum(|r| r.proposed), sum(|r| r.accepted));
-    let acceptance = if proposed == 0 {
-        0.0
-    } else {
-        accepted as f64 / proposed as f64
-    };
+    // A rate over no proposal is undefined (`null`), not 0.
+    let acceptance = Measure::of(
+        accepted as f64 / proposed.max(1) as f64,
+        (proposed == 0).then_some(Why::Empty),
+    );
     let (greedy_s, lookup_s) = (
         sum_s(|r| r.greedy_decode_seconds),
         sum_s(|r| r.lookup_decode_seconds),
     );
     let speedup = greedy_s / lookup_s.max(1e-12);
-    let identical = runs
-        .iter()
-        .filter(|r| r.agreement.first_divergence.is_none())
-        .count();
-    let repeated = runs.last().map_or(0.0, |r| {
-        if r.proposed == 0 {
-            0.0
-        } else {
-            r.accepted as f64 / r.proposed as f64
-        }
+    let identical = runs.iter().filter(|r| r.agreement.identical()).count();
+    let repeated = runs.last().map_or(Measure::Undefined(Why::Empty), |r| {
+        Measure::of(
+            r.accepted as f64 / r.proposed.max(1) as f64,
+            (r.proposed == 0).then_some(Why::Empty),
+        )
     });
     let ties = runs
         .iter()
         .filter(|r| r.agreement.near_tie(ctx.thresholds.max_logits_nmse))
         .count();
     let figure = format!(
-        "{identical}/{} prompts token-identical{}; acceptance {:.1}% ({accepted}/{proposed}; `{}` {:.1}%), {} vs {} \
+        "{identical}/{} prompts token-identical{}; acceptance {:.1} ({accepted}/{proposed}; `{}` {:.1}), {} vs {} \
          forward calls, decode speed-up ×{speedup:.2}",
         runs.len(),
         ties_text(ties),
-        100.0 * acceptance,
+        acceptance.percent(),
         ctx.repeated.label,
-        100.0 * repeated,
+        repeated.percent(),
         sum(|r| r.lookup_calls),
         sum(|r| r.greedy_calls),
     );
@@ -121,7 +118,7 @@ pub fn lookup(
         tokens: usize,
         proposed: usize,
         accepted: usize,
-        acceptance: f64,
+        acceptance: Measure,
         greedy_decode_seconds: f64,
         lookup_decode_seconds: f64,
         speedup: f64,

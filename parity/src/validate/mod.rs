@@ -27,7 +27,7 @@ pub mod run;
 pub mod setup;
 
 use crate::compare::Thresholds;
-use crate::metrics::{TensorError, exceeds, max_abs_diff, nan_max, values};
+use crate::metrics::{Measure, TensorError, Why, exceeds, max_abs_diff, values};
 use crate::progress::Progress;
 use crate::prompts::LabelledPrompt;
 use anyhow::{Context as _, Result, bail};
@@ -292,6 +292,12 @@ pub struct Agreement {
 }
 
 impl Agreement {
+    /// Whether the two runs are token-identical: no divergence over at least one token, and logits defined over
+    /// them (no verdict is reached over NaN or over nothing).
+    pub fn identical(&self) -> bool {
+        self.first_divergence.is_none() && self.tokens > 0 && self.logits.finite()
+    }
+
     /// Compares `tokens` (chosen from `logits`) with the base run's.
     pub fn of(label: &str, base: (&[u32], &[Tensor]), test: (&[u32], &[Tensor])) -> Result<Self> {
         let n = base.0.len().min(test.0.len());
@@ -338,7 +344,7 @@ impl Agreement {
     /// are far apart is a failure, whatever the margin.
     pub fn near_tie(&self, max_nmse: f64) -> bool {
         self.logits.finite()
-            && !exceeds(self.logits.nmse, max_nmse)
+            && !exceeds(self.logits.nmse.get(), max_nmse)
             && self
                 .margin_at_divergence
                 .is_some_and(|(margin, diff)| margin <= 2.0 * diff)
@@ -365,13 +371,13 @@ impl Agreement {
             }
         }
         match max_nmse {
-            Some(max) if exceeds(self.logits.nmse, max) || !self.logits.finite() => {
+            Some(max) if exceeds(self.logits.nmse.get(), max) || !self.logits.finite() => {
                 f.push(format!(
                     "{what}, `{}`: logits NMSE {:.2e} > {max:.1e} (--max-nmse)",
                     self.label, self.logits.nmse
                 ))
             }
-            None if self.logits.max_abs != 0.0 || !self.logits.finite() => f.push(format!(
+            None if self.logits.max_abs.get() != 0.0 || !self.logits.finite() => f.push(format!(
                 "{what}, `{}`: logits differ by up to {:.2e} (bit-identical expected)",
                 self.label, self.logits.max_abs
             )),
@@ -398,11 +404,11 @@ impl Agreement {
 pub struct StateDiff {
     /// The state tensor with the largest NRMSE.
     pub worst: String,
-    /// Its NRMSE.
-    pub nrmse: f64,
-    /// The largest `|a − b|` over every state tensor.
-    pub max_abs: f64,
-    /// Whether every value of the state under test is finite.
+    /// Its NRMSE (undefined when a state holds NaN or infinity, or when there is no state tensor).
+    pub nrmse: Measure,
+    /// The largest `|a − b|` over every state tensor (undefined as the NRMSE).
+    pub max_abs: Measure,
+    /// Whether every value of both states is finite.
     pub finite: bool,
 }
 
@@ -416,10 +422,11 @@ impl StateDiff {
                 base.position
             );
         }
+        let none = Measure::Undefined(Why::Empty);
         let mut diff = StateDiff {
             worst: String::new(),
-            nrmse: 0.0,
-            max_abs: 0.0,
+            nrmse: none,
+            max_abs: none,
             finite: true,
         };
         for (name, b) in &base.tensors {
@@ -427,13 +434,23 @@ impl StateDiff {
                 bail!("one state has `{name}` and the other not");
             };
             let e = TensorError::of(t, b).with_context(|| format!("state `{name}`"))?;
-            diff.max_abs = nan_max([diff.max_abs, e.max_abs]);
+            // The first undefined measure stays: no number is taken over values that hold NaN.
+            diff.max_abs = match diff.max_abs {
+                Measure::Undefined(Why::Empty) => e.max_abs,
+                m => m.worst(e.max_abs),
+            };
             diff.finite &= e.finite();
-            if diff.worst.is_empty() || exceeds(e.nrmse, diff.nrmse) {
+            let replace = match diff.nrmse {
+                Measure::Undefined(Why::Empty) => true,
+                Measure::Undefined(_) => false,
+                Measure::Defined(worst) => !e.nrmse.is_defined() || e.nrmse.get() > worst,
+            };
+            if diff.worst.is_empty() || replace {
                 diff.worst = name.clone();
                 diff.nrmse = e.nrmse;
             }
         }
+        diff.finite &= diff.nrmse.is_defined();
         Ok(diff)
     }
 }
@@ -448,7 +465,7 @@ pub(crate) fn state_within(
     failures: &mut Vec<String>,
 ) -> Result<StateDiff> {
     let s = StateDiff::of(test, base)?;
-    if exceeds(s.nrmse, max_state_nrmse) || !s.finite {
+    if exceeds(s.nrmse.get(), max_state_nrmse) || !s.finite {
         failures.push(format!(
             "{what}: {} NRMSE {:.2e} > {max_state_nrmse:.1e} (--max-state-nrmse)",
             s.worst, s.nrmse

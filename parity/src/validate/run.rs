@@ -139,23 +139,23 @@ fn compare_finding(report: &DeviceReport) -> Finding {
     } else {
         format!(
             "worst layer NRMSE {:.1e}",
-            nan_max(report.layers.iter().map(|l| l.output.nrmse))
+            nan_max(report.layers.iter().map(|l| l.output.nrmse.get()))
         )
     };
     let states = match report
         .states
         .iter()
-        .max_by(|a, b| a.error.nrmse.total_cmp(&b.error.nrmse))
+        .max_by(|a, b| a.error.nrmse.get().total_cmp(&b.error.nrmse.get()))
     {
         Some(s) => format!(", worst state NRMSE {:.1e} ({})", s.error.nrmse, s.name),
         None => String::new(),
     };
     Finding {
         figure: format!(
-            "greedy {}/{}, top-1 {:.1}%, KL mean {:.1e}, logits NMSE {:.1e}, {layers}{states}",
+            "greedy {}/{}, top-1 {:.1}, KL mean {:.1e}, logits NMSE {:.1e}, {layers}{states}",
             report.greedy_matched,
             report.greedy_total,
-            100.0 * report.all.same_top1,
+            report.all.same_top1.percent(),
             report.all.kl_mean,
             report.logits.nmse,
         ),
@@ -475,12 +475,16 @@ fn probe_finding(
     let worst = report
         .layers
         .iter()
-        .filter_map(|l| l.output.map(|o| (l.layer, o.nrmse)))
+        .filter_map(|l| l.output.map(|o| (l.layer, o.nrmse.get())))
         .max_by(|a, b| a.1.total_cmp(&b.1));
     let state = report
         .layers
         .iter()
-        .flat_map(|l| l.states.iter().map(|s| (s.error.nrmse, s.name.clone())))
+        .flat_map(|l| {
+            l.states
+                .iter()
+                .map(|s| (s.error.nrmse.get(), s.name.clone()))
+        })
         .max_by(|a, b| a.0.total_cmp(&b.0));
     Finding {
         figure: format!(

@@ -191,7 +191,7 @@ fn a_corrupted_state_hand_off_fails_the_state_rows() {
         if l.kind == "linear_attention" {
             assert!(l.over, "layer {}", l.layer);
             assert!(
-                recurrent.unwrap().error.nrmse > F32.max_state_nrmse,
+                recurrent.unwrap().error.nrmse.get() > F32.max_state_nrmse,
                 "layer {}",
                 l.layer
             );
@@ -203,7 +203,7 @@ fn a_corrupted_state_hand_off_fails_the_state_rows() {
             );
             // Isolated: each block starts from the reference's state, so the outputs of the first block are exact;
             // only the hand-off is wrong.
-            assert!(l.output.unwrap().nrmse < 1e-5, "layer {}", l.layer);
+            assert!(l.output.unwrap().nrmse.get() < 1e-5, "layer {}", l.layer);
         } else {
             assert!(
                 !l.over,

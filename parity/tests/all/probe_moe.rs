@@ -218,7 +218,13 @@ fn blames(store: &WeightStore, fault: Option<Fault>) -> Vec<(Option<Blame>, f64,
     report
         .layers
         .iter()
-        .map(|l| (l.blame, l.fed_routing.as_ref().unwrap().mlp.nrmse, l.over))
+        .map(|l| {
+            (
+                l.blame,
+                l.fed_routing.as_ref().unwrap().mlp.nrmse.get(),
+                l.over,
+            )
+        })
         .collect()
 }
 

@@ -9,6 +9,9 @@ use anyhow::{Result, bail};
 use candle_core::{DType, Tensor};
 use serde::Serialize;
 
+mod measure;
+pub use measure::{Measure, Percent, Why};
+
 /// fp16's smallest normal magnitude, 2⁻¹⁴ ≈ 6.10e-5: below it an fp16 value loses precision (or is flushed).
 pub const F16_MIN_NORMAL: f64 = 6.103_515_625e-5;
 
@@ -28,30 +31,37 @@ pub fn falls_short(x: f64, min: f64) -> bool {
     )
 }
 
-/// How far a tensor is from the reference.
+/// How far a tensor is from the reference. Every measure is a [`Measure`]: undefined (`null`) when no values were
+/// compared or when either side holds a NaN or an infinity.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct TensorError {
-    /// Largest `|a − b|` over the finite elements.
-    pub max_abs: f64,
+    /// Largest `|a − b|`.
+    pub max_abs: Measure,
     /// `Σ(a − b)² / Σb²` (llama.cpp's NMSE; 0 when both are zero, infinite when only the reference is).
-    pub nmse: f64,
+    pub nmse: Measure,
     /// `RMSE / max(0.001, range(b), range(a))` (OpenVINO NPUW's NRMSE, `NPUW_ACC_THRESH` 0.01 by default).
-    pub nrmse: f64,
+    pub nrmse: Measure,
     /// `‖a − b‖ / ‖b‖` (= √NMSE).
-    pub rel_l2: f64,
+    pub rel_l2: Measure,
     /// `a·b / (‖a‖ ‖b‖)` (1 when both are zero).
-    pub cosine: f64,
+    pub cosine: Measure,
     /// Elements of `a` that are NaN.
     pub nan: usize,
     /// Elements of `a` that are infinite.
     pub inf: usize,
+    /// Elements of the reference `b` that are NaN.
+    pub ref_nan: usize,
+    /// Elements of the reference `b` that are infinite.
+    pub ref_inf: usize,
     /// Elements compared.
     pub count: usize,
+    /// Why the measures are undefined (`null` when they are defined).
+    pub undefined: Option<Why>,
 }
 
 impl TensorError {
-    /// Compares `actual` with `expected` (same shape, any float dtype). Non-finite elements of `actual` are counted
-    /// and left out of the other measures, which then describe the finite part.
+    /// Compares `actual` with `expected` (same shape, any float dtype). Non-finite elements on either side are
+    /// counted, and leave every measure undefined.
     pub fn of(actual: &Tensor, expected: &Tensor) -> Result<Self> {
         if actual.dims() != expected.dims() {
             bail!(
@@ -67,20 +77,12 @@ impl TensorError {
 
     /// [`TensorError::of`] on flat values.
     pub fn of_slices(a: &[f64], b: &[f64]) -> Self {
-        let (mut nan, mut inf) = (0, 0);
+        let why = Why::of_slices(a, b);
         let (mut max_abs, mut err2, mut ref2, mut act2, mut dot) = (0f64, 0f64, 0f64, 0f64, 0f64);
         let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
         let (mut alo, mut ahi) = (f64::INFINITY, f64::NEG_INFINITY);
         let mut n = 0usize;
         for (&x, &y) in a.iter().zip(b) {
-            if x.is_nan() {
-                nan += 1;
-                continue;
-            }
-            if x.is_infinite() {
-                inf += 1;
-                continue;
-            }
             n += 1;
             let d = x - y;
             max_abs = max_abs.max(d.abs());
@@ -111,30 +113,40 @@ impl TensorError {
         } else {
             dot / (ref2.sqrt() * act2.sqrt())
         };
-        // A tensor holding NaN or infinity has no defined error: the measures say NaN (and every check fails), the
-        // counts say how many, `max_abs` describes the finite part.
-        let undefined = nan + inf > 0;
-        let or_nan = |x: f64| if undefined { f64::NAN } else { x };
+        // Over nothing, or over values holding NaN or infinity on either side, no measure is defined: each says why
+        // (and every check over it fails), the counts say how many.
+        let (nan, inf, ref_nan, ref_inf) = match why {
+            Some(Why::NonFinite {
+                nan,
+                inf,
+                ref_nan,
+                ref_inf,
+            }) => (nan, inf, ref_nan, ref_inf),
+            _ => (0, 0, 0, 0),
+        };
         TensorError {
-            max_abs,
-            nmse: or_nan(nmse),
-            nrmse: or_nan(rmse / range.max(0.001)),
-            rel_l2: or_nan(nmse.sqrt()),
-            cosine: or_nan(cosine),
+            max_abs: Measure::of(max_abs, why),
+            nmse: Measure::of(nmse, why),
+            nrmse: Measure::of(rmse / range.max(0.001), why),
+            rel_l2: Measure::of(nmse.sqrt(), why),
+            cosine: Measure::of(cosine, why),
             nan,
             inf,
+            ref_nan,
+            ref_inf,
             count: a.len(),
+            undefined: why,
         }
     }
 
-    /// Whether every element was finite.
+    /// Whether every element on both sides was finite and at least one was compared (the measures are defined).
     pub fn finite(&self) -> bool {
-        self.nan == 0 && self.inf == 0
+        self.undefined.is_none()
     }
 
     /// NMSE in dB (`10·log10`), as model-conversion scripts print it.
-    pub fn nmse_db(&self) -> f64 {
-        10.0 * self.nmse.log10()
+    pub fn nmse_db(&self) -> Measure {
+        self.nmse.map(|x| 10.0 * x.log10())
     }
 }
 
@@ -273,13 +285,16 @@ impl TokenAgreement {
                 .map(|x| x.exp())
                 .sum()
         };
+        // Over a row holding NaN or infinity on either side, no agreement measure is defined.
+        let defined = Why::of_slices(logits, reference).is_none();
+        let or_nan = |x: f64| if defined { x } else { f64::NAN };
         TokenAgreement {
             ref_top: ref_top as u32,
             top: top[0] as u32,
             ref_margin,
-            kl,
-            top5_overlap: overlap,
-            delta_p: p[ref_top].exp() - q[ref_top].exp(),
+            kl: or_nan(kl),
+            top5_overlap: or_nan(overlap),
+            delta_p: or_nan(p[ref_top].exp() - q[ref_top].exp()),
             eos_p: (eos_p(&q), eos_p(&p)),
             non_finite: logits.iter().filter(|x| !x.is_finite()).count(),
             ref_non_finite: reference.iter().filter(|x| !x.is_finite()).count(),
@@ -333,9 +348,11 @@ pub fn nan_max(x: impl IntoIterator<Item = f64>) -> f64 {
     })
 }
 
-/// The largest `|a − b|` over two equally long slices, NaN when any difference is NaN.
+/// The largest `|a − b|` over two equally long slices: undefined (NaN, `null` in the JSON) over nothing or when
+/// either side holds a NaN or an infinity, as every [`Measure`].
 pub fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
-    nan_max(a.iter().zip(b).map(|(x, y)| (x - y).abs()))
+    let max = nan_max(a.iter().zip(b).map(|(x, y)| (x - y).abs()));
+    Measure::of(max, Why::of_slices(a, b)).get()
 }
 
 /// Percentile `q` (0..=1) of `x` by linear interpolation (NaN for an empty slice, or when any value is NaN).
@@ -370,17 +387,75 @@ mod tests {
     #[test]
     fn definitions_on_small_cases() {
         let e = TensorError::of_slices(&[1.0, 2.0, 4.0], &[1.0, 2.0, 3.0]);
-        assert_eq!(e.max_abs, 1.0);
-        assert!((e.nmse - 1.0 / 14.0).abs() < 1e-15);
+        assert_eq!(e.max_abs.get(), 1.0);
+        assert!((e.nmse.get() - 1.0 / 14.0).abs() < 1e-15);
         // RMSE 1/√3 over the larger range (actual: 3).
-        assert!((e.nrmse - (1.0f64 / 3.0).sqrt() / 3.0).abs() < 1e-15);
-        assert!((e.rel_l2 - (1.0f64 / 14.0).sqrt()).abs() < 1e-15);
+        assert!((e.nrmse.get() - (1.0f64 / 3.0).sqrt() / 3.0).abs() < 1e-15);
+        assert!((e.rel_l2.get() - (1.0f64 / 14.0).sqrt()).abs() < 1e-15);
         let zero = TensorError::of_slices(&[0.0; 3], &[0.0; 3]);
-        assert_eq!((zero.nmse, zero.cosine, zero.nrmse), (0.0, 1.0, 0.0));
+        assert_eq!(
+            (zero.nmse.get(), zero.cosine.get(), zero.nrmse.get()),
+            (0.0, 1.0, 0.0)
+        );
         let nan = TensorError::of_slices(&[f64::NAN, f64::INFINITY, 1.0], &[1.0, 1.0, 1.0]);
-        assert_eq!((nan.nan, nan.inf, nan.max_abs), (1, 1, 0.0));
-        assert!(!nan.finite() && nan.nmse.is_nan() && nan.nrmse.is_nan());
-        assert!(exceeds(nan.nrmse, 1.0) && !exceeds(0.5, 1.0) && falls_short(f64::NAN, 0.0));
+        assert_eq!((nan.nan, nan.inf), (1, 1));
+        assert!(!nan.finite() && !nan.nmse.is_defined() && !nan.max_abs.is_defined());
+        assert!(exceeds(nan.nrmse.get(), 1.0) && !exceeds(0.5, 1.0) && falls_short(f64::NAN, 0.0));
+    }
+
+    /// Every measure over values holding a NaN or an infinity on either side, or over nothing, is undefined and
+    /// says why; over finite values, every one is defined.
+    #[test]
+    fn undefined_over_non_finite_or_nothing() {
+        use proptest::prelude::*;
+        let value = prop_oneof![
+            6 => -1e3f64..1e3,
+            1 => Just(f64::NAN),
+            1 => Just(f64::INFINITY),
+            1 => Just(f64::NEG_INFINITY),
+            1 => Just(0.0),
+        ];
+        let pairs = (0usize..12).prop_flat_map(move |n| {
+            (
+                proptest::collection::vec(value.clone(), n),
+                proptest::collection::vec(value.clone(), n),
+            )
+        });
+        proptest!(ProptestConfig::with_cases(400), |((a, b) in pairs)| {
+            let e = TensorError::of_slices(&a, &b);
+            let all = [e.max_abs, e.nmse, e.nrmse, e.rel_l2, e.cosine];
+            let finite = !a.is_empty() && a.iter().chain(&b).all(|x| x.is_finite());
+            prop_assert_eq!(e.finite(), finite);
+            // Over finite values, NMSE (and √NMSE) against an all-zero reference is a division by zero: undefined
+            // too; every other measure is defined.
+            let err2: f64 = a.iter().zip(&b).map(|(x, y)| (x - y) * (x - y)).sum();
+            let by_zero = b.iter().all(|y| *y == 0.0) && err2 != 0.0;
+            let defined = [finite, finite && !by_zero, finite, finite && !by_zero, finite];
+            let json = serde_json::to_value(e).unwrap();
+            for (i, k) in ["max_abs", "nmse", "nrmse", "rel_l2", "cosine"].iter().enumerate() {
+                prop_assert_eq!(all[i].is_defined(), defined[i], "{}: {:?}", k, e);
+                prop_assert_eq!(json[k].is_null(), !defined[i], "{}: {}", k, json);
+            }
+            prop_assert_eq!(json["undefined"].is_null(), finite);
+            if !finite {
+                let text = format!("{:.2e}", e.max_abs);
+                prop_assert!(text.starts_with("undefined ("), "{}", text);
+            }
+        });
+        let empty = TensorError::of_slices(&[], &[]);
+        assert_eq!(empty.undefined, Some(Why::Empty));
+        assert_eq!(
+            format!("{}", empty.cosine),
+            "undefined (no values compared)"
+        );
+        let nan = TensorError::of_slices(&[f64::NAN; 3], &[1.0; 3]);
+        assert_eq!(
+            format!("{:.1e}", nan.nmse),
+            "undefined (3 NaN on the device side)"
+        );
+        let reference = TensorError::of_slices(&[1.0; 2], &[f64::INFINITY, 1.0]);
+        assert_eq!((reference.ref_inf, reference.inf), (1, 0));
+        assert!(!reference.finite());
     }
 
     #[test]
