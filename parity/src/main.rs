@@ -59,6 +59,13 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
+    // A file size limit (`ulimit -f`) reached while writing a dump or a graph kills the process with SIGXFSZ and no
+    // word; ignored, the write fails with EFBIG instead and the error names the output (its partial is removed).
+    #[cfg(unix)]
+    // SAFETY: setting the disposition of one signal before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(a) => commands::run::exec(a),

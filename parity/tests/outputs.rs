@@ -328,3 +328,34 @@ fn os_errors_name_the_flag_and_the_path_once() {
         assert_eq!(err.matches("(os error").count(), 1, "{args:?}: {err}");
     }
 }
+
+#[test]
+fn a_file_size_limit_is_an_error_naming_the_output() {
+    // `ulimit -f 64`: 32 or 64 KiB (the shell's block), far below a dump of the tiny model; without SIGXFSZ ignored
+    // the process is killed by the signal with no word.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("out");
+    std::fs::create_dir(&dir).unwrap();
+    let out = dir.join("d.safetensors");
+    let model = testdata().join("models/tiny");
+    let o = Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -f 64; exec \"$0\" \"$@\"")
+        .arg(env!("CARGO_BIN_EXE_qwen35"))
+        .args([
+            "dump",
+            "--model",
+            model.to_str().unwrap(),
+            "--token-ids",
+            "1,2,3,4,5,6,7,8",
+            "--out",
+            out.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{:?}: {err}", o.status);
+    assert!(err.contains("d.safetensors"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(entries(&dir).is_empty(), "{:?}", entries(&dir));
+}
