@@ -19,7 +19,7 @@
 //! OpenVINO's model cache keys by the path, not by hashing every weight: a cached start never reads `weights.bin`.
 //! Each `decoder_t{n}.xml` has a `decoder_t{n}.bin` beside it, a link to `weights.bin`, for OpenVINO's reader.
 
-use crate::devices::{IrPorts, ScratchDir, read_ports};
+use crate::devices::{IrPorts, ScratchDir, lock_dir, read_ports};
 use crate::error::{Error, Result};
 use crate::graphs::Builder;
 use crate::ir::SharedBin;
@@ -67,6 +67,9 @@ pub(super) fn decoder_ir(
     };
     let root = cache.join("ir");
     std::fs::create_dir_all(&root).map_err(|e| Error::io(&root, e))?;
+    // One run at a time reads, builds and stores entries: a second run of the same key waits, then reads back what
+    // the first stored, instead of removing the entry the first is renaming into place.
+    let _lock = lock_dir(&root)?;
     let identity = identity(builder, sizes)?;
     let entry = root.join(format!("{:016x}", fnv1a(identity.as_bytes())));
     if let Some(graphs) = read_back(&entry, &identity, sizes)? {
