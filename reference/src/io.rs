@@ -15,8 +15,9 @@ use std::path::{Path, PathBuf};
 /// the same directory, so that the rename is atomic) created with mode `0666` less the umask, as
 /// [`File::create`] would make it, and renamed onto the path by [`AtomicFile::commit`]. Dropped uncommitted (an
 /// error on the way), the sibling is removed and the path left as it was. A symlink is followed: the file it names
-/// is replaced and the link kept. A path that exists and is neither a regular file nor a directory (`/dev/null`, a
-/// terminal, a pipe) is written in place: there is nothing to rename onto it.
+/// is replaced and the link kept. An output that is an input of the run ([`crate::inputs`]) is refused when the file
+/// is created and again when it is renamed into place. A path that exists and is neither a regular file nor a
+/// directory (`/dev/null`, a terminal, a pipe) is written in place: there is nothing to rename onto it.
 pub struct AtomicFile(Target);
 
 enum Target {
@@ -31,6 +32,7 @@ enum Target {
 impl AtomicFile {
     /// Starts writing `path` (nothing appears there before [`AtomicFile::commit`]).
     pub fn create(path: &Path) -> std::io::Result<Self> {
+        crate::inputs::refuse_output(path)?;
         if let Ok(m) = std::fs::metadata(path) {
             if m.is_dir() {
                 return Err(std::io::Error::new(
@@ -79,6 +81,8 @@ impl AtomicFile {
     pub fn commit(self) -> std::io::Result<()> {
         match self.0 {
             Target::Staged { temp, dest, mode } => {
+                // An input read since the file was started (the run's inputs are recorded as they are opened).
+                crate::inputs::refuse_output(&dest)?;
                 std::fs::set_permissions(temp.path(), mode)?;
                 temp.persist(&dest).map_err(|e| e.error)?;
                 Ok(())

@@ -30,6 +30,8 @@ impl StagedDir {
                 parent.display()
             )
         })?;
+        reference::inputs::refuse_output(&resolved)
+            .map_err(|e| anyhow::anyhow!("{flag} {}: {e}", dest.display()))?;
         let stem = format!(".{}.partial-", name.to_string_lossy());
         remove_stale(parent, &stem);
         let prefix = format!("{stem}{}-", std::process::id());
