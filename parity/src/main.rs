@@ -66,6 +66,8 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
     }
+    // Ctrl-C and SIGTERM remove the partial files and directories the run is writing before it ends.
+    parity::outputs::clean_up_on_signals();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(a) => commands::run::exec(a),

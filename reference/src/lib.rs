@@ -34,6 +34,7 @@ pub mod schema;
 pub mod synth;
 pub mod synthetic;
 pub mod taps;
+pub mod temps;
 pub mod tokenizer;
 pub mod vision;
 pub mod weights;

@@ -289,6 +289,8 @@ impl ScratchDir {
         let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("qwen35-ir-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+        // Removed by a signal's handler too ([`reference::temps`]).
+        reference::temps::register(&dir);
         Ok(ScratchDir(dir))
     }
 }
@@ -296,5 +298,6 @@ impl ScratchDir {
 impl Drop for ScratchDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
+        reference::temps::forget(&self.0);
     }
 }

@@ -87,20 +87,14 @@ pub(super) fn decoder_ir(
     ));
     let _ = std::fs::remove_dir_all(&staging);
     std::fs::create_dir_all(&staging).map_err(|e| Error::io(&staging, e))?;
-    let stored = build(builder, sizes, &staging).and_then(|graphs| {
-        let id = staging.join("identity");
-        std::fs::write(&id, &identity).map_err(|e| Error::io(&id, e))?;
-        let _ = std::fs::remove_dir_all(&entry);
-        std::fs::rename(&staging, &entry).map_err(|e| Error::io(&entry, e))?;
-        Ok(graphs)
-    });
-    let graphs = match stored {
-        Ok(graphs) => graphs,
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&staging);
-            return Err(e);
-        }
-    };
+    // Removed on an error (dropped) and by a signal's handler ([`reference::temps`]).
+    let staging = reference::temps::TempDir::new(&staging);
+    let graphs = build(builder, sizes, staging.path())?;
+    let id = staging.path().join("identity");
+    std::fs::write(&id, &identity).map_err(|e| Error::io(&id, e))?;
+    let _ = std::fs::remove_dir_all(&entry);
+    std::fs::rename(staging.path(), &entry).map_err(|e| Error::io(&entry, e))?;
+    staging.keep();
     prune(&root, &entry);
     // The files now lie in the entry, under the names they were written with.
     let graphs = graphs

@@ -277,7 +277,7 @@ pub fn write(path: &Path, text: &[u8]) -> Result<()> {
 
 mod staged;
 
-pub use staged::{StagedDir, catch_interrupts, free_bytes, interrupted};
+pub use staged::{StagedDir, catch_interrupts, clean_up_on_signals, free_bytes, interrupted};
 
 #[cfg(test)]
 mod tests {
