@@ -14,7 +14,8 @@
 //! the same stem (`decoder_t16.bin`), which the IR cache links to its shared `weights.bin`.
 
 use crate::devices::{
-    CompileOptions, ExecInfo, compile_settings, openvino_message, read_back, requested_properties,
+    CompileOptions, ExecInfo, compile_settings, lock_cache, openvino_message, read_back,
+    requested_properties,
 };
 use crate::error::{Error, Result};
 use crate::infer::{Executor, HostElem, host_bytes, host_tensor};
@@ -92,6 +93,7 @@ impl PathSession {
         let start = std::time::Instant::now();
         let requested = requested_properties(device, opts);
         let settings = compile_settings(&requested, opts)?;
+        let _lock = lock_cache(opts)?;
         let keys: Vec<CString> = settings
             .iter()
             .map(|(k, _)| c_string("property", k))

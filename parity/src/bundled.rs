@@ -85,17 +85,19 @@ fn write_to(dir: &Path) -> Result<()> {
     let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or("tiny");
     let staging = parent.join(format!(".{name}.{}", std::process::id()));
     std::fs::create_dir_all(&staging)?;
+    // Removed on an error (a full disk: dropped) and by a signal's handler ([`reference::temps`]).
+    let staging = reference::temps::TempDir::new(&staging);
     for (file, bytes) in FILES {
-        std::fs::write(staging.join(file), bytes)?;
+        std::fs::write(staging.path().join(file), bytes)?;
     }
-    if std::fs::rename(&staging, dir).is_err() {
+    if std::fs::rename(staging.path(), dir).is_err() {
         // Another process won the race, or an incomplete copy is in the way.
         if complete(dir) {
-            std::fs::remove_dir_all(&staging)?;
-        } else {
-            std::fs::remove_dir_all(dir)?;
-            std::fs::rename(&staging, dir)?;
+            return Ok(());
         }
+        std::fs::remove_dir_all(dir)?;
+        std::fs::rename(staging.path(), dir)?;
     }
+    staging.keep();
     Ok(())
 }

@@ -62,6 +62,15 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
+    // A file size limit (`ulimit -f`) reached while writing a dump or a graph kills the process with SIGXFSZ and no
+    // word; ignored, the write fails with EFBIG instead and the error names the output (its partial is removed).
+    #[cfg(unix)]
+    // SAFETY: setting the disposition of one signal before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+    }
+    // Ctrl-C and SIGTERM remove the partial files and directories the run is writing before it ends.
+    parity::outputs::clean_up_on_signals();
     let code = match Cli::try_parse() {
         Ok(cli) => exec(cli.command),
         Err(e) => console::clap_error(&e),

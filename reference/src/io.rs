@@ -15,8 +15,10 @@ use std::path::{Path, PathBuf};
 /// the same directory, so that the rename is atomic) created with mode `0666` less the umask, as
 /// [`File::create`] would make it, and renamed onto the path by [`AtomicFile::commit`]. Dropped uncommitted (an
 /// error on the way), the sibling is removed and the path left as it was. A symlink is followed: the file it names
-/// is replaced and the link kept. A path that exists and is neither a regular file nor a directory (`/dev/null`, a
-/// terminal, a pipe) is written in place: there is nothing to rename onto it.
+/// is replaced and the link kept. The sibling is registered ([`crate::temps`]) while it exists, so that a signal
+/// ending the run removes it too; an output that is an input of the run ([`crate::inputs`]) is refused when the file
+/// is created and again when it is renamed into place. A path that exists and is neither a regular file nor a
+/// directory (`/dev/null`, a terminal, a pipe) is written in place: there is nothing to rename onto it.
 pub struct AtomicFile(Target);
 
 enum Target {
@@ -31,6 +33,7 @@ enum Target {
 impl AtomicFile {
     /// Starts writing `path` (nothing appears there before [`AtomicFile::commit`]).
     pub fn create(path: &Path) -> std::io::Result<Self> {
+        crate::inputs::refuse_output(path)?;
         if let Ok(m) = std::fs::metadata(path) {
             if m.is_dir() {
                 return Err(std::io::Error::new(
@@ -61,6 +64,8 @@ impl AtomicFile {
             builder.permissions(Permissions::from_mode(0o666));
         }
         let temp = builder.tempfile_in(dir)?;
+        // Removed by a signal's handler if the run is ended before it is dropped or committed.
+        crate::temps::register(temp.path());
         let mode = temp.as_file().metadata()?.permissions();
         Ok(AtomicFile(Target::Staged { temp, dest, mode }))
     }
@@ -79,8 +84,12 @@ impl AtomicFile {
     pub fn commit(self) -> std::io::Result<()> {
         match self.0 {
             Target::Staged { temp, dest, mode } => {
+                // An input read since the file was started (the run's inputs are recorded as they are opened).
+                crate::inputs::refuse_output(&dest)?;
                 std::fs::set_permissions(temp.path(), mode)?;
+                let staged = temp.path().to_path_buf();
                 temp.persist(&dest).map_err(|e| e.error)?;
+                crate::temps::forget(&staged);
                 Ok(())
             }
             Target::InPlace(mut file) => file.flush(),

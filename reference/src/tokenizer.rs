@@ -60,6 +60,7 @@ impl ChatTokenizer {
                 "missing: the checkpoint has no tokenizer",
             ));
         }
+        crate::inputs::record(&tokenizer_path);
         let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path)
             .map_err(|e| tok_err(&tokenizer_path, e.to_string()))?;
         let config_path = dir.join("tokenizer_config.json");
@@ -67,6 +68,7 @@ impl ChatTokenizer {
         let mut eos_token = None;
         let mut special_tokens = Vec::new();
         if config_path.exists() {
+            crate::inputs::record(&config_path);
             let text =
                 std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
             let json: serde_json::Value = serde_json::from_str(&text)
@@ -105,6 +107,7 @@ impl ChatTokenizer {
         // As transformers: a chat_template.jinja file takes precedence over the config's chat_template.
         let jinja = dir.join("chat_template.jinja");
         if jinja.exists() {
+            crate::inputs::record(&jinja);
             let text = std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?;
             template = Some((text, jinja));
         }

@@ -126,6 +126,7 @@ pub fn compile_ir(
     let dev = DeviceType::from(device);
     let requested = requested_properties(device, opts);
     let settings = compile_settings(&requested, opts)?;
+    let _lock = lock_cache(opts)?;
     for (k, v) in &settings {
         core.set_property(&dev, &RwPropertyKey::Other(k.clone().into()), v)
             .map_err(|e| Error::Device {
@@ -179,6 +180,34 @@ pub(crate) fn compile_settings(
         settings.push((CACHE_DIR.to_string(), dir.to_string_lossy().into_owned()));
     }
     Ok(settings)
+}
+
+/// An exclusive lock on a model cache directory, held while a graph is compiled into it (released on drop): OpenVINO
+/// writes its `.blob` files without a lock of its own, and two runs storing the same blob at once fail one of them
+/// ("cannot set permissions … .blob"). `None` without a cache.
+pub(crate) struct CacheLock(#[allow(dead_code)] std::fs::File);
+
+/// Takes the lock of `opts`'s model cache directory (a `.qwen35.lock` file in it), waiting for another run
+/// compiling into it to finish.
+pub(crate) fn lock_cache(opts: &CompileOptions) -> Result<Option<CacheLock>> {
+    opts.cache_dir
+        .as_deref()
+        .map(|dir| lock_dir(dir).map(CacheLock))
+        .transpose()
+}
+
+/// An exclusive lock on `{dir}/.qwen35.lock` (the directory made), waited for.
+pub(crate) fn lock_dir(dir: &Path) -> Result<std::fs::File> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let path = dir.join(".qwen35.lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| Error::io(&path, e))?;
+    file.lock().map_err(|e| Error::io(&path, e))?;
+    Ok(file)
 }
 
 /// What took effect on graph `name` compiled for `device`, read back through `property` (the compiled model's
@@ -260,6 +289,8 @@ impl ScratchDir {
         let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("qwen35-ir-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+        // Removed by a signal's handler too ([`reference::temps`]).
+        reference::temps::register(&dir);
         Ok(ScratchDir(dir))
     }
 }
@@ -267,5 +298,6 @@ impl ScratchDir {
 impl Drop for ScratchDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
+        reference::temps::forget(&self.0);
     }
 }

@@ -11,7 +11,7 @@ mod options;
 mod ports;
 
 pub use compile::{Compiled, ExecInfo, compile, compile_file, compile_ir, openvino_message};
-pub(crate) use compile::{ScratchDir, compile_settings, read_back};
+pub(crate) use compile::{ScratchDir, compile_settings, lock_cache, lock_dir, read_back};
 pub use options::{
     CompileOptions, DEVICE_CONFIG_ENV, InferencePrecision, caches_by_default, device_config,
     parse_device_config, requested_properties,

@@ -19,7 +19,7 @@
 //! OpenVINO's model cache keys by the path, not by hashing every weight: a cached start never reads `weights.bin`.
 //! Each `decoder_t{n}.xml` has a `decoder_t{n}.bin` beside it, a link to `weights.bin`, for OpenVINO's reader.
 
-use crate::devices::{IrPorts, ScratchDir, read_ports};
+use crate::devices::{IrPorts, ScratchDir, lock_dir, read_ports};
 use crate::error::{Error, Result};
 use crate::graphs::Builder;
 use crate::ir::SharedBin;
@@ -67,6 +67,9 @@ pub(super) fn decoder_ir(
     };
     let root = cache.join("ir");
     std::fs::create_dir_all(&root).map_err(|e| Error::io(&root, e))?;
+    // One run at a time reads, builds and stores entries: a second run of the same key waits, then reads back what
+    // the first stored, instead of removing the entry the first is renaming into place.
+    let _lock = lock_dir(&root)?;
     let identity = identity(builder, sizes)?;
     let entry = root.join(format!("{:016x}", fnv1a(identity.as_bytes())));
     if let Some(graphs) = read_back(&entry, &identity, sizes)? {
@@ -84,20 +87,14 @@ pub(super) fn decoder_ir(
     ));
     let _ = std::fs::remove_dir_all(&staging);
     std::fs::create_dir_all(&staging).map_err(|e| Error::io(&staging, e))?;
-    let stored = build(builder, sizes, &staging).and_then(|graphs| {
-        let id = staging.join("identity");
-        std::fs::write(&id, &identity).map_err(|e| Error::io(&id, e))?;
-        let _ = std::fs::remove_dir_all(&entry);
-        std::fs::rename(&staging, &entry).map_err(|e| Error::io(&entry, e))?;
-        Ok(graphs)
-    });
-    let graphs = match stored {
-        Ok(graphs) => graphs,
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&staging);
-            return Err(e);
-        }
-    };
+    // Removed on an error (dropped) and by a signal's handler ([`reference::temps`]).
+    let staging = reference::temps::TempDir::new(&staging);
+    let graphs = build(builder, sizes, staging.path())?;
+    let id = staging.path().join("identity");
+    std::fs::write(&id, &identity).map_err(|e| Error::io(&id, e))?;
+    let _ = std::fs::remove_dir_all(&entry);
+    std::fs::rename(staging.path(), &entry).map_err(|e| Error::io(&entry, e))?;
+    staging.keep();
     prune(&root, &entry);
     // The files now lie in the entry, under the names they were written with.
     let graphs = graphs

@@ -129,6 +129,8 @@ fn dims<'a>(items: impl Iterator<Item = &'a str>) -> Vec<usize> {
 
 /// Reads every compressed weight of the IR `xml` (constants in `bin`).
 pub fn compressed_weights(xml: &Path, bin: &Path) -> Result<Vec<IrWeight>> {
+    reference::inputs::record(xml);
+    reference::inputs::record(bin);
     let text = std::fs::read_to_string(xml).map_err(|e| Error::io(xml, e))?;
     let data = std::fs::read(bin).map_err(|e| Error::io(bin, e))?;
     let at = xml.display().to_string();

@@ -80,6 +80,7 @@ impl Dump {
 
     /// Reads a dump written by any backend.
     pub fn read(path: &Path) -> Result<Self> {
+        reference::inputs::record(path);
         let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
         let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)
             .map_err(|e| anyhow::anyhow!("{}: not a safetensors dump: {e}", path.display()))?;

@@ -250,9 +250,12 @@ impl StreamWriter {
             .and_then(|_| f.flush())
             .with_context(|| self.at("writing the header of"))?;
         let tensors = self.check()?;
-        self.file
-            .commit()
-            .with_context(|| format!("writing the dump {out}: renaming it into place"))?;
+        self.file.commit().with_context(|| {
+            format!(
+                "{}: renaming the dump into place",
+                crate::outputs::named(&self.out)
+            )
+        })?;
         Ok(tensors)
     }
 

@@ -105,6 +105,13 @@ impl Paths {
     /// Fails, naming the flags and the paths, when an output would overwrite an input or another output, or cannot
     /// be created; a `--cache-dir` is created here.
     pub fn check(&self) -> Result<()> {
+        if let Ok(mut flags) = FLAGS.lock() {
+            flags.extend(
+                self.outputs
+                    .iter()
+                    .map(|(o, _)| (o.resolved.clone(), o.what.clone())),
+            );
+        }
         for (i, (out, kind)) in self.outputs.iter().enumerate() {
             for input in &self.inputs {
                 refuse_overlap(out, *kind, input)?;
@@ -121,6 +128,26 @@ impl Paths {
             creatable(out, *kind)?;
         }
         Ok(())
+    }
+}
+
+/// The outputs checked so far ([`Paths::check`]), resolved, with their flags: an output refused later, when it is
+/// written (it would overwrite a file the run read, see [`reference::inputs`]), is named by its flag.
+static FLAGS: std::sync::Mutex<Vec<(PathBuf, String)>> = std::sync::Mutex::new(Vec::new());
+
+/// `path` as the user gave it with the flag that gave it (`--json r.json`), or `writing r.json` for an output no
+/// flag named.
+pub fn named(path: &Path) -> String {
+    let resolved = resolve(path);
+    let flag = FLAGS.lock().ok().and_then(|flags| {
+        flags
+            .iter()
+            .find(|(p, _)| *p == resolved)
+            .map(|(_, f)| f.clone())
+    });
+    match flag {
+        Some(flag) => format!("{flag} {}", path.display()),
+        None => format!("writing {}", path.display()),
     }
 }
 
@@ -245,13 +272,12 @@ pub fn resolve(path: &Path) -> PathBuf {
 
 /// Writes `text` to `path` whole or not at all, with the umask's mode (see [`reference::io::AtomicFile`]).
 pub fn write(path: &Path, text: &[u8]) -> Result<()> {
-    reference::io::write_atomic(path, text)
-        .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))
+    reference::io::write_atomic(path, text).map_err(|e| anyhow::anyhow!("{}: {e}", named(path)))
 }
 
 mod staged;
 
-pub use staged::{StagedDir, catch_interrupts, free_bytes, interrupted};
+pub use staged::{StagedDir, catch_interrupts, clean_up_on_signals, free_bytes, interrupted};
 
 #[cfg(test)]
 mod tests {

@@ -30,6 +30,8 @@ impl StagedDir {
                 parent.display()
             )
         })?;
+        reference::inputs::refuse_output(&resolved)
+            .map_err(|e| anyhow::anyhow!("{flag} {}: {e}", dest.display()))?;
         let stem = format!(".{}.partial-", name.to_string_lossy());
         remove_stale(parent, &stem);
         let prefix = format!("{stem}{}-", std::process::id());
@@ -47,6 +49,8 @@ impl StagedDir {
                 parent.display()
             )
         })?;
+        // Removed by a signal's handler if the run is ended before this is dropped or committed.
+        reference::temps::register(temp.path());
         Ok(StagedDir {
             temp,
             dest: dest.to_path_buf(),
@@ -71,6 +75,7 @@ impl StagedDir {
             )
         })?;
         // Renamed: nothing is left for the TempDir to remove.
+        reference::temps::forget(self.temp.path());
         let _ = self.temp.keep();
         Ok(())
     }
@@ -159,6 +164,72 @@ pub fn catch_interrupts() {
                 signal,
                 on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t,
             );
+        }
+    }
+}
+
+/// The write end of the pipe [`clean_up_on_signals`]' handler writes the signal's number to (-1: none yet).
+#[cfg(unix)]
+static SIGNAL_PIPE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+
+#[cfg(unix)]
+extern "C" fn on_ending_signal(signal: libc::c_int) {
+    let fd = SIGNAL_PIPE.load(std::sync::atomic::Ordering::SeqCst);
+    let byte = signal as u8;
+    // SAFETY: write(2) on a pipe is async-signal-safe; the byte lives for the call.
+    unsafe {
+        libc::write(fd, (&byte as *const u8).cast(), 1);
+    }
+}
+
+/// From now on, SIGINT (Ctrl-C) and SIGTERM end the run cleanly: the handler only writes the signal's number to a
+/// pipe (async-signal-safe); a thread reading it removes every partial file and directory the run registered
+/// ([`reference::temps`]: dumps and reports being written, staged directories, IR cache entries being stored) and
+/// ends the process with 128 + the signal (130, 143), as the shell reports a process the signal killed. A command
+/// that cleans up between steps itself ([`catch_interrupts`]) replaces this handler with its own.
+pub fn clean_up_on_signals() {
+    #[cfg(unix)]
+    {
+        let mut fds = [0 as libc::c_int; 2];
+        // SAFETY: `fds` has room for the two descriptors pipe(2) fills.
+        if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {
+            return;
+        }
+        SIGNAL_PIPE.store(fds[1], std::sync::atomic::Ordering::SeqCst);
+        let read_end = fds[0];
+        let spawned = std::thread::Builder::new()
+            .name("signals".into())
+            .spawn(move || {
+                let mut byte = 0u8;
+                loop {
+                    // SAFETY: reads one byte into `byte`, which outlives the call.
+                    let n = unsafe { libc::read(read_end, (&mut byte as *mut u8).cast(), 1) };
+                    if n == 1 {
+                        break;
+                    }
+                    if n == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR)
+                    {
+                        return;
+                    }
+                }
+                reference::temps::remove_all();
+                // SAFETY: ends the process at once, as the signal would have, without running other threads'
+                // destructors (a device's runtime may be mid-call).
+                unsafe { libc::_exit(128 + libc::c_int::from(byte)) }
+            });
+        if spawned.is_err() {
+            return;
+        }
+        for signal in [libc::SIGINT, libc::SIGTERM] {
+            // SAFETY: a zeroed sigaction with an empty mask and a handler that only calls write(2).
+            unsafe {
+                let mut action: libc::sigaction = std::mem::zeroed();
+                action.sa_sigaction =
+                    on_ending_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+                action.sa_flags = libc::SA_RESTART;
+                libc::sigemptyset(&mut action.sa_mask);
+                libc::sigaction(signal, &action, std::ptr::null_mut());
+            }
         }
     }
 }

@@ -1,13 +1,12 @@
 //! The `qwen35` tool's integration tests: one binary (one link, and tests of different topics run side by side), a
 //! module per topic. Most run the built binary as a user would.
 
-#[path = "../common/mod.rs"]
-mod common;
 mod bad_input;
 mod bad_input_props;
 mod bench;
 mod cli;
-
+#[path = "../common/mod.rs"]
+mod common;
 mod dump_props;
 mod dump_stream;
 mod external_ir;
@@ -27,7 +26,9 @@ mod outputs;
 mod probe_moe;
 mod routing;
 mod set_images;
+mod signals;
 mod thresholds;
+mod undefined_null;
 mod validate;
 mod validate_ir;
 mod videos;

@@ -473,3 +473,43 @@ fn the_model_cache_serves_the_second_run_and_reports_it() {
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("--cache-dir"), "{}", stderr(&o));
 }
+
+#[test]
+fn runs_sharing_a_fresh_cache_directory_all_pass() {
+    // All build and compile the same graphs at once into one cache: OpenVINO writes each `.blob` read-only and
+    // without a lock ("cannot set permissions … .blob"), and a second writer of an IR cache entry removed the one
+    // the first had just put in place ("Directory not empty"). Four runs: without the lock, two of five rounds failed.
+    let tmp = tempfile::tempdir().unwrap();
+    for round in 0..3 {
+        let cache = tmp.path().join(format!("cache{round}"));
+        let children: Vec<_> = (0..4)
+            .map(|n| {
+                let json = tmp.path().join(format!("r{round}-{n}.json"));
+                std::process::Command::new(env!("CARGO_BIN_EXE_qwen35"))
+                    .args([
+                        "compare-devices",
+                        "--devices",
+                        "CPU",
+                        "--token-ids",
+                        "1,2,3,4,5",
+                        "--tokens",
+                        "2",
+                        "--context",
+                        "32",
+                        "--cache-dir",
+                        cache.to_str().unwrap(),
+                        "--json",
+                        json.to_str().unwrap(),
+                    ])
+                    .stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        for child in children {
+            let o = child.wait_with_output().unwrap();
+            assert_eq!(o.status.code(), Some(0), "round {round}: {}", stderr(&o));
+        }
+    }
+}

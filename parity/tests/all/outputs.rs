@@ -328,3 +328,189 @@ fn os_errors_name_the_flag_and_the_path_once() {
         assert_eq!(err.matches("(os error").count(), 1, "{args:?}: {err}");
     }
 }
+
+#[test]
+fn a_file_size_limit_is_an_error_naming_the_output() {
+    // `ulimit -f 64`: 32 or 64 KiB (the shell's block), far below a dump of the tiny model; without SIGXFSZ ignored
+    // the process is killed by the signal with no word.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("out");
+    std::fs::create_dir(&dir).unwrap();
+    let out = dir.join("d.safetensors");
+    let model = testdata().join("models/tiny");
+    let o = Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -f 64; exec \"$0\" \"$@\"")
+        .arg(env!("CARGO_BIN_EXE_qwen35"))
+        .args([
+            "dump",
+            "--model",
+            model.to_str().unwrap(),
+            "--token-ids",
+            "1,2,3,4,5,6,7,8",
+            "--out",
+            out.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{:?}: {err}", o.status);
+    assert!(err.contains("d.safetensors"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(entries(&dir).is_empty(), "{:?}", entries(&dir));
+}
+
+/// A run for [`no_output_overwrites_a_file_the_run_reads`]: a command's arguments, its environment, the flags that
+/// take an output file, and the files it reads, each with what may name it in the error (its file name, or the flag
+/// of the directory that holds it).
+struct Reads {
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+    flags: &'static [&'static str],
+    inputs: Vec<(std::path::PathBuf, &'static str)>,
+}
+
+#[test]
+fn no_output_overwrites_a_file_the_run_reads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("m");
+    common::copy_dir(&testdata().join("models/tiny-vl"), &m);
+    let inputs = tmp.path().join("in");
+    std::fs::create_dir(&inputs).unwrap();
+    let img = inputs.join("img.png");
+    std::fs::copy(testdata().join("images/small.png"), &img).unwrap();
+    // transformers' own pixel values for the goldens' images, and the ids that hold their placeholders.
+    let g = candle_core::safetensors::load(
+        testdata().join("goldens/tiny-vl.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let pv = inputs.join("pv.safetensors");
+    let pixels: std::collections::HashMap<String, candle_core::Tensor> = [
+        ("pixel_values", "images.pixel_values"),
+        ("image_grid_thw", "images.image_grid_thw"),
+    ]
+    .into_iter()
+    .map(|(k, from)| (k.to_string(), g[from].clone()))
+    .collect();
+    candle_core::safetensors::save(&pixels, &pv).unwrap();
+    let ids = common::ids_arg(&g["images.token_ids"]);
+    let dc = inputs.join("dc.json");
+    std::fs::write(&dc, "{}\n").unwrap();
+    let (a, b) = (inputs.join("a.safetensors"), inputs.join("b.safetensors"));
+    for d in [&a, &b] {
+        let o = qwen35(&["dump", "--token-ids", "1,2,3", "--out", d.to_str().unwrap()]);
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let strings = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+    let model_files = |names: &[&'static str]| {
+        names
+            .iter()
+            .map(|n| (m.join(n), "--model"))
+            .collect::<Vec<_>>()
+    };
+    let image = strings(&["--model", &s(&m), "--image", &s(&img), "--prompt", "hi"]);
+    let pixel = strings(&[
+        "--model",
+        &s(&m),
+        "--pixel-values",
+        &s(&pv),
+        "--token-ids",
+        &ids,
+    ]);
+    let mut runs = Vec::new();
+    for command in ["dump", "ranges"] {
+        let flags: &'static [&'static str] = if command == "dump" {
+            &["--out"]
+        } else {
+            &["--json"]
+        };
+        let mut with_image = vec![(img.clone(), "img.png")];
+        with_image.extend(model_files(&[
+            "config.json",
+            "model.safetensors.index.json",
+            "model-00002-of-00002.safetensors",
+            "tokenizer.json",
+            "preprocessor_config.json",
+        ]));
+        runs.push(Reads {
+            args: [vec![command.to_string()], image.clone()].concat(),
+            env: vec![],
+            flags,
+            inputs: with_image,
+        });
+        runs.push(Reads {
+            args: [vec![command.to_string()], pixel.clone()].concat(),
+            env: vec![],
+            flags,
+            inputs: vec![(pv.clone(), "pv.safetensors")],
+        });
+    }
+    runs.push(Reads {
+        args: strings(&["diff", &s(&a), &s(&b)]),
+        env: vec![],
+        flags: &["--json", "--report", "--plot"],
+        inputs: vec![(a.clone(), "a.safetensors"), (b.clone(), "b.safetensors")],
+    });
+    // A device config named by the environment, not by a flag.
+    runs.push(Reads {
+        args: strings(&["dump", "--backend", "openvino", "--token-ids", "1,2"]),
+        env: vec![("QWEN35_DEVICE_CONFIG".to_string(), s(&dc))],
+        flags: &["--out"],
+        inputs: vec![(dc.clone(), "dc.json")],
+    });
+    let links = tmp.path().join("links");
+    std::fs::create_dir(&links).unwrap();
+    let mut cases = 0;
+    for run in &runs {
+        for flag in run.flags {
+            for (n, (input, names)) in run.inputs.iter().enumerate() {
+                // The input itself, and a link to it elsewhere.
+                let link = links.join(format!(
+                    "{}-{n}-{}",
+                    run.args[0],
+                    flag.trim_start_matches('-')
+                ));
+                let _ = std::fs::remove_file(&link);
+                std::os::unix::fs::symlink(input, &link).unwrap();
+                for out in [input, &link] {
+                    let before = std::fs::read(input).unwrap();
+                    let mut args = run.args.clone();
+                    args.extend([flag.to_string(), s(out)]);
+                    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                    let env: Vec<(&str, &str)> = run
+                        .env
+                        .iter()
+                        .map(|(k, v)| (k.as_str(), v.as_str()))
+                        .collect();
+                    let o = common::qwen35_env(&args, &env);
+                    let err = stderr(&o);
+                    assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+                    assert!(err.contains(flag), "{args:?}: {err}");
+                    let input_named = err.contains(input.file_name().unwrap().to_str().unwrap())
+                        || err.contains(names);
+                    assert!(input_named, "{args:?}: the input is not named: {err}");
+                    assert_eq!(
+                        std::fs::read(input).unwrap(),
+                        before,
+                        "{args:?} changed {input:?}"
+                    );
+                    cases += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(cases, 42);
+    // Nothing left beside the inputs.
+    assert_eq!(
+        entries(&inputs),
+        [
+            "a.safetensors",
+            "b.safetensors",
+            "dc.json",
+            "img.png",
+            "pv.safetensors"
+        ]
+    );
+}

@@ -32,6 +32,7 @@ impl RgbImage {
     /// Decodes a PNG or JPEG file (any colour type, converted to RGB as PIL's `convert("RGB")` does for opaque
     /// images).
     pub fn open(path: &Path) -> Result<Self> {
+        crate::inputs::record(path);
         let img = image::ImageReader::open(path)
             .map_err(|e| Error::io(path, e))?
             .with_guessed_format()
@@ -109,6 +110,7 @@ impl Preprocessor {
     /// Reads the checkpoint directory's `preprocessor_config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("preprocessor_config.json");
+        crate::inputs::record(&path);
         let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
         Self::from_json_str(&text, &path.display().to_string())
     }

@@ -35,6 +35,7 @@ struct ShardFile {
 
 impl ShardFile {
     fn open(path: &Path) -> Result<Self> {
+        crate::inputs::record(path);
         let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
         // SAFETY: the file is opened read-only and the map is only read; a checkpoint is not expected to change
         // while a run holds it.
@@ -114,6 +115,7 @@ impl WeightStore {
         let mut files = Vec::new();
         let mut index = HashMap::new();
         if index_path.exists() {
+            crate::inputs::record(&index_path);
             let text =
                 std::fs::read_to_string(&index_path).map_err(|e| Error::io(&index_path, e))?;
             let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::File {

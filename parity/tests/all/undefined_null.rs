@@ -9,7 +9,7 @@ use parity::dump::Dump;
 use serde_json::Value;
 use std::path::Path;
 
-mod common;
+use crate::common;
 use common::{dump, qwen35, small_validate_args, stderr, testdata};
 
 /// Whether `key` names a measure: a number taken over the values of two tensors (or of two distributions).
