@@ -1,0 +1,357 @@
+//! Every size a flag or a file sets is checked against the memory available before anything of that size is
+//! allocated: image sizes and grids from flags, the pixel bounds of `preprocessor_config.json`, the sizes in an
+//! image's header (a grey image counted as the RGB it becomes), `--context`, and the layer indices of a dump's names.
+//! Each class is generated from a table of sizes over and under the limit, run on the real binary under a small
+//! address-space limit (`ulimit -v`) so that a regression fails fast instead of eating the machine; a size over the
+//! limit is an error (exit 2) naming the flag or the file and the bytes, never an abort or an out-of-memory kill.
+
+mod common;
+
+use common::testdata;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// The address space a case may take, in KiB (4 GB): far below what any refused size would allocate.
+const ULIMIT_KIB: u64 = 4_000_000;
+
+/// Runs `qwen35 args` under [`ULIMIT_KIB`] and a time limit, with the memory available set to `gib` GiB.
+fn limited(args: &[&str], gib: &str) -> Output {
+    Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -v {ULIMIT_KIB}; exec timeout 120 \"$0\" \"$@\""
+        ))
+        .arg(env!("CARGO_BIN_EXE_qwen35"))
+        .args(args)
+        .env("QWEN35_MEMORY_GIB", gib)
+        .env_remove("QWEN35_DEVICE_CONFIG")
+        .env_remove("OPENVINO_LIB")
+        .output()
+        .expect("the binary runs")
+}
+
+/// Asserts that `o` is a refusal before work (exit 2) that names every `needle` and the memory it needs.
+fn refused(what: &str, o: &Output, needles: &[&str]) {
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "{what}: exit 2 expected; stderr: {err}"
+    );
+    assert!(
+        err.contains("would need") || err.contains("would hold"),
+        "{what}: no size named: {err}"
+    );
+    assert!(
+        err.contains("available"),
+        "{what}: no memory available named: {err}"
+    );
+    for n in needles {
+        assert!(
+            err.contains(n),
+            "{what}: the error does not name `{n}`: {err}"
+        );
+    }
+    assert!(!err.contains("panicked"), "{what}: {err}");
+}
+
+/// Asserts that `o` was not refused for its size (whatever else it did, it did not crash).
+fn not_refused_for_size(what: &str, o: &Output) {
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !err.contains("would need") && !err.contains("would hold"),
+        "{what}: refused for its size under the limit: {err}"
+    );
+    assert!(
+        matches!(o.status.code(), Some(0..=2)),
+        "{what}: {:?} {err}",
+        o.status
+    );
+}
+
+/// The CRC-32 of PNG chunks.
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut c = !0u32;
+    for &b in bytes {
+        c ^= b as u32;
+        for _ in 0..8 {
+            c = if c & 1 == 1 {
+                (c >> 1) ^ 0xEDB8_8320
+            } else {
+                c >> 1
+            };
+        }
+    }
+    !c
+}
+
+/// A PNG file of `width × height` whose header says `colour` (0 grey, 2 RGB, 6 RGBA), with no image data (an empty data chunk): what
+/// its header promises is all a size check may read.
+fn png_header(path: &Path, width: u32, height: u32, colour: u8) {
+    let mut ihdr = b"IHDR".to_vec();
+    ihdr.extend(width.to_be_bytes());
+    ihdr.extend(height.to_be_bytes());
+    ihdr.extend([8, colour, 0, 0, 0]);
+    let mut out = b"\x89PNG\r\n\x1a\n".to_vec();
+    out.extend(13u32.to_be_bytes());
+    out.extend(&ihdr);
+    out.extend(crc32(&ihdr).to_be_bytes());
+    // An empty data chunk and the end: the header is read through to the first data chunk.
+    for chunk in [&b"IDAT"[..], b"IEND"] {
+        out.extend(0u32.to_be_bytes());
+        out.extend(chunk);
+        out.extend(crc32(chunk).to_be_bytes());
+    }
+    std::fs::write(path, out).unwrap();
+}
+
+fn vl() -> String {
+    testdata().join("models/tiny-vl").display().to_string()
+}
+
+fn small_image() -> String {
+    testdata().join("images/small.png").display().to_string()
+}
+
+#[test]
+fn image_sizes_from_the_flag_over_the_memory_are_refused_naming_it() {
+    let (model, image) = (vl(), small_image());
+    // (size, GiB available, refused)
+    let table = [
+        ("100000x100000", "20", true),
+        ("65536x65536", "20", true),
+        ("65536x8", "1", true),
+        ("4096x4096", "0.5", true),
+        ("2048x2048", "0.1", true),
+        ("64x64", "1", false),
+        ("32x48", "0.5", false),
+    ];
+    for (size, gib, over) in table {
+        let o = limited(
+            &[
+                "run",
+                "--model",
+                &model,
+                "--image",
+                &image,
+                "--image-size",
+                size,
+                "--token-ids",
+                "1",
+            ],
+            gib,
+        );
+        let what = format!("--image-size {size} with {gib} GiB");
+        if over {
+            refused(&what, &o, &[&format!("--image-size {size}"), "small.png"]);
+        } else {
+            not_refused_for_size(&what, &o);
+        }
+    }
+}
+
+#[test]
+fn pixel_bounds_of_the_preprocessor_config_over_the_memory_are_refused_naming_the_file() {
+    let image = small_image();
+    for (shortest, longest, over) in [
+        (1e12 as u64, 1e12 as u64, true),
+        (1u64 << 40, 1u64 << 41, true),
+        (1u64 << 28, 1u64 << 30, true),
+        (64, 1e12 as u64, false),
+        (64, 4096, false),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        common::copy_dir(&testdata().join("models/tiny-vl"), dir.path());
+        let path = dir.path().join("preprocessor_config.json");
+        let mut v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        v["size"] = serde_json::json!({"shortest_edge": shortest, "longest_edge": longest});
+        std::fs::write(&path, v.to_string()).unwrap();
+        let o = limited(
+            &[
+                "run",
+                "--model",
+                dir.path().to_str().unwrap(),
+                "--image",
+                &image,
+                "--token-ids",
+                "1",
+            ],
+            "2",
+        );
+        let what = format!("size {shortest}..{longest}");
+        if over {
+            refused(&what, &o, &["preprocessor_config.json", "small.png"]);
+        } else {
+            not_refused_for_size(&what, &o);
+        }
+    }
+}
+
+#[test]
+fn image_headers_over_the_memory_are_refused_before_decoding_grey_as_rgb() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = vl();
+    // Grey, RGB and RGBA headers of the same sizes are refused alike: a grey image is converted to RGB.
+    for colour in [0u8, 2, 6] {
+        // (side, GiB available, refused): 8000x8000 decodes to 6 bytes a pixel (the image and its RGB copy),
+        // 384 MB, whatever its colour type.
+        for (side, gib, over) in [
+            (20000u32, "1", true),
+            (60000, "1", true),
+            (8000, "0.3", true),
+            (8000, "1", false),
+        ] {
+            let path = dir.path().join(format!("c{colour}-{side}.png"));
+            png_header(&path, side, side, colour);
+            let p = path.display().to_string();
+            let o = limited(
+                &["run", "--model", &model, "--image", &p, "--token-ids", "1"],
+                gib,
+            );
+            let what = format!("{side}x{side} colour {colour} with {gib} GiB");
+            if over {
+                refused(&what, &o, &[&p, &format!("{side}x{side}")]);
+            } else {
+                not_refused_for_size(&what, &o);
+            }
+        }
+    }
+    // Under the limit the header passes and the (absent) data is what is refused.
+    let path = dir.path().join("small-grey.png");
+    png_header(&path, 64, 64, 0);
+    let o = limited(
+        &[
+            "run",
+            "--model",
+            &model,
+            "--image",
+            path.to_str().unwrap(),
+            "--token-ids",
+            "1",
+        ],
+        "1",
+    );
+    not_refused_for_size("64x64 grey", &o);
+}
+
+#[test]
+fn image_grids_of_export_ir_and_bench_over_the_memory_are_refused_naming_the_flag() {
+    let model = vl();
+    let out = tempfile::tempdir().unwrap();
+    let set = out.path().join("set").display().to_string();
+    for grid in ["100000x100000", "4096x4096", "1024x1024"] {
+        for args in [
+            vec![
+                "export-ir",
+                "--model",
+                &model,
+                "--image-grid",
+                grid,
+                "--out",
+                &set,
+            ],
+            vec!["bench", "--model", &model, "--image-grid", grid],
+        ] {
+            let o = limited(&args, "1");
+            refused(
+                &format!("{} --image-grid {grid}", args[0]),
+                &o,
+                &[&format!("--image-grid {grid}")],
+            );
+            assert!(!Path::new(&set).exists(), "{grid}: an output was left");
+        }
+    }
+}
+
+#[test]
+fn contexts_over_the_memory_are_refused_naming_the_flag() {
+    let model = testdata().join("models/tiny").display().to_string();
+    let out = tempfile::tempdir().unwrap();
+    let dump = out.path().join("d.safetensors").display().to_string();
+    for context in ["100000000", "30000000", "4000000"] {
+        let cases: [Vec<&str>; 2] = [
+            vec![
+                "validate",
+                "--model",
+                &model,
+                "--device",
+                "CPU",
+                "--context",
+                context,
+                "--tokens",
+                "2",
+            ],
+            vec![
+                "dump",
+                "--model",
+                &model,
+                "--backend",
+                "openvino",
+                "--device",
+                "FP16SIM",
+                "--context",
+                context,
+                "--token-ids",
+                "1,2",
+                "--out",
+                &dump,
+            ],
+        ];
+        for args in cases {
+            let o = limited(&args, "2");
+            refused(
+                &format!("{} --context {context}", args[0]),
+                &o,
+                &[&format!("--context {context}")],
+            );
+            assert!(!Path::new(&dump).exists());
+        }
+    }
+}
+
+/// A dump of the tiny model on the reference, written into `dir`.
+fn tiny_dump(dir: &Path) -> PathBuf {
+    let path = dir.join("ref.safetensors");
+    let o = common::qwen35(&[
+        "dump",
+        "--model",
+        testdata().join("models/tiny").to_str().unwrap(),
+        "--token-ids",
+        "1,2,3",
+        "--out",
+        path.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    path
+}
+
+#[test]
+fn layer_indices_of_dump_names_beyond_the_memory_are_refused_before_the_walk() {
+    let dir = tempfile::tempdir().unwrap();
+    let clean = tiny_dump(dir.path());
+    let d = parity::dump::Dump::read(&clean).unwrap();
+    let row = d.tensors["layers.0.output"].clone();
+    for layer in ["4000000000", "18446744073709551614", "100000000000"] {
+        for (part, side) in [("output", 0), ("mlp_output", 1)] {
+            let mut tensors = d.tensors.clone();
+            let name = format!("layers.{layer}.{part}");
+            tensors.insert(name.clone(), row.clone());
+            let path = dir.path().join(format!("l{layer}-{part}.safetensors"));
+            parity::dump::Dump {
+                tensors,
+                metadata: d.metadata.clone(),
+            }
+            .write(&path)
+            .unwrap();
+            let (p, c) = (path.display().to_string(), clean.display().to_string());
+            let args = if side == 0 {
+                ["diff", &p, &c]
+            } else {
+                ["diff", &c, &p]
+            };
+            let o = limited(&args, "2");
+            refused(&format!("{name} in {p}"), &o, &[&name, &p]);
+        }
+    }
+}
