@@ -355,3 +355,109 @@ fn layer_indices_of_dump_names_beyond_the_memory_are_refused_before_the_walk() {
         }
     }
 }
+
+/// `d` with `edit` applied to its tensors, written as `name` in `dir`.
+fn edited(
+    d: &parity::dump::Dump,
+    dir: &Path,
+    name: &str,
+    edit: impl FnOnce(&mut std::collections::BTreeMap<String, candle_core::Tensor>),
+) -> String {
+    let mut tensors = d.tensors.clone();
+    edit(&mut tensors);
+    let path = dir.join(name);
+    parity::dump::Dump {
+        tensors,
+        metadata: d.metadata.clone(),
+    }
+    .write(&path)
+    .unwrap();
+    path.display().to_string()
+}
+
+#[test]
+fn a_dump_and_a_model_that_do_not_belong_together_are_refused_naming_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let clean = tiny_dump(dir.path());
+    let c = clean.display().to_string();
+    let d = parity::dump::Dump::read(&clean).unwrap();
+    let row = d.tensors["layers.0.output"].clone();
+    let tiny = testdata().join("models/tiny").display().to_string();
+    // A layer the model (4 layers) does not have, with and without --model: refused when the model is named.
+    for layer in [4u64, 5, 7, 63, 1000] {
+        for part in ["output", "mlp_output", "linear_attn.qkv"] {
+            let name = format!("layers.{layer}.{part}");
+            let p = edited(&d, dir.path(), &format!("extra-{layer}.safetensors"), |t| {
+                t.insert(name.clone(), row.clone());
+            });
+            let o = limited(&["diff", &p, &c, "--model", &tiny], "8");
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert_eq!(o.status.code(), Some(2), "{name}: {err}");
+            assert!(
+                err.contains(&name) && err.contains(&tiny) && err.contains(&p),
+                "{name}: {err}"
+            );
+        }
+    }
+    // --model of another layer count or vocabulary than the dumps': refused naming the model and the dump.
+    for other in ["tiny-full", "tiny-vl", "tiny-moe"] {
+        let model = testdata().join("models").join(other).display().to_string();
+        let o = limited(&["diff", &c, &c, "--model", &model], "8");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "--model {other}: {err}");
+        assert!(
+            err.contains(&model) && err.contains(&c),
+            "--model {other}: {err}"
+        );
+    }
+    // A residual stream of another hidden size than the model's.
+    for width in [32usize, 63, 65, 128] {
+        let name = "layers.1.output";
+        let p = edited(&d, dir.path(), &format!("w{width}.safetensors"), |t| {
+            let rows = t[name].dim(0).unwrap();
+            t.insert(
+                name.into(),
+                candle_core::Tensor::zeros(
+                    (rows, width),
+                    candle_core::DType::F32,
+                    &candle_core::Device::Cpu,
+                )
+                .unwrap(),
+            );
+        });
+        let o = limited(&["diff", &p, &c, "--model", &tiny], "8");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "width {width}: {err}");
+        assert!(
+            err.contains(name) && err.contains(&tiny),
+            "width {width}: {err}"
+        );
+    }
+    // Integer values where a dump holds floats: never cast and compared.
+    for name in [
+        "logits",
+        "layers.0.output",
+        "layers.2.mlp_output",
+        "final_norm",
+        "layers.0.recurrent_state",
+    ] {
+        for dtype in [candle_core::DType::I64, candle_core::DType::U32] {
+            if !d.tensors.contains_key(name) {
+                continue;
+            }
+            let p = edited(&d, dir.path(), &format!("int-{dtype:?}.safetensors"), |t| {
+                let v = t[name].abs().unwrap().to_dtype(dtype).unwrap();
+                t.insert(name.into(), v);
+            });
+            for args in [["diff", &p, &c], ["diff", &c, &p]] {
+                let o = limited(&args, "8");
+                let err = String::from_utf8_lossy(&o.stderr);
+                assert_eq!(o.status.code(), Some(2), "{name} as {dtype:?}: {err}");
+                assert!(
+                    err.contains(name) && err.contains(&p),
+                    "{name} as {dtype:?}: {err}"
+                );
+            }
+        }
+    }
+}
