@@ -289,7 +289,26 @@ fn read_pair(
             values.dims()
         );
     }
-    Ok(Some((values.to_dtype(DType::F32)?, grids)))
+    // Raw 0-255 pixels stored as integers would run as values no processor made; a NaN or an Inf among the values
+    // is the file's, not the checkpoint's: both are this input's errors, named here before any tower runs.
+    if !values.dtype().is_float() {
+        bail!(
+            "{at}: `{values_key}` holds {:?} integers; the processor's output is rescaled and normalised floats \
+             (raw pixels are never cast and run)",
+            values.dtype()
+        );
+    }
+    let values = values.to_dtype(DType::F32)?;
+    let flat = values.flatten_all()?.to_vec1::<f32>()?;
+    if let Some(i) = flat.iter().position(|x| !x.is_finite()) {
+        bail!(
+            "{at}: `{values_key}` holds {} at patch {}, value {}: the pixel values are not finite",
+            flat[i],
+            i / dim.max(1),
+            i % dim.max(1)
+        );
+    }
+    Ok(Some((values, grids)))
 }
 
 /// The ids of a prompt with images of `grids` and videos of `videos`: token ids given as they are (each image's run

@@ -461,3 +461,103 @@ fn a_dump_and_a_model_that_do_not_belong_together_are_refused_naming_both() {
         }
     }
 }
+
+#[test]
+fn pixel_values_that_are_integers_or_not_finite_are_the_files_error() {
+    let g = common::vl::golden();
+    let dir = tempfile::tempdir().unwrap();
+    let model = vl();
+    let ids = common::vl::ids_text(&g["images.token_ids"]);
+    let values = g["images.pixel_values"]
+        .to_dtype(candle_core::DType::F32)
+        .unwrap();
+    let n = values.elem_count();
+    let write = |name: &str, v: candle_core::Tensor| {
+        let path = dir.path().join(name);
+        let t: std::collections::HashMap<String, candle_core::Tensor> = [
+            ("pixel_values".to_string(), v),
+            (
+                "image_grid_thw".to_string(),
+                g["images.image_grid_thw"].clone(),
+            ),
+        ]
+        .into();
+        candle_core::safetensors::save(&t, &path).unwrap();
+        path.display().to_string()
+    };
+    let run = |p: &str| {
+        limited(
+            &[
+                "run",
+                "--model",
+                &model,
+                "--pixel-values",
+                p,
+                "--token-ids",
+                &ids,
+            ],
+            "8",
+        )
+    };
+    // A NaN or an Inf anywhere among the values: exit 2 naming the file and the key, never the checkpoint.
+    for (k, bad) in [0, n / 3, n - 1]
+        .into_iter()
+        .flat_map(|i| [(i, f32::NAN), (i, f32::INFINITY), (i, f32::NEG_INFINITY)])
+    {
+        let mut v = values.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        v[k] = bad;
+        let t = candle_core::Tensor::from_vec(v, values.dims(), &candle_core::Device::Cpu).unwrap();
+        let p = write(&format!("bad-{k}.safetensors"), t);
+        let o = run(&p);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{bad} at {k}: {err}");
+        assert!(
+            err.contains(&p) && err.contains("pixel_values"),
+            "{bad} at {k}: {err}"
+        );
+        assert!(
+            !err.contains("checkpoint"),
+            "{bad} at {k} blames the checkpoint: {err}"
+        );
+    }
+    // Raw 0-255 pixels as integers: refused, not cast and run.
+    for dtype in [
+        candle_core::DType::I64,
+        candle_core::DType::U32,
+        candle_core::DType::U8,
+    ] {
+        let raw = ((values.clone() + 1.0).unwrap() * 127.0)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let p = write(&format!("int-{dtype:?}.safetensors"), raw);
+        let o = run(&p);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{dtype:?}: {err}");
+        assert!(
+            err.contains(&p) && err.contains("pixel_values"),
+            "{dtype:?}: {err}"
+        );
+    }
+}
+
+#[test]
+fn an_image_of_an_aspect_ratio_over_200_names_its_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = vl();
+    for (w, h) in [(1000u32, 1u32), (1, 1000), (402, 2), (3, 700)] {
+        let path = dir.path().join(format!("{w}x{h}.png"));
+        png_header(&path, w, h, 2);
+        let p = path.display().to_string();
+        let o = limited(
+            &["run", "--model", &model, "--image", &p, "--token-ids", "1"],
+            "8",
+        );
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{w}x{h}: {err}");
+        assert!(
+            err.contains(&p) && err.contains("aspect ratio"),
+            "{w}x{h}: {err}"
+        );
+    }
+}
