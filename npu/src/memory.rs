@@ -197,6 +197,22 @@ pub fn layer_graph_bytes(
     )
 }
 
+/// What a static context of `context` positions adds to a decoder graph of `block` tokens per call: every
+/// full-attention layer's key and value caches and a call's attention scores with their softmax and mask, all f32.
+/// Saturating: a context too large to count is too large to hold.
+pub fn context_bytes(config: &Config, context: usize, block: usize) -> u64 {
+    let full = config
+        .layer_types
+        .iter()
+        .filter(|k| **k == reference::config::LayerKind::Full)
+        .count() as u64;
+    let ctx = context as u64;
+    let caches =
+        (2 * full * (config.num_key_value_heads * config.head_dim) as u64).saturating_mul(ctx);
+    let scores = ((2 * config.num_attention_heads as u64 + 1) * block as u64).saturating_mul(ctx);
+    4u64.saturating_mul(caches.saturating_add(scores))
+}
+
 /// The memory a run may use: [`MEMORY_ENV`] when set, else the kernel's `MemAvailable` (`None` where neither is
 /// known: no limit is then checked).
 pub fn available() -> Result<Option<u64>> {

@@ -127,6 +127,7 @@ impl ImageSource {
         let pixels = match self {
             ImageSource::Files { paths, size } => {
                 let p = Preprocessor::from_dir(dir)?;
+                check_image_memory(&p, paths, *size, dir, vc)?;
                 let images = paths
                     .iter()
                     .map(|path| {
@@ -156,6 +157,53 @@ impl ImageSource {
         }
         Ok(pixels)
     }
+}
+
+/// Fails unless decoding `paths` and preprocessing them as `p` says (or to `fixed` `(width, height)`), then running the
+/// vision tower over their patches, fits the memory available: every size from the files' headers, the flag and
+/// `preprocessor_config.json`, counted before any image is decoded (a grey image as the RGB it is converted to),
+/// an error naming the image and what set its size.
+fn check_image_memory(
+    p: &Preprocessor,
+    paths: &[PathBuf],
+    fixed: Option<(usize, usize)>,
+    dir: &Path,
+    vc: &VisionConfig,
+) -> Result<()> {
+    let config = dir.join("preprocessor_config.json");
+    let mut total = 0u64;
+    for path in paths {
+        let at = || format!("--image {}", path.display());
+        let (width, height) = RgbImage::dimensions(path).with_context(at)?;
+        let ((w, h), by) = match fixed {
+            Some(wh) => (wh, format!("--image-size {}x{}", wh.0, wh.1)),
+            None if p.do_resize => {
+                let (h, w) = p.target_size(height, width).with_context(at)?;
+                ((w, h), format!("the pixel bounds of {}", config.display()))
+            }
+            None => ((width, height), "its own size (no resizing)".to_string()),
+        };
+        let (w, h) = (w as u64, h as u64);
+        // The decoded image and its RGB conversion, the resized image and its intermediate pass (8 bits a
+        // channel), the normalised planes and the patches (f32).
+        let decoded = 6u64.saturating_mul((width as u64).saturating_mul(height as u64));
+        let pixels = w.saturating_mul(h);
+        let preprocessed = (6 + 12 + 12 * p.temporal_patch_size as u64).saturating_mul(pixels);
+        let patches = pixels / (p.patch_size as u64).pow(2).max(1);
+        total = total
+            .saturating_add(decoded)
+            .saturating_add(preprocessed)
+            .saturating_add(crate::memory::vision_work_bytes(vc, patches));
+        crate::memory::need(
+            &format!(
+                "{} ({width}x{height}, resized to {w}x{h} by {by}; decoded, preprocessed and through the vision \
+                 tower, with the images before it)",
+                at()
+            ),
+            total,
+        )?;
+    }
+    Ok(())
 }
 
 /// The images' and the videos' patches from a safetensors file, as transformers' processors return them: `pixel_values`
@@ -242,7 +290,26 @@ fn read_pair(
             values.dims()
         );
     }
-    Ok(Some((values.to_dtype(DType::F32)?, grids)))
+    // Raw 0-255 pixels stored as integers would run as values no processor made; a NaN or an Inf among the values
+    // is the file's, not the checkpoint's: both are this input's errors, named here before any tower runs.
+    if !values.dtype().is_float() {
+        bail!(
+            "{at}: `{values_key}` holds {:?} integers; the processor's output is rescaled and normalised floats \
+             (raw pixels are never cast and run)",
+            values.dtype()
+        );
+    }
+    let values = values.to_dtype(DType::F32)?;
+    let flat = values.flatten_all()?.to_vec1::<f32>()?;
+    if let Some(i) = flat.iter().position(|x| !x.is_finite()) {
+        bail!(
+            "{at}: `{values_key}` holds {} at patch {}, value {}: the pixel values are not finite",
+            flat[i],
+            i / dim.max(1),
+            i % dim.max(1)
+        );
+    }
+    Ok(Some((values, grids)))
 }
 
 /// The ids of a prompt with images of `grids` and videos of `videos`: token ids given as they are (each image's run

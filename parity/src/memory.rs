@@ -36,7 +36,9 @@ pub struct Phase {
 impl Phase {
     /// The bytes held.
     pub fn total(&self) -> u64 {
-        self.parts.iter().map(|p| p.bytes).sum()
+        self.parts
+            .iter()
+            .fold(0u64, |sum, p| sum.saturating_add(p.bytes))
     }
 }
 
@@ -204,6 +206,43 @@ pub fn check(command: &str, plan: &Plan, alternatives: &[(String, Plan)]) -> Res
     )
 }
 
+/// Fails unless `bytes`, what `what` (a flag, a file and its key) would make a run hold, fit the memory available:
+/// an error naming it, the bytes needed and those available, before anything of that size is allocated. Without a
+/// known figure (no `MemAvailable`, no `QWEN35_MEMORY_GIB`) nothing is checked.
+pub fn need(what: &str, bytes: u64) -> Result<()> {
+    let Some(avail) = available()? else {
+        return Ok(());
+    };
+    if bytes <= avail {
+        return Ok(());
+    }
+    let source = if std::env::var(MEMORY_ENV).is_ok() {
+        MEMORY_ENV
+    } else {
+        "MemAvailable"
+    };
+    bail!(
+        "{what} would need about {} ({bytes} bytes), and {} is available ({source}). Refused before any work (set \
+         {MEMORY_ENV} to plan for another figure)",
+        gib(bytes),
+        gib(avail),
+    )
+}
+
+/// What the vision tower holds at once over `patches` patches: their pixel values and one tower's taps (f32), and a
+/// block's attention scores with their softmax (f32, every head over every pair of patches). Saturating: a grid
+/// too large to count is too large to hold.
+pub fn vision_work_bytes(vc: &VisionConfig, patches: u64) -> u64 {
+    let (d, i) = (vc.hidden_size as u64, vc.intermediate_size as u64);
+    let per_patch = (vc.patch_dim() as u64)
+        .saturating_add(2 * d)
+        .saturating_add((vc.depth as u64).saturating_mul(d + i))
+        .saturating_add(vc.out_hidden_size as u64);
+    let rows = patches.saturating_mul(per_patch);
+    let scores = (2 * vc.num_heads as u64).saturating_mul(patches.saturating_mul(patches));
+    4u64.saturating_mul(rows.saturating_add(scores))
+}
+
 /// [`check`] of the plan for `format`, offering each smaller weight format ([`smaller_formats`]) and `extra` plans
 /// that would fit.
 pub fn check_formats(
@@ -229,16 +268,25 @@ pub fn graph_parts(
     device: &str,
     tokens: &[usize],
     moe: MoeGraphForm,
+    context: usize,
 ) -> Vec<(String, u64)> {
     let graphs = tokens.len();
+    let block = tokens.iter().copied().max().unwrap_or(1);
+    let caches = (
+        format!("the KV caches and attention of --context {context}"),
+        (tokens.len() as u64).saturating_mul(npu::memory::context_bytes(config, context, block)),
+    );
     if npu::sim::NumericModel::is_sim(device) {
-        return vec![(
-            format!(
-                "{graphs} graph(s) reading one mapped .bin of {} weights a matrix at a time",
-                format.name()
+        return vec![
+            (
+                format!(
+                    "{graphs} graph(s) reading one mapped .bin of {} weights a matrix at a time",
+                    format.name()
+                ),
+                npu::memory::decoder_graphs_bytes(config, format, device, tokens, moe),
             ),
-            npu::memory::decoder_graphs_bytes(config, format, device, tokens, moe),
-        )];
+            caches,
+        ];
     }
     let mut parts: Vec<(String, u64)> = tokens
         .iter()
@@ -261,6 +309,7 @@ pub fn graph_parts(
             )
         })
         .collect();
+    parts.push(caches);
     parts.push(("the runtime".into(), RUNTIME_BYTES));
     parts
 }

@@ -299,6 +299,10 @@ fn bench_vision(args: &BenchArgs, grid: &str) -> Result<Outcome> {
     let g = reference::vision::Grid { t: 1, h, w };
     g.check(vc.spatial_merge_size)
         .with_context(|| format!("--image-grid {grid}"))?;
+    crate::memory::need(
+        &format!("--image-grid {grid} (the vision tower over its patches)"),
+        crate::memory::vision_work_bytes(&vc, (h as u64).saturating_mul(w as u64)),
+    )?;
     let r = crate::perf::vision::bench(
         &dir.display().to_string(),
         &vc,

@@ -131,13 +131,21 @@ fn memory_plan(
             None => {
                 let graphs: &[usize] = if d.block > 1 { &[d.block, 1] } else { &[1] };
                 let moe = d.graph.moe;
-                let mut deployed = memory::graph_parts(config, format, &d.device, graphs, moe);
+                let mut deployed =
+                    memory::graph_parts(config, format, &d.device, graphs, moe, d.graph.context);
                 deployed.push(both.clone());
                 plan.phase(format!("{}: deployed graphs", d.device), deployed);
                 // The graphs with taps: the prompt-block graph alone on an OpenVINO device, both on FP16SIM.
                 let sim = npu::sim::NumericModel::is_sim(&d.device);
                 let tapped_graphs = if sim { graphs } else { &graphs[..1] };
-                let mut tapped = memory::graph_parts(config, format, &d.device, tapped_graphs, moe);
+                let mut tapped = memory::graph_parts(
+                    config,
+                    format,
+                    &d.device,
+                    tapped_graphs,
+                    moe,
+                    d.graph.context,
+                );
                 tapped.push(both);
                 plan.phase(format!("{}: graphs with taps", d.device), tapped);
             }

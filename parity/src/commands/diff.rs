@@ -169,6 +169,85 @@ fn record_of(d: &Dump, p: &Path) -> Result<RunRecord> {
     RunRecord::from_metadata(&d.metadata).with_context(|| p.display().to_string())
 }
 
+/// Fails on a tensor of values (a hidden state, a state, the logits) stored as integers in `d`: a cast would compare
+/// numbers no model wrote. Ids and chosen experts are the integers a dump holds.
+fn refuse_integer_values(d: &Dump, p: &Path) -> Result<()> {
+    let is_index = |k: &str| {
+        k == "token_ids"
+            || k == "generated"
+            || k == crate::dump::POSITIONS
+            || k.ends_with(names::EXPERTS_CHOSEN)
+    };
+    if let Some((k, t)) = d
+        .tensors
+        .iter()
+        .find(|(k, t)| !is_index(k) && !t.dtype().is_float())
+    {
+        bail!(
+            "{}: `{k}` holds {:?} integers; hidden states, states and logits are floats (an integer tensor is never \
+             cast and compared)",
+            p.display(),
+            t.dtype()
+        );
+    }
+    Ok(())
+}
+
+/// Fails unless the dump `d` (at `p`) is of the model `config` (at `dir`, `--model`): its layers within the model's,
+/// its logits over the model's vocabulary (`vocab`: the dumps' width), its residual stream of the model's hidden
+/// size; naming both sides.
+fn belongs(d: &Dump, p: &Path, config: &Config, dir: &Path, vocab: usize) -> Result<()> {
+    let model = || format!("--model {}", dir.display());
+    if vocab != config.vocab_size {
+        bail!(
+            "{} has logits over {vocab} tokens, and {} has a vocabulary of {}: the dumps are not of this model",
+            p.display(),
+            model(),
+            config.vocab_size
+        );
+    }
+    let layers = config.num_layers() as u64;
+    let named = d
+        .tensors
+        .keys()
+        .filter_map(|k| crate::dump::layer_of(k))
+        .max();
+    if let Some(last) = named
+        && last + 1 < layers
+    {
+        bail!(
+            "{} names layers up to {last}, and {} has {layers} layers: the dump is not of this model",
+            p.display(),
+            model()
+        );
+    }
+    for (k, t) in &d.tensors {
+        let Some(layer) = crate::dump::layer_of(k) else {
+            continue;
+        };
+        if layer >= layers {
+            bail!(
+                "{}: `{k}` is of layer {layer}, and {} has {layers} layers: the dump is not of this model",
+                p.display(),
+                model()
+            );
+        }
+        let stream = [names::OUTPUT, names::MIXER_OUTPUT, names::MLP_OUTPUT];
+        if stream.iter().any(|s| k.ends_with(&format!(".{s}")))
+            && t.dims().last() != Some(&config.hidden_size)
+        {
+            bail!(
+                "{}: `{k}` is {:?}, and {} has a hidden size of {}: the dump is not of this model",
+                p.display(),
+                t.dims(),
+                model(),
+                config.hidden_size
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Runs `qwen35 diff`.
 pub fn exec(args: DiffArgs) -> Result<Outcome> {
     Paths::new()
@@ -232,6 +311,12 @@ pub fn exec(args: DiffArgs) -> Result<Outcome> {
                 .position(|(x, y)| x != y)
                 .unwrap_or(ids_a.len().min(ids_b.len()))
         );
+    }
+    for (d, p) in [(&a, &args.actual), (&b, &args.reference)] {
+        refuse_integer_values(d, p)?;
+        if let (Some(c), Some(dir)) = (&config, &args.model) {
+            belongs(d, p, c, dir, vocab)?;
+        }
     }
     let kinds = kinds((&a, &args.actual), (&b, &args.reference), config.as_ref())?;
     // Greedy tokens are compared when both dumps hold them.

@@ -164,9 +164,14 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
                         ("its graphs".into(), memory::set_graph_bytes(&set.set)),
                         ("the runtime".into(), memory::RUNTIME_BYTES),
                     ],
-                    None => {
-                        memory::graph_parts(&config, format, &s.device, &[s.block], s.graph.moe)
-                    }
+                    None => memory::graph_parts(
+                        &config,
+                        format,
+                        &s.device,
+                        &[s.block],
+                        s.graph.moe,
+                        s.graph.context,
+                    ),
                 };
                 parts.push(run);
                 m.phase(format!("{}: the graphs with taps", s.device), parts)

@@ -138,6 +138,10 @@ pub fn exec(args: ExportArgs) -> Result<Outcome> {
         for (g, text) in grids.iter().zip(&args.image_grid) {
             g.check(vc.spatial_merge_size)
                 .with_context(|| format!("--image-grid {text}"))?;
+            crate::memory::need(
+                &format!("--image-grid {text} (a vision graph over its patches)"),
+                crate::memory::vision_work_bytes(&vc, (g.h as u64).saturating_mul(g.w as u64)),
+            )?;
         }
         Some(vc)
     };

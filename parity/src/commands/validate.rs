@@ -137,11 +137,25 @@ fn memory_plan(
             let moe = settings.graph.moe;
             plan.phase(
                 format!("{d}: deployed graphs (and each other block size, the fresh copy)"),
-                base(memory::graph_parts(config, format, d, graphs, moe)),
+                base(memory::graph_parts(
+                    config,
+                    format,
+                    d,
+                    graphs,
+                    moe,
+                    settings.graph.context,
+                )),
             );
             plan.phase(
                 format!("{d}: graphs with taps"),
-                base(memory::graph_parts(config, format, d, &[block], moe)),
+                base(memory::graph_parts(
+                    config,
+                    format,
+                    d,
+                    &[block],
+                    moe,
+                    settings.graph.context,
+                )),
             );
             let layer = (0..config.num_layers())
                 .map(|l| npu::memory::layer_graph_bytes(config, format, l, d, block, moe))

@@ -81,6 +81,17 @@ impl Dump {
     /// Reads a dump written by any backend.
     pub fn read(path: &Path) -> Result<Self> {
         reference::inputs::record(path);
+        // The file is read whole and its tensors copied out of it: twice its size, known before either.
+        let size = std::fs::metadata(path)
+            .with_context(|| format!("reading {}", path.display()))?
+            .len();
+        crate::memory::need(
+            &format!(
+                "the dump {} ({size} bytes, read and its tensors)",
+                path.display()
+            ),
+            size.saturating_mul(2),
+        )?;
         let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
         let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)
             .map_err(|e| anyhow::anyhow!("{}: not a safetensors dump: {e}", path.display()))?;
@@ -90,6 +101,22 @@ impl Dump {
             .unwrap_or_default()
             .into_iter()
             .collect();
+        // Every layer up to the highest a name mentions is walked by a comparison: that many, checked before.
+        if let Some((name, layer)) = meta
+            .tensors()
+            .into_keys()
+            .filter_map(|k| Some((k.clone(), layer_of(&k)?)))
+            .max_by_key(|(_, l)| *l)
+        {
+            crate::memory::need(
+                &format!(
+                    "{}: `{name}` names layer {layer}, so a comparison walks {} layers",
+                    path.display(),
+                    layer.saturating_add(1)
+                ),
+                LAYER_BYTES.saturating_mul(layer.saturating_add(1)),
+            )?;
+        }
         let tensors = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)
             .with_context(|| format!("{}: reading tensors", path.display()))?
             .into_iter()
@@ -103,6 +130,20 @@ impl Dump {
             .get(name)
             .with_context(|| format!("the dump has no tensor `{name}`"))
     }
+}
+
+/// What a comparison holds for each layer up to the highest a dump names, whatever the dump holds of it: the
+/// layer's kind, its rows of the report and their names (an upper bound).
+const LAYER_BYTES: u64 = 1024;
+
+/// The layer a dump's tensor name is of (`layers.{i}.…`), as a number that may be beyond any model (`u64`: an index
+/// too large even for that is refused by the caller's checks as no layer at all).
+pub fn layer_of(name: &str) -> Option<u64> {
+    name.strip_prefix("layers.")?
+        .split('.')
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// Token ids as an i64 tensor (the dump's type for ids).

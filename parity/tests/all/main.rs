@@ -27,6 +27,7 @@ mod probe_moe;
 mod routing;
 mod set_images;
 mod signals;
+mod sizes;
 mod thresholds;
 mod undefined_null;
 mod validate;

@@ -50,6 +50,21 @@ impl RgbImage {
         })
     }
 
+    /// A PNG or JPEG file's `(width, height)`, read from its header without decoding it: what decoding it would
+    /// allocate is known before it is.
+    pub fn dimensions(path: &Path) -> Result<(usize, usize)> {
+        let (w, h) = image::ImageReader::open(path)
+            .map_err(|e| Error::io(path, e))?
+            .with_guessed_format()
+            .map_err(|e| Error::io(path, e))?
+            .into_dimensions()
+            .map_err(|e| Error::File {
+                file: path.display().to_string(),
+                message: format!("not a PNG or JPEG image this build can decode: {e}"),
+            })?;
+        Ok((w as usize, h as usize))
+    }
+
     /// The image resampled to `width × height` with Pillow's bicubic convolution: the rows first, then the columns,
     /// each pass rounded to 8 bits, as Pillow orders them (`fast_image_resize` alone would take the columns first,
     /// which moves the result by up to 9 levels on the test images); the image itself when a side keeps its size.
