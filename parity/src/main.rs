@@ -69,6 +69,8 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
     }
+    // This process is one run: no output may overwrite a file any loader of it reads.
+    reference::inputs::watch();
     // Ctrl-C and SIGTERM remove the partial files and directories the run is writing before it ends.
     parity::outputs::clean_up_on_signals();
     let code = match Cli::try_parse() {

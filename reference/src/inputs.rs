@@ -7,12 +7,26 @@
 use std::collections::BTreeMap;
 use std::path::{Component, Path, PathBuf};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// The files read so far: canonical path, and the path as the loader was given it (for messages).
 static READ: Mutex<BTreeMap<PathBuf, PathBuf>> = Mutex::new(BTreeMap::new());
 
-/// Records that the run reads `path` (a file or a directory).
+/// Whether this process is one run (see [`watch`]).
+static WATCHING: AtomicBool = AtomicBool::new(false);
+
+/// Makes this process one run: from now on every file a loader opens is an input that no output may overwrite. The
+/// `qwen35` binary calls it first thing. A process that runs many jobs (a test suite, a program using the library)
+/// does not: one job's output may be the next job's input, and a set that only grows would refuse it.
+pub fn watch() {
+    WATCHING.store(true, Ordering::SeqCst);
+}
+
+/// Records that the run reads `path` (a file or a directory); nothing unless the process [`watch`]es its inputs.
 pub fn record(path: &Path) {
+    if !WATCHING.load(Ordering::SeqCst) {
+        return;
+    }
     let canonical = canonical(path);
     if let Ok(mut read) = READ.lock() {
         read.entry(canonical).or_insert_with(|| path.to_path_buf());
@@ -85,6 +99,7 @@ mod tests {
         std::fs::create_dir(&d).unwrap();
         std::fs::write(&f, "x").unwrap();
         std::os::unix::fs::symlink(&f, tmp.path().join("link.png")).unwrap();
+        watch();
         record(&d.join("./in.png"));
         for out in [
             f.clone(),

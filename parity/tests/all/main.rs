@@ -19,6 +19,7 @@ mod images;
 mod low_precision;
 mod memory;
 mod moe_devices;
+mod moe_nan;
 mod non_finite;
 mod non_finite_props;
 mod openvino;
