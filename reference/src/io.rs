@@ -96,6 +96,15 @@ impl AtomicFile {
         }
     }
 
+    /// Removes the unfinished file (nothing appears at its path); an error drops it the same way.
+    pub fn discard(self) {
+        if let Target::Staged { temp, .. } = self.0 {
+            let staged = temp.path().to_path_buf();
+            drop(temp);
+            crate::temps::forget(&staged);
+        }
+    }
+
     /// The file being written (to seek, size or map it, for a writer that does more than append).
     pub fn as_file(&self) -> &File {
         match &self.0 {

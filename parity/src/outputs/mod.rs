@@ -194,11 +194,26 @@ fn creatable(out: &Named, kind: Kind) -> Result<()> {
                     return Ok(());
                 }
             }
-            let dir = path.parent().unwrap_or(Path::new("/"));
+            // A bare file name lies in the working directory, which may have been removed under the run.
+            let dir = match path.parent() {
+                Some(d) if d.as_os_str().is_empty() => Path::new("."),
+                Some(d) => d,
+                None => Path::new("/"),
+            };
             if !dir.is_dir() {
+                if dir == Path::new(".") {
+                    bail!("{out}: the working directory no longer exists (was it removed?)");
+                }
                 bail!("{out}: the directory {} does not exist", dir.display());
             }
-            probe(out, dir)
+            // The very partial file the output is written through (its name is the output's and more) is created
+            // and removed: a name too long for the file system fails here, before any work, not when the result
+            // is written.
+            reference::io::AtomicFile::create(path)
+                .map(reference::io::AtomicFile::discard)
+                .map_err(|e| {
+                    anyhow::anyhow!("{out}: cannot create a file in {}: {e}", dir.display())
+                })
         }
         Kind::NewDir => {
             if path.exists() {
@@ -213,22 +228,32 @@ fn creatable(out: &Named, kind: Kind) -> Result<()> {
                     );
                 }
             }
-            probe(out, &existing_ancestor(path.parent().unwrap_or(path)))
+            // Named as the staged directory will be (`.NAME.partial-PID-XXXXXX`), so a name too long for the file
+            // system fails here.
+            let name = path
+                .file_name()
+                .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+            probe(
+                out,
+                &existing_ancestor(path.parent().unwrap_or(path)),
+                &format!(".{name}.partial-{}-", std::process::id()),
+            )
         }
         Kind::Dir => {
             std::fs::create_dir_all(path)
                 .map_err(|e| anyhow::anyhow!("{out}: cannot create the directory: {e}"))?;
-            probe(out, path)
+            probe(out, path, ".qwen35-check-")
         }
     }
 }
 
-/// Fails when no file can be created in `dir` (one is created and removed).
-fn probe(out: &Named, dir: &Path) -> Result<()> {
+/// Fails when no file named `prefix` and six more characters (as a temporary's) can be created in `dir` (one is
+/// created and removed).
+fn probe(out: &Named, dir: &Path, prefix: &str) -> Result<()> {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.subsec_nanos());
-    let path = dir.join(format!(".qwen35-check-{}-{nanos}", std::process::id()));
+    let path = dir.join(format!("{prefix}{:06}", nanos % 1_000_000));
     std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)

@@ -514,3 +514,51 @@ fn no_output_overwrites_a_file_the_run_reads() {
         ]
     );
 }
+
+#[test]
+fn an_output_name_too_long_for_its_partial_fails_before_any_work() {
+    // Every length around the file system's 255-byte limit, for a file written through a hidden partial
+    // (`.NAME.XXXXXX.partial`: 16 bytes more) and a directory written through a staged sibling
+    // (`.NAME.partial-PID-XXXXXX`): either the run goes through and the output is there, or the before-work check
+    // refuses it naming the flag, before anything ran. Never a refusal after the work.
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut refused, mut written) = (0, 0);
+    for len in (225..=255).step_by(3) {
+        for (command, flag) in [("ranges", "--json"), ("export-ir", "--out")] {
+            let dir = tmp.path().join(format!("{command}-{len}"));
+            std::fs::create_dir(&dir).unwrap();
+            let out = dir.join("x".repeat(len));
+            let out = out.to_str().unwrap();
+            let o = match command {
+                "ranges" => qwen35(&["ranges", "--token-ids", "1,2", flag, out]),
+                _ => qwen35(&["export-ir", flag, out]),
+            };
+            let err = stderr(&o);
+            assert!(!err.contains("panicked"), "{command} {len}: {err}");
+            match o.status.code() {
+                Some(0) => {
+                    assert!(Path::new(out).exists(), "{command} {len}: no output");
+                    written += 1;
+                }
+                Some(2) => {
+                    assert!(
+                        err.contains(flag) && err.contains("cannot create"),
+                        "{command} {len}: not the before-work check: {err}"
+                    );
+                    assert!(o.stdout.is_empty(), "{command} {len}: it ran first");
+                    assert!(
+                        entries(&dir).is_empty(),
+                        "{command} {len}: left {:?}",
+                        entries(&dir)
+                    );
+                    refused += 1;
+                }
+                c => panic!("{command} {len}: exit {c:?}: {err}"),
+            }
+        }
+    }
+    assert!(
+        refused > 0 && written > 0,
+        "{refused} refused, {written} written"
+    );
+}
