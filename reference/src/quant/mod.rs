@@ -50,7 +50,7 @@
 //!   (weight `[C, 1, 1, K]`), and NNCF gives it the INT8 backup, one scale per channel over its `K` taps (seen in
 //!   `testdata/ir/tiny-int4`, made by `scripts/make_optimum_export.py`). [`WeightFormat::Int4Nncf`] is that rule:
 //!   the same as `Int4Sym` plus INT8 conv weights, so the reference runs exactly the weights such an export holds
-//!   (`npu/tests/external.rs` reads every code and scale back from the IR and compares them).
+//!   (`npu/tests/all/external.rs` reads every code and scale back from the IR and compares them).
 //! * **MoE experts** (read in `nncf/openvino/graph/layout.py` and `node_utils.py`, nncf 3.4.0, and seen in
 //!   `testdata/ir/tiny-moe-int4`). optimum-intel 2.2.0 exports Qwen3.5-MoE (its `Qwen3_5MoeModelPatcher`) with every
 //!   expert run on every token: per layer a batched MatMul (`transpose_b`) on each of three stacked constants, the
@@ -61,7 +61,7 @@
 //!   above does that expert's `[out, in]` tensor (scales `[E, out, in / group, 1]`). The router `mlp.gate` `[E, H]`,
 //!   the shared expert and `shared_expert_gate` `[1, H]` (one row, one scale per group) are plain MatMul weights:
 //!   INT4 like every other projection, not the backup. The rule here needs nothing for MoE: every one of them is a
-//!   [`Role::Projection`](crate::schema::Role::Projection), and `npu/tests/external.rs` finds every expert's codes
+//!   [`Role::Projection`](crate::schema::Role::Projection), and `npu/tests/all/external.rs` finds every expert's codes
 //!   and scales in that export bit for bit equal to [`WeightFormat::Int4Nncf`]'s. tiny-moe's tensors are below
 //!   NNCF's 10 000-element threshold, so they went through its numpy implementation. Above it the OpenVINO
 //!   implementation does the same: `tests/all/nncf.rs` holds stacked experts `[4, 10, 256]` (INT4 group 128, NNCF
