@@ -1,0 +1,49 @@
+//! A model and what is asked of it that do not belong together are refused before any work, naming both sides:
+//! `--moe-form` with a dense model, on every command that takes it.
+
+use crate::common;
+use common::{expect_error, testdata};
+
+/// Every command that takes `--moe-form` on this project's graphs, with what it needs to reach the check.
+fn moe_form_commands(out: &std::path::Path) -> Vec<Vec<String>> {
+    let dump = out.join("dump.bin").display().to_string();
+    let ir = out.join("ir").display().to_string();
+    [
+        vec![
+            "dump",
+            "--backend",
+            "openvino",
+            "--prompt",
+            "hi",
+            "--out",
+            &dump,
+        ],
+        vec!["validate", "--device", "CPU"],
+        vec!["compare-devices", "--devices", "CPU"],
+        vec!["probe", "--device", "CPU"],
+        vec!["bench", "--backend", "openvino"],
+        vec!["export-ir", "--out", &ir],
+    ]
+    .into_iter()
+    .map(|c| c.into_iter().map(String::from).collect())
+    .collect()
+}
+
+#[test]
+fn moe_form_with_a_dense_model_is_refused_by_every_command() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = testdata().join("models/tiny");
+    let model_arg = model.display().to_string();
+    let mut cases = 0;
+    for command in moe_form_commands(tmp.path()) {
+        for form in ["auto", "gather", "masked"] {
+            let mut args: Vec<&str> = command.iter().map(String::as_str).collect();
+            args.extend(["--model", &model_arg, "--moe-form", form]);
+            expect_error(&args, &["--moe-form", &model_arg, "dense"]);
+            cases += 1;
+        }
+    }
+    assert_eq!(cases, 18);
+    // Nothing written: the refusal comes before any work.
+    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+}
