@@ -1,8 +1,10 @@
 //! A model and what is asked of it that do not belong together are refused before any work, naming both sides:
-//! `--moe-form` with a dense model, on every command that takes it.
+//! `--moe-form` with a dense model, on every command that takes it; a graph set whose manifest names another model
+//! than `--model`, two graphs for one call of a layer, or a layer the model does not have.
 
 use crate::common;
 use common::{expect_error, testdata};
+use serde_json::Value;
 
 /// Every command that takes `--moe-form` on this project's graphs, with what it needs to reach the check.
 fn moe_form_commands(out: &std::path::Path) -> Vec<Vec<String>> {
@@ -46,4 +48,50 @@ fn moe_form_with_a_dense_model_is_refused_by_every_command() {
     assert_eq!(cases, 18);
     // Nothing written: the refusal comes before any work.
     assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+}
+
+/// The sets in `testdata/sets/` (each names `models/tiny` as its model).
+fn sets() -> Vec<std::path::PathBuf> {
+    let mut v: Vec<_> = std::fs::read_dir(testdata().join("sets"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("manifest.json").is_file())
+        .collect();
+    v.sort();
+    v
+}
+
+/// Refusals come before any work: `validate` on the CPU device, the set under `--ir`.
+fn validate_set(ir: &std::path::Path, model: &std::path::Path) -> Vec<String> {
+    [
+        "validate",
+        "--device",
+        "CPU",
+        "--ir",
+        ir.to_str().unwrap(),
+        "--model",
+        model.to_str().unwrap(),
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+#[test]
+fn a_set_made_for_another_model_is_refused() {
+    let other = testdata().join("models/tiny-h128");
+    let sets = sets();
+    assert!(sets.len() >= 5);
+    for set in sets {
+        let args = validate_set(&set, &other);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        expect_error(
+            &args,
+            &[
+                "manifest.json",
+                "models/tiny",
+                "another model than --model",
+                other.to_str().unwrap(),
+            ],
+        );
+    }
 }
