@@ -95,3 +95,72 @@ fn a_set_made_for_another_model_is_refused() {
         );
     }
 }
+
+/// The manifest of `set` rewritten by `edit` into a folder of its own (files and model named by absolute path).
+fn edited(
+    set: &std::path::Path,
+    into: &std::path::Path,
+    edit: impl FnOnce(&mut Value),
+) -> std::path::PathBuf {
+    let mut m: Value =
+        serde_json::from_str(&std::fs::read_to_string(set.join("manifest.json")).unwrap()).unwrap();
+    m["model"] = Value::String(testdata().join("models/tiny").display().to_string());
+    for g in m["layers"]["graphs"].as_array_mut().unwrap() {
+        for key in ["xml", "bin"] {
+            let f = set.join(g[key].as_str().unwrap());
+            g[key] = Value::String(f.display().to_string());
+        }
+    }
+    edit(&mut m);
+    std::fs::create_dir_all(into).unwrap();
+    std::fs::write(into.join("manifest.json"), m.to_string()).unwrap();
+    into.to_path_buf()
+}
+
+#[test]
+fn a_manifest_with_two_graphs_for_one_layer_or_a_layer_beyond_the_model_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let set = testdata().join("sets/tiny-layers");
+    let model = testdata().join("models/tiny");
+    let layers = common::config("tiny").num_layers();
+    let m: Value =
+        serde_json::from_str(&std::fs::read_to_string(set.join("manifest.json")).unwrap()).unwrap();
+    let graphs = m["layers"]["graphs"].as_array().unwrap().clone();
+    assert!(graphs.len() >= 8);
+    let mut cases = 0;
+    for (i, g) in graphs.iter().enumerate() {
+        let layer = g["layer"].as_u64().unwrap();
+        // The same call given another file: the next entry's graph.
+        let other = graphs[(i + 1) % graphs.len()]["xml"].clone();
+        let dir = edited(&set, &tmp.path().join(format!("dup{i}")), |m| {
+            let list = m["layers"]["graphs"].as_array_mut().unwrap();
+            let mut twin = list[i].clone();
+            twin["xml"] = Value::String(set.join(other.as_str().unwrap()).display().to_string());
+            list.push(twin);
+        });
+        let args = validate_set(&dir, &model);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        expect_error(
+            &args,
+            &["manifest.json", &format!("second graph of layer {layer} ")],
+        );
+        cases += 1;
+        // The layer moved beyond the model's last.
+        for beyond in [layers, layers + 1, 1000] {
+            let dir = edited(&set, &tmp.path().join(format!("beyond{i}-{beyond}")), |m| {
+                m["layers"]["graphs"][i]["layer"] = Value::from(beyond);
+            });
+            let args = validate_set(&dir, &model);
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            expect_error(
+                &args,
+                &[
+                    "manifest.json",
+                    &format!("names layer {beyond}, but the model has {layers} layers"),
+                ],
+            );
+            cases += 1;
+        }
+    }
+    assert_eq!(cases, graphs.len() * 4);
+}

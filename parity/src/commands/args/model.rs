@@ -117,6 +117,8 @@ impl ModelArgs {
             ..self.clone()
         };
         let (checkpoint, config, store) = model.open()?;
+        set.check_layers(config.num_layers())
+            .map_err(|e| anyhow::Error::new(e).context(format!("--ir {}", dir.display())))?;
         Ok(crate::device::set::SetSource::new(
             dir, set, checkpoint, config, store,
         ))
