@@ -163,4 +163,29 @@ fn a_manifest_with_two_graphs_for_one_layer_or_a_layer_beyond_the_model_is_refus
         }
     }
     assert_eq!(cases, graphs.len() * 4);
+    // A state's port names given per layer, one of them for a layer beyond the model's last.
+    let states = m["layers"]["states"].as_object().unwrap().clone();
+    assert!(states.len() >= 4);
+    for (state, spec) in &states {
+        for side in ["input", "output"] {
+            let name = spec[side].clone();
+            let mut per_layer: serde_json::Map<String, Value> = (0..=layers)
+                .map(|l| (l.to_string(), name.clone()))
+                .collect();
+            per_layer.insert("1000".into(), name.clone());
+            let dir = edited(&set, &tmp.path().join(format!("{state}-{side}")), |m| {
+                m["layers"]["states"][state][side] = Value::Object(per_layer);
+            });
+            let args = validate_set(&dir, &model);
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            expect_error(
+                &args,
+                &[
+                    "manifest.json",
+                    &format!("state {side}"),
+                    &format!("names layer {layers}, but the model has {layers} layers"),
+                ],
+            );
+        }
+    }
 }
