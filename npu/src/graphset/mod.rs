@@ -325,6 +325,52 @@ pub struct GraphSet {
 }
 
 impl GraphSet {
+    /// Fails when the set names a layer the model does not have (`layers` of them): a per-layer graph, or a state
+    /// or port name given for that layer; the error names the manifest and the layer.
+    pub fn check_layers(&self, layers: usize) -> Result<()> {
+        let beyond = |l: usize, what: String| -> Result<()> {
+            if l >= layers {
+                return Err(Error::Config(format!(
+                    "{}: {what} names layer {l}, but the model has {layers} layers (0 to {})",
+                    self.source,
+                    layers.saturating_sub(1)
+                )));
+            }
+            Ok(())
+        };
+        let names = |n: &Names, what: &str| -> Result<()> {
+            if let Names::PerLayer(m) = n {
+                for &l in m.keys() {
+                    beyond(l, what.to_string())?;
+                }
+            }
+            Ok(())
+        };
+        for part in self.decoder.iter().chain(&self.layers) {
+            let key = &part.key;
+            for g in &part.graphs {
+                if let Some(l) = g.layer {
+                    beyond(l, format!("`{key}` graph {}", g.xml.display()))?;
+                }
+            }
+            let i = &part.interface;
+            for s in &i.states {
+                names(&s.input, &format!("`{key}` state input {:?}", s.kind))?;
+                names(&s.output, &format!("`{key}` state output {:?}", s.kind))?;
+            }
+            for (role, p) in &i.inputs {
+                names(&p.names, &format!("`{key}` input {role:?}"))?;
+            }
+            names(&i.output.names, &format!("`{key}` output"))?;
+            if let Taps::Map(m) = &i.taps {
+                for (dump, n) in m {
+                    names(n, &format!("`{key}` tap {dump}"))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The decoder part, or an error naming what is missing.
     pub fn decoder(&self) -> Result<&Part> {
         self.decoder.as_ref().ok_or_else(|| {

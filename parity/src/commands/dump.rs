@@ -118,7 +118,11 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
             ..args.model.clone()
         }
         .open()?,
-        None => args.model.open()?,
+        None => {
+            let (dir, config, store) = args.model.open()?;
+            args.form.check_model(&dir, &config)?;
+            (dir, config, store)
+        }
     };
     let images = match &image_source {
         Some(source) => {

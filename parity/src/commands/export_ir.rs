@@ -131,6 +131,7 @@ pub fn exec(args: ExportArgs) -> Result<Outcome> {
         );
     }
     let (dir, config, store) = args.model.open()?;
+    args.form.check_model(&dir, &config)?;
     let vc = if grids.is_empty() {
         None
     } else {

@@ -38,7 +38,11 @@ impl Target {
                 }
                 Target::Set(Box::new(s))
             }
-            None => Target::Own(Box::new(model.open()?)),
+            None => {
+                let (dir, config, store) = model.open()?;
+                form.check_model(&dir, &config)?;
+                Target::Own(Box::new((dir, config, store)))
+            }
         })
     }
 

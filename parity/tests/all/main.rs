@@ -3,6 +3,7 @@
 
 mod bad_input;
 mod bad_input_props;
+mod belonging;
 mod bench;
 mod cli;
 #[path = "../common/mod.rs"]

@@ -181,6 +181,28 @@ impl Reader<'_> {
                     "a per-layer graph needs its tokens per call",
                 ));
             }
+            // Two files for one call (one layer, one token count) leave which one runs to chance.
+            if let Some(j) = out.iter().position(|g: &GraphFile| {
+                g.layer == layer && g.tokens == tokens && (g.xml != xml || g.bin != bin)
+            }) {
+                let which = match layer {
+                    Some(l) => format!("layer {l}"),
+                    None => "the decoder".to_string(),
+                };
+                let calls = match tokens {
+                    Some(t) => format!("{t} tokens"),
+                    None => "any token count".to_string(),
+                };
+                return Err(self.err(
+                    &at,
+                    format!(
+                        "a second graph of {which} for {calls} ({} and {}, entry {j}): one graph per layer and \
+                         token count",
+                        xml.display(),
+                        out[j].xml.display()
+                    ),
+                ));
+            }
             out.push(GraphFile {
                 tokens,
                 layer,

@@ -5,8 +5,10 @@
 use anyhow::{Result, bail};
 use clap::{Args, ValueEnum};
 use npu::graphs::{DeltaNetGraphForm, MoeGraphForm};
+use reference::config::Config;
 use reference::deltanet::{DEFAULT_CHUNK, Form, Inverse};
 use reference::model::RunOptions;
+use std::path::Path;
 
 /// Delta-rule form of prompt (multi-token) forward calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -162,6 +164,18 @@ impl FormArgs {
                 "--deltanet-form sequential is the reference's oracle; OpenVINO graphs use matrix, chunked or loop"
             ),
         })
+    }
+
+    /// Fails when `--moe-form` is given with a model that has no experts (`dir`'s `config`), naming both: the one
+    /// check of the flag against the model, made by every command that takes it once it has read the config.
+    pub fn check_model(&self, dir: &Path, config: &Config) -> Result<()> {
+        if self.moe_form.is_some() && config.moe.is_none() {
+            bail!(
+                "--moe-form applies to MoE models; the model {} is dense (its config.json names no experts)",
+                dir.display()
+            );
+        }
+        Ok(())
     }
 
     /// `--moe-form` (auto by default) as the graphs take it.

@@ -97,13 +97,47 @@ impl ModelArgs {
                 m.display()
             );
         }
+        // A set made for another model would run against --model with no word: refused unless the manifest's
+        // model is --model (one directory) or the same model elsewhere (the same config.json).
+        if let (Some(given), Some(named)) = (&self.model, &set.model)
+            && named.join("config.json").is_file()
+            && !same_model(given, named)
+        {
+            bail!(
+                "--ir {}: {}'s `model` is {}, another model than --model {}; give the set's model or a set made \
+                 for --model",
+                dir.display(),
+                set.source,
+                named.display(),
+                given.display()
+            );
+        }
         let model = ModelArgs {
             model: self.model.clone().or(set.model.clone()),
             ..self.clone()
         };
         let (checkpoint, config, store) = model.open()?;
+        set.check_layers(config.num_layers())
+            .map_err(|e| anyhow::Error::new(e).context(format!("--ir {}", dir.display())))?;
         Ok(crate::device::set::SetSource::new(
             dir, set, checkpoint, config, store,
         ))
+    }
+}
+
+/// Whether two checkpoint directories hold the same model: one directory (canonical paths), or the same
+/// `config.json` byte for byte (a copy).
+fn same_model(a: &Path, b: &Path) -> bool {
+    if let (Ok(ca), Ok(cb)) = (a.canonicalize(), b.canonicalize())
+        && ca == cb
+    {
+        return true;
+    }
+    match (
+        std::fs::read(a.join("config.json")),
+        std::fs::read(b.join("config.json")),
+    ) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => false,
     }
 }
