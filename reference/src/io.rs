@@ -63,9 +63,9 @@ impl AtomicFile {
             // As open(2) creates it: the umask applies (tempfile's own default is 0600).
             builder.permissions(Permissions::from_mode(0o666));
         }
-        let temp = builder.tempfile_in(dir)?;
-        // Removed by a signal's handler if the run is ended before it is dropped or committed.
-        crate::temps::register(temp.path());
+        // Registered as it is made: removed by a signal's handler if the run is ended before it is dropped or
+        // committed.
+        let temp = crate::temps::create(|| builder.tempfile_in(dir), |t| t.path())?;
         let mode = temp.as_file().metadata()?.permissions();
         Ok(AtomicFile(Target::Staged { temp, dest, mode }))
     }

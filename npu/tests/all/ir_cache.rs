@@ -44,9 +44,11 @@ fn engine(model: &Path, context: usize, cache: Option<&Path>) -> DecoderEngine {
 }
 
 fn entries(cache: &Path) -> Vec<String> {
+    // The hidden `.qwen35.lock` that runs sharing the cache take is not an entry.
     let mut names: Vec<String> = std::fs::read_dir(cache.join("ir"))
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| !name.starts_with('.'))
         .collect();
     names.sort();
     names

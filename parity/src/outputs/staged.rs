@@ -42,15 +42,16 @@ impl StagedDir {
             use std::os::unix::fs::PermissionsExt;
             builder.permissions(std::fs::Permissions::from_mode(0o777));
         }
-        let temp = builder.tempdir_in(parent).map_err(|e| {
-            anyhow::anyhow!(
-                "{flag} {}: creating a directory in {}: {e}",
-                dest.display(),
-                parent.display()
-            )
-        })?;
-        // Removed by a signal's handler if the run is ended before this is dropped or committed.
-        reference::temps::register(temp.path());
+        // Registered as it is made: removed by a signal's handler if the run is ended before this is dropped or
+        // committed.
+        let temp =
+            reference::temps::create(|| builder.tempdir_in(parent), |t| t.path()).map_err(|e| {
+                anyhow::anyhow!(
+                    "{flag} {}: creating a directory in {}: {e}",
+                    dest.display(),
+                    parent.display()
+                )
+            })?;
         Ok(StagedDir {
             temp,
             dest: dest.to_path_buf(),
@@ -212,7 +213,8 @@ pub fn clean_up_on_signals() {
                         return;
                     }
                 }
-                reference::temps::remove_all();
+                // Held until the process ends: no partial is made after the removal.
+                let _held = reference::temps::remove_all();
                 // SAFETY: ends the process at once, as the signal would have, without running other threads'
                 // destructors (a device's runtime may be mid-call).
                 unsafe { libc::_exit(128 + libc::c_int::from(byte)) }
