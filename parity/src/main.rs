@@ -101,6 +101,8 @@ fn exec(command: Command) -> u8 {
         Command::Synth(a) => commands::synth::exec(a),
         Command::Bench(a) => commands::bench::exec(a),
     };
+    // An ending signal (Ctrl-C, SIGTERM) decides the exit code, not what the command made of it.
+    parity::outputs::yield_to_ending_signal();
     match result {
         Ok(Outcome::Pass) => 0,
         Ok(Outcome::Fail) => 1,

@@ -2,7 +2,7 @@
 //! (see `reference::synth`), written tensor by tensor.
 
 use super::Outcome;
-use crate::outputs::{Kind, Paths, StagedDir, catch_interrupts, free_bytes, interrupted};
+use crate::outputs::{Kind, Paths, StagedDir, free_bytes};
 use crate::perf::memory;
 use crate::report::{count, size};
 use anyhow::{Result, bail};
@@ -69,7 +69,6 @@ pub fn exec(args: SynthArgs) -> Result<Outcome> {
             size(free)
         );
     }
-    catch_interrupts();
     let bar = ProgressBar::with_draw_target(Some(0), crate::console::progress_target());
     if let Ok(style) = ProgressStyle::with_template(
         "{elapsed:>4} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec}",
@@ -77,16 +76,8 @@ pub fn exec(args: SynthArgs) -> Result<Outcome> {
         bar.set_style(style.progress_chars("=> "));
     }
     let start = Instant::now();
+    // Ctrl-C or SIGTERM: the staged directory is registered, the signal's thread removes it (main.rs).
     let summary = write_checkpoint(staged.path(), &opts, &mut |done, total| {
-        if interrupted() {
-            bar.finish_and_clear();
-            let _ = std::fs::remove_dir_all(staged.path());
-            crate::errln!(
-                "interrupted: removed what was written ({})",
-                staged.path().display()
-            );
-            std::process::exit(130);
-        }
         bar.set_length(total);
         bar.set_position(done);
     })?;

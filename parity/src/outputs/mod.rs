@@ -302,7 +302,7 @@ pub fn write(path: &Path, text: &[u8]) -> Result<()> {
 
 mod staged;
 
-pub use staged::{StagedDir, catch_interrupts, clean_up_on_signals, free_bytes, interrupted};
+pub use staged::{StagedDir, clean_up_on_signals, free_bytes, yield_to_ending_signal};
 
 #[cfg(test)]
 mod tests {

@@ -1,5 +1,5 @@
 //! Directories written whole or not at all ([`StagedDir`]), the free space a writer checks first ([`free_bytes`]),
-//! and interruptions a long writer cleans up after ([`catch_interrupts`]).
+//! and the end of a run by SIGINT or SIGTERM ([`clean_up_on_signals`]).
 
 use super::{existing_ancestor, resolve};
 use anyhow::{Context, Result, bail};
@@ -146,35 +146,17 @@ pub fn free_bytes(path: &Path) -> std::io::Result<u64> {
     }
 }
 
-/// Set by SIGINT or SIGTERM once [`catch_interrupts`] has run.
-static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-#[cfg(unix)]
-extern "C" fn on_signal(_: libc::c_int) {
-    INTERRUPTED.store(true, std::sync::atomic::Ordering::SeqCst);
-}
-
-/// From now on, SIGINT (Ctrl-C) and SIGTERM only set a flag ([`interrupted`]): for a long writer that checks it
-/// between steps, cleans up and exits.
-pub fn catch_interrupts() {
-    #[cfg(unix)]
-    for signal in [libc::SIGINT, libc::SIGTERM] {
-        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
-        unsafe {
-            libc::signal(
-                signal,
-                on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t,
-            );
-        }
-    }
-}
-
 /// The write end of the pipe [`clean_up_on_signals`]' handler writes the signal's number to (-1: none yet).
 #[cfg(unix)]
 static SIGNAL_PIPE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
 
+/// Whether SIGINT or SIGTERM arrived under [`clean_up_on_signals`]: the run is ending with 128 + the signal,
+/// whatever the command's own outcome.
+static ENDING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 #[cfg(unix)]
 extern "C" fn on_ending_signal(signal: libc::c_int) {
+    ENDING.store(true, std::sync::atomic::Ordering::SeqCst);
     let fd = SIGNAL_PIPE.load(std::sync::atomic::Ordering::SeqCst);
     let byte = signal as u8;
     // SAFETY: write(2) on a pipe is async-signal-safe; the byte lives for the call.
@@ -186,8 +168,7 @@ extern "C" fn on_ending_signal(signal: libc::c_int) {
 /// From now on, SIGINT (Ctrl-C) and SIGTERM end the run cleanly: the handler only writes the signal's number to a
 /// pipe (async-signal-safe); a thread reading it removes every partial file and directory the run registered
 /// ([`reference::temps`]: dumps and reports being written, staged directories, IR cache entries being stored) and
-/// ends the process with 128 + the signal (130, 143), as the shell reports a process the signal killed. A command
-/// that cleans up between steps itself ([`catch_interrupts`]) replaces this handler with its own.
+/// ends the process with 128 + the signal (130, 143), as the shell reports a process the signal killed.
 pub fn clean_up_on_signals() {
     #[cfg(unix)]
     {
@@ -236,9 +217,18 @@ pub fn clean_up_on_signals() {
     }
 }
 
-/// Whether SIGINT or SIGTERM arrived since [`catch_interrupts`].
-pub fn interrupted() -> bool {
-    INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst)
+/// Called with the command's outcome in hand, before it is reported: when an ending signal arrived, the signal's
+/// thread is removing the partials and will end the process with 128 + the signal, so this waits for it. The
+/// command's own outcome (often an error caused by the removal itself: a partial directory gone under a writer) is
+/// never reported nor returned as the exit code in its place. Returns at once when no signal arrived, and after
+/// 30 s if the thread never ends the process.
+pub fn yield_to_ending_signal() {
+    let start = std::time::Instant::now();
+    while ENDING.load(std::sync::atomic::Ordering::SeqCst)
+        && start.elapsed() < std::time::Duration::from_secs(30)
+    {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
 }
 
 #[cfg(test)]

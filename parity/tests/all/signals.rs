@@ -17,9 +17,11 @@ fn entries(dir: &Path) -> Vec<String> {
 }
 
 #[test]
-fn a_signal_during_a_dump_or_an_export_leaves_nothing_behind() {
+fn a_signal_during_a_dump_an_export_or_a_synth_leaves_nothing_behind() {
     let tmp = tempfile::tempdir().unwrap();
-    // The tiny architecture with 160 layers: a dump and an export long enough (seconds) to be caught writing.
+    // The tiny architecture with 160 layers: a dump and an export long enough (seconds) to be caught writing. Each
+    // command is ended by SIGINT once and SIGTERM once; the exit code is the signal's even when the removal of the
+    // partial made the command itself fail (a writer finding its directory gone).
     let model = tmp.path().join("m");
     let o = common::qwen35(&[
         "synth",
@@ -35,7 +37,7 @@ fn a_signal_during_a_dump_or_an_export_leaves_nothing_behind() {
     for (n, (signal, code)) in [(libc::SIGINT, 130), (libc::SIGTERM, 143)]
         .into_iter()
         .cycle()
-        .take(4)
+        .take(6)
         .enumerate()
     {
         let dir = tmp.path().join(format!("out{n}"));
@@ -56,6 +58,13 @@ fn a_signal_during_a_dump_or_an_export_leaves_nothing_behind() {
             .map(|s| s.to_string())
             .chain([out.to_str().unwrap().to_string()])
             .collect()
+        } else if n >= 4 {
+            let out = dir.join("m");
+            ["synth", "--arch", "tiny", "--layers", "400", "--out"]
+                .iter()
+                .map(|s| s.to_string())
+                .chain([out.to_str().unwrap().to_string()])
+                .collect()
         } else {
             let out = dir.join("ir");
             ["export-ir", "--model", m, "--layers", "--out"]
