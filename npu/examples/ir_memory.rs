@@ -10,6 +10,7 @@
 //! Prints, after each phase, its wall time, the process's anonymous resident memory (`RssAnon`), its resident pages
 //! of mapped files (`RssFile`) and the peak resident set so far (`VmHWM`), plus the largest `RssAnon` sampled every
 //! 10 ms during the phase. Figures only: nothing here is a test.
+#![allow(clippy::disallowed_methods)] // an example reads its files with std::fs; inputs::open is the library's rule
 
 use candle_core::DType;
 use npu::devices::{CompileOptions, compile_ir};

@@ -4,6 +4,7 @@
 //! against the reference (the largest magnitude per tap, which tap first leaves fp16's range, the error).
 //!
 //! `cargo run --release -p npu --example vision_scale -- CHECKPOINT [--grid 32x32] [--device CPU] [--sim-grid 8x8]`
+#![allow(clippy::disallowed_methods)] // an example reads its files with std::fs; inputs::open is the library's rule
 
 use candle_core::{DType, Device, Tensor};
 use npu::devices::CompileOptions;

@@ -16,6 +16,7 @@ pub fn release(paths: &[&Path]) -> usize {
         .iter()
         .map(|p| p.canonicalize().unwrap_or_else(|_| p.to_path_buf()))
         .collect();
+    #[allow(clippy::disallowed_methods)] // the kernel's figures, not an input of the run
     let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
         return 0;
     };

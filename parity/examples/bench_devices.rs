@@ -3,6 +3,7 @@
 //! `cargo run --release -p parity --example bench_devices -- [hidden] [layers] [prompt] [decode] [block]`
 //! (defaults 1024 4 256 16 64; the layer pattern is L L L F repeated, heads scaled from Qwen3.5-9B's).
 //! Prints figures only: timings are benchmark results, never test assertions.
+#![allow(clippy::disallowed_methods)] // an example reads its files with std::fs; inputs::open is the library's rule
 
 use candle_core::DType;
 use npu::devices::CompileOptions;

@@ -211,8 +211,9 @@ fn check_image_memory(
 /// and the tower, an error naming the file and the key.
 fn read_pixel_values(path: &Path, vc: &VisionConfig) -> Result<Pixels> {
     let at = format!("--pixel-values {}", path.display());
-    reference::inputs::record(path);
-    let t = candle_core::safetensors::load(path, &Device::Cpu).with_context(|| at.clone())?;
+    let bytes = reference::inputs::read(path).with_context(|| at.clone())?;
+    let t =
+        candle_core::safetensors::load_buffer(&bytes, &Device::Cpu).with_context(|| at.clone())?;
     let images = read_pair(&t, &at, vc, ["pixel_values", "image_grid_thw"])?;
     let videos = read_pair(&t, &at, vc, ["pixel_values_videos", "video_grid_thw"])?;
     let (values, grids) = match (images, &videos) {

@@ -75,8 +75,7 @@ impl PromptSource {
                 ids: chat.encode(dir)?,
             }],
             PromptSource::File(path) => {
-                reference::inputs::record(path);
-                let text = std::fs::read_to_string(path)
+                let text = reference::inputs::read_to_string(path)
                     .with_context(|| format!("--prompts {}", path.display()))?;
                 read_prompt_set(&text, &path.display().to_string(), dir)?
             }

@@ -9,6 +9,7 @@
 //! forward substitution for prompts, the matrix form for decode steps).
 //!
 //! `cargo bench -p reference --bench blocks [-- FILTER]`.
+#![allow(clippy::disallowed_methods)] // tests read their fixtures with std::fs; inputs::open is the library's rule
 
 use candle_core::{DType, Device, Tensor};
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};

@@ -15,6 +15,7 @@
 //! per-token decays exp(g) in about [0.37, 1), beta in (0, 1); the state starts from N(0, 0.1²).
 //!
 //! `cargo bench -p reference --bench deltanet [-- FILTER]`.
+#![allow(clippy::disallowed_methods)] // tests read their fixtures with std::fs; inputs::open is the library's rule
 
 use candle_core::{D, DType, Device, Tensor};
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};

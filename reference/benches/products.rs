@@ -20,6 +20,7 @@
 //! f32 matrix.
 //!
 //! `cargo bench -p reference --bench products [-- FILTER]`.
+#![allow(clippy::disallowed_methods)] // tests read their fixtures with std::fs; inputs::open is the library's rule
 
 use candle_core::{Device, Tensor};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};

@@ -145,8 +145,7 @@ impl<'a> Fields<'a> {
 impl Config {
     /// Reads and validates `config.json`.
     pub fn from_file(path: &Path) -> Result<Self> {
-        crate::inputs::record(path);
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::inputs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         Self::from_json_str(&text, &path.display().to_string())
     }
 

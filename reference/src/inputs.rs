@@ -3,6 +3,11 @@
 //! loader itself ([`record`]), by its canonical path (symlinks, `.` and `..` resolved). Every output is checked
 //! against that set when it is created and again when it is put in place ([`refuse_output`]), so that no output
 //! ever overwrites a file the run read, whatever flag, manifest entry or environment variable led to it.
+//!
+//! Loaders open their files only through [`open`], [`read`] and [`read_to_string`] (clippy's `disallowed-methods`
+//! refuses `std::fs::read`, `read_to_string` and `File::open` elsewhere), which record the file and refuse what is
+//! not a regular file: a FIFO or a terminal would block the run forever, a directory or a device is never a
+//! config, a checkpoint or an image.
 
 use std::collections::BTreeMap;
 use std::path::{Component, Path, PathBuf};
@@ -23,7 +28,7 @@ pub fn watch() {
 }
 
 /// Records that the run reads `path` (a file or a directory); nothing unless the process [`watch`]es its inputs.
-pub fn record(path: &Path) {
+fn record(path: &Path) {
     if !WATCHING.load(Ordering::SeqCst) {
         return;
     }
@@ -31,6 +36,74 @@ pub fn record(path: &Path) {
     if let Ok(mut read) = READ.lock() {
         read.entry(canonical).or_insert_with(|| path.to_path_buf());
     }
+}
+
+/// An error unless `path` (followed through links) is a regular file.
+fn regular(path: &Path) -> std::io::Result<()> {
+    let kind = std::fs::metadata(path)?.file_type();
+    if kind.is_file() {
+        return Ok(());
+    }
+    let what = if kind.is_dir() {
+        "a directory"
+    } else {
+        kind_of_special(&kind)
+    };
+    Err(std::io::Error::new(
+        std::io::ErrorKind::InvalidInput,
+        format!("not a regular file but {what}: an input is read from a file"),
+    ))
+}
+
+/// Names a file type that is neither a regular file nor a directory.
+fn kind_of_special(kind: &std::fs::FileType) -> &'static str {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if kind.is_fifo() {
+            return "a FIFO (named pipe), which would block the run until something writes to it";
+        }
+        if kind.is_socket() {
+            return "a socket";
+        }
+        if kind.is_char_device() {
+            return "a character device";
+        }
+        if kind.is_block_device() {
+            return "a block device";
+        }
+    }
+    let _ = kind;
+    "a special file"
+}
+
+/// Records `path`, an input another library opens (a graph's `.xml` and `.bin` read by OpenVINO), refused unless
+/// a regular file.
+pub fn declare(path: &Path) -> std::io::Result<()> {
+    record(path);
+    regular(path)
+}
+
+/// Opens `path`, an input, for reading: recorded (see [`record`]) and refused unless a regular file.
+#[allow(clippy::disallowed_methods)] // the one place inputs are opened
+pub fn open(path: &Path) -> std::io::Result<std::fs::File> {
+    record(path);
+    regular(path)?;
+    std::fs::File::open(path)
+}
+
+/// The bytes of `path`, an input (see [`open`]).
+pub fn read(path: &Path) -> std::io::Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut open(path)?, &mut bytes)?;
+    Ok(bytes)
+}
+
+/// The text of `path`, an input (see [`open`]); an error when it is not UTF-8.
+pub fn read_to_string(path: &Path) -> std::io::Result<String> {
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut open(path)?, &mut text)?;
+    Ok(text)
 }
 
 /// Every file recorded so far, canonical.
@@ -111,5 +184,28 @@ mod tests {
             assert!(e.contains("in.png"), "{e}");
         }
         assert!(refuse_output(&d.join("new.png")).is_ok());
+    }
+
+    #[test]
+    fn only_a_regular_file_is_opened_as_an_input() {
+        let tmp = tempfile::tempdir().unwrap();
+        let f = tmp.path().join("f.json");
+        std::fs::write(&f, "{}").unwrap();
+        std::os::unix::fs::symlink(&f, tmp.path().join("link.json")).unwrap();
+        assert_eq!(read_to_string(&tmp.path().join("link.json")).unwrap(), "{}");
+        let fifo = tmp.path().join("fifo");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        assert!(made.unwrap().success());
+        std::os::unix::fs::symlink(&fifo, tmp.path().join("to-fifo")).unwrap();
+        for (path, says) in [
+            (fifo.clone(), "FIFO"),
+            (tmp.path().join("to-fifo"), "FIFO"),
+            (tmp.path().to_path_buf(), "directory"),
+            (std::path::PathBuf::from("/dev/null"), "character device"),
+        ] {
+            // Would block forever on the FIFO if it were opened.
+            let e = read(&path).unwrap_err().to_string();
+            assert!(e.contains(says), "{}: {e}", path.display());
+        }
     }
 }

@@ -131,6 +131,7 @@ impl InPlace {
 
 /// `MemAvailable` from `/proc/meminfo`, in bytes (`None` elsewhere than Linux or when it cannot be read).
 pub fn mem_available() -> Option<u64> {
+    #[allow(clippy::disallowed_methods)] // the kernel's figures, not an input of the run
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;

@@ -60,17 +60,17 @@ impl ChatTokenizer {
                 "missing: the checkpoint has no tokenizer",
             ));
         }
-        crate::inputs::record(&tokenizer_path);
-        let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path)
+        let bytes =
+            crate::inputs::read(&tokenizer_path).map_err(|e| Error::io(&tokenizer_path, e))?;
+        let tokenizer = tokenizers::Tokenizer::from_bytes(&bytes)
             .map_err(|e| tok_err(&tokenizer_path, e.to_string()))?;
         let config_path = dir.join("tokenizer_config.json");
         let mut template = None;
         let mut eos_token = None;
         let mut special_tokens = Vec::new();
         if config_path.exists() {
-            crate::inputs::record(&config_path);
-            let text =
-                std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
+            let text = crate::inputs::read_to_string(&config_path)
+                .map_err(|e| Error::io(&config_path, e))?;
             let json: serde_json::Value = serde_json::from_str(&text)
                 .map_err(|e| tok_err(&config_path, format!("not valid JSON: {e}")))?;
             match json.get("chat_template") {
@@ -107,8 +107,7 @@ impl ChatTokenizer {
         // As transformers: a chat_template.jinja file takes precedence over the config's chat_template.
         let jinja = dir.join("chat_template.jinja");
         if jinja.exists() {
-            crate::inputs::record(&jinja);
-            let text = std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?;
+            let text = crate::inputs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?;
             template = Some((text, jinja));
         }
         Ok(ChatTokenizer {

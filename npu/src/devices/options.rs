@@ -98,8 +98,7 @@ pub fn parse_device_config(json: &str, source: &str) -> Result<BTreeMap<String, 
 /// of a file holding one), else empty.
 pub fn device_config(file: Option<&Path>) -> Result<BTreeMap<String, String>> {
     if let Some(path) = file {
-        reference::inputs::record(path);
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = reference::inputs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         return parse_device_config(&text, &path.display().to_string());
     }
     match std::env::var(DEVICE_CONFIG_ENV) {
@@ -108,8 +107,7 @@ pub fn device_config(file: Option<&Path>) -> Result<BTreeMap<String, String>> {
         }
         Ok(path) => {
             let source = format!("{DEVICE_CONFIG_ENV}={path}");
-            reference::inputs::record(Path::new(&path));
-            let text = std::fs::read_to_string(&path).map_err(|e| {
+            let text = reference::inputs::read_to_string(Path::new(&path)).map_err(|e| {
                 Error::Config(format!(
                     "{source}: takes a JSON object of device properties or the path of a file holding one; \
                      reading it as a path failed: {e}"

@@ -129,10 +129,8 @@ fn dims<'a>(items: impl Iterator<Item = &'a str>) -> Vec<usize> {
 
 /// Reads every compressed weight of the IR `xml` (constants in `bin`).
 pub fn compressed_weights(xml: &Path, bin: &Path) -> Result<Vec<IrWeight>> {
-    reference::inputs::record(xml);
-    reference::inputs::record(bin);
-    let text = std::fs::read_to_string(xml).map_err(|e| Error::io(xml, e))?;
-    let data = std::fs::read(bin).map_err(|e| Error::io(bin, e))?;
+    let text = reference::inputs::read_to_string(xml).map_err(|e| Error::io(xml, e))?;
+    let data = reference::inputs::read(bin).map_err(|e| Error::io(bin, e))?;
     let at = xml.display().to_string();
     let bad = |m: String| Error::Config(format!("{at}: {m}"));
     let doc = roxmltree::Document::parse(&text).map_err(|e| bad(format!("not valid XML: {e}")))?;

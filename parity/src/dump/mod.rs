@@ -80,7 +80,6 @@ impl Dump {
 
     /// Reads a dump written by any backend.
     pub fn read(path: &Path) -> Result<Self> {
-        reference::inputs::record(path);
         // The file is read whole and its tensors copied out of it: twice its size, known before either.
         let size = std::fs::metadata(path)
             .with_context(|| format!("reading {}", path.display()))?
@@ -92,7 +91,8 @@ impl Dump {
             ),
             size.saturating_mul(2),
         )?;
-        let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+        let bytes =
+            reference::inputs::read(path).with_context(|| format!("reading {}", path.display()))?;
         let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)
             .map_err(|e| anyhow::anyhow!("{}: not a safetensors dump: {e}", path.display()))?;
         let metadata = meta

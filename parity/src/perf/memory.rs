@@ -20,7 +20,9 @@ pub struct Status {
 
 /// Reads `/proc/self/status`; `None` where it does not exist (not Linux) or lacks the fields.
 pub fn status() -> Option<Status> {
-    parse_status(&std::fs::read_to_string("/proc/self/status").ok()?)
+    #[allow(clippy::disallowed_methods)] // the kernel's figures, not an input of the run
+    let text = std::fs::read_to_string("/proc/self/status").ok()?;
+    parse_status(&text)
 }
 
 /// Parses the text of a `/proc/<pid>/status` file (sizes in kB).

@@ -35,32 +35,6 @@ const TIMEOUT: Duration = Duration::from_secs(15);
 /// the rest of the promise holds meanwhile. Each entry: the class (a prefix of the case's label) and why. Remove an
 /// entry when its mechanism lands.
 const PENDING: &[(&str, &str)] = &[
-    // Issue 32, "every size a flag or a file can set is checked": a size key of 10^18 is refused when the first
-    // tensor's shape disagrees, naming the tensor and "the config" but not the key.
-    (
-        "config.json hidden_size huge",
-        "issue 32 size checks: the key is not named",
-    ),
-    (
-        "config.json intermediate_size huge",
-        "issue 32 size checks: the key is not named",
-    ),
-    (
-        "config.json linear_conv_kernel_dim huge",
-        "issue 32 size checks: the key is not named",
-    ),
-    (
-        "config.json linear_value_head_dim huge",
-        "issue 32 size checks: the key is not named",
-    ),
-    (
-        "config.json linear_key_head_dim huge",
-        "issue 32 size checks: the key is not named",
-    ),
-    (
-        "config.json head_dim huge",
-        "issue 32 size checks: the key is not named",
-    ),
     // Issue 32, "a model and a set that do not belong together are refused": a static graph whose manifest entry
     // lost its `tokens` is taken for any token count, and fails in OpenVINO without naming the manifest or the key.
     (
@@ -368,6 +342,11 @@ enum Mutation {
     Image {
         how: usize,
     },
+    /// A file the run reads replaced by a FIFO or a folder.
+    Special {
+        what: usize,
+        fifo: bool,
+    },
 }
 
 fn mutation() -> impl Strategy<Value = Mutation> {
@@ -379,6 +358,7 @@ fn mutation() -> impl Strategy<Value = Mutation> {
         3 => (i(), i()).prop_map(|(tensor, how)| Mutation::Tensor { tensor, how }),
         1 => (i(), 0.0f64..1.0).prop_map(|(what, cut)| Mutation::Truncated { what, cut }),
         1 => i().prop_map(|how| Mutation::Image { how }),
+        1 => (i(), any::<bool>()).prop_map(|(what, fifo)| Mutation::Special { what, fifo }),
     ]
 }
 
@@ -397,6 +377,12 @@ struct Case {
     inputs: PathBuf,
     /// Where the case's standard output and error go.
     logs: PathBuf,
+}
+
+/// Makes a FIFO (named pipe) at `path`.
+fn mkfifo(path: &Path) {
+    let made = Command::new("mkfifo").arg(path).status().unwrap();
+    assert!(made.success(), "mkfifo {}", path.display());
 }
 
 /// The bad values of a flag of `kind`, some only for cheap commands.
@@ -418,12 +404,13 @@ fn bad_values(kind: Kind, costly: bool, dir: &Path, f: &Fixtures) -> Vec<(String
             std::fs::create_dir_all(&dir_in).unwrap();
             let empty = dir.join("empty.safetensors");
             std::fs::write(&empty, b"").unwrap();
-            // Not a fifo, though it is bad input: issue 32, a fifo given as an input (`--prompts`, `--image`,
-            // `--device-config`, a dump of `diff`) is opened and read, so the run waits for a writer forever. Add
-            // it here (mkfifo) once inputs that are not regular files are refused.
+            // A FIFO would block a run that opened it until something wrote to it: refused unread.
+            let fifo = dir.join("a-fifo");
+            mkfifo(&fifo);
             vec![
                 (p(&dir.join("missing")), false),
                 (p(&dir_in), false),
+                (p(&fifo), false),
                 (p(&empty), false),
                 (p(&f.clean), false),
             ]
@@ -737,6 +724,42 @@ fn make(n: usize, m: &Mutation, f: &Fixtures, bases: &[Base]) -> Case {
             case.culprits = vec![file];
             case.args = args;
         }
+        Mutation::Special { what, fifo } => {
+            let files = ["config.json", "tokenizer.json", "model.safetensors"];
+            let file = files[what % (files.len() + 1)..].first().copied();
+            let (x, args) = match file {
+                Some(file) => {
+                    let model = inputs.join("model");
+                    link_dir(&f.model, &model, file);
+                    let run = s(&[
+                        "run",
+                        "--model",
+                        &p(&model),
+                        "--prompt",
+                        "hi",
+                        "--max-tokens",
+                        "1",
+                    ]);
+                    (model.join(file), run)
+                }
+                None => {
+                    let x = inputs.join("d.safetensors");
+                    (x.clone(), s(&["diff", &p(&x), &p(&f.clean)]))
+                }
+            };
+            // The copy `link_dir` made of the file is replaced.
+            let _ = std::fs::remove_file(&x);
+            if fifo {
+                mkfifo(&x);
+            } else {
+                std::fs::create_dir(&x).unwrap();
+            }
+            let name = x.file_name().unwrap().to_str().unwrap().to_string();
+            let kind = if fifo { "a FIFO" } else { "a folder" };
+            case.label = format!("special {name} is {kind}");
+            case.culprits = vec![name];
+            case.args = args;
+        }
         Mutation::Image { how } => {
             let png = std::fs::read(&f.image).unwrap();
             let (bytes, what) = match how % 4 {
@@ -792,7 +815,11 @@ const OPTIONAL_MANIFEST_KEYS: &[&str] = &[
 ];
 
 /// Changes that leave a valid input: a rope base of 10^18 is a number the model can use.
-const HARMLESS: &[&str] = &["config.json rope_parameters.rope_theta huge"];
+const HARMLESS: &[&str] = &[
+    "config.json rope_parameters.rope_theta huge",
+    // transformers interleaves Qwen3.5's MRoPE sections whether or not the key says so.
+    "config.json rope_parameters.mrope_interleaved removed",
+];
 
 /// A hash of every file under `dir` (by relative path; fifos and folders by name only).
 fn hash_tree(dir: &Path) -> BTreeMap<PathBuf, u64> {

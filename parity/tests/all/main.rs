@@ -1,5 +1,6 @@
 //! The `qwen35` tool's integration tests: one binary (one link, and tests of different topics run side by side), a
 //! module per topic. Most run the built binary as a user would.
+#![allow(clippy::disallowed_methods)] // tests read their fixtures with std::fs; inputs::open is the library's rule
 
 mod bad_input;
 mod bad_input_props;

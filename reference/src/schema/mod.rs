@@ -296,6 +296,65 @@ impl Param {
     }
 }
 
+impl Param {
+    /// Where each dimension of [`Param::shape`] comes from, in the config's own keys: what a shape that disagrees
+    /// with the checkpoint's names, so the key at fault is the one an error points to.
+    pub fn shape_keys(self) -> Vec<&'static str> {
+        const H: &str = "hidden_size";
+        const CONV: &str = "2·linear_num_key_heads·linear_key_head_dim + linear_num_value_heads·linear_value_head_dim";
+        const V: &str = "linear_num_value_heads·linear_value_head_dim";
+        match self {
+            Param::EmbedTokens | Param::LmHead => vec!["vocab_size", H],
+            Param::InputLayernorm | Param::PostAttentionLayernorm | Param::Norm => vec![H],
+            Param::InProjQkv => vec![CONV, H],
+            Param::InProjZ => vec![V, H],
+            Param::InProjB | Param::InProjA => vec!["linear_num_value_heads", H],
+            Param::Conv1d => vec![CONV, "1", "linear_conv_kernel_dim"],
+            Param::ALog | Param::DtBias => vec!["linear_num_value_heads"],
+            Param::LinearNorm => vec!["linear_value_head_dim"],
+            Param::OutProj => vec![H, V],
+            Param::QProj => vec!["2·num_attention_heads·head_dim", H],
+            Param::KProj | Param::VProj => vec!["num_key_value_heads·head_dim", H],
+            Param::OProj => vec![H, "num_attention_heads·head_dim"],
+            Param::QNorm | Param::KNorm => vec!["head_dim"],
+            Param::GateProj | Param::UpProj => vec!["intermediate_size", H],
+            Param::DownProj => vec![H, "intermediate_size"],
+            Param::RouterGate => vec!["num_experts", H],
+            Param::ExpertGateProj(_) | Param::ExpertUpProj(_) => vec!["moe_intermediate_size", H],
+            Param::ExpertDownProj(_) => vec![H, "moe_intermediate_size"],
+            Param::SharedGateProj | Param::SharedUpProj => {
+                vec!["shared_expert_intermediate_size", H]
+            }
+            Param::SharedDownProj => vec![H, "shared_expert_intermediate_size"],
+            Param::SharedExpertGate => vec!["1", H],
+        }
+    }
+}
+
+/// Says which dimensions of `found` disagree with `expected`, the shape the config implies, and the config keys
+/// each comes from (`keys`, one per dimension, e.g. [`Param::shape_keys`]): `dimension 0 is 160 in the file,
+/// 4000000000000064 by the config's 2·linear_num_key_heads·linear_key_head_dim + …`.
+pub fn shape_disagreement(keys: &[&str], found: &[usize], expected: &[usize]) -> String {
+    if found.len() != expected.len() {
+        return format!(
+            "a tensor of rank {} where the config implies rank {}",
+            found.len(),
+            expected.len()
+        );
+    }
+    found
+        .iter()
+        .zip(expected)
+        .enumerate()
+        .filter(|(_, (f, e))| f != e)
+        .map(|(i, (f, e))| {
+            let from = keys.get(i).copied().unwrap_or("?");
+            format!("dimension {i} is {f} in the file, {e} by the config's {from}")
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 /// One tensor of the decoder: which parameter of which layer, its name and its shape.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct TensorSpec {
@@ -507,3 +566,115 @@ impl FusedExpert {
 }
 
 pub mod vision;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::vision::config::VisionConfig;
+
+    /// Each integer key of `json` (at `path`, `None`: the top level) doubled, one at a time: the key, the edited JSON.
+    fn doubled(json: &serde_json::Value, path: Option<&str>) -> Vec<(String, String)> {
+        let object = path.map_or(json, |p| &json[p]);
+        let mut out = Vec::new();
+        for (key, value) in object.as_object().unwrap() {
+            let Some(n) = value.as_u64().filter(|&n| n > 0) else {
+                continue;
+            };
+            let mut edited = json.clone();
+            let target = match path {
+                Some(p) => &mut edited[p][key],
+                None => &mut edited[key],
+            };
+            *target = serde_json::json!(n * 2);
+            out.push((key.clone(), edited.to_string()));
+        }
+        out
+    }
+
+    /// Every dimension a config key changes names that key among the keys it comes from, for every integer key of
+    /// the dense, the MoE and the vision configs (so an error over a disagreeing shape points to the right key).
+    #[test]
+    fn every_dimension_a_config_key_moves_names_that_key() {
+        let mut checked = 0;
+        for model in ["tiny", "tiny-moe"] {
+            let text = std::fs::read_to_string(format!(
+                "{}/../testdata/models/{model}/config.json",
+                env!("CARGO_MANIFEST_DIR")
+            ))
+            .unwrap();
+            let base = Config::from_json_str(&text, model).unwrap();
+            let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+            let before = Schema::new(&base).tensors();
+            for spec in &before {
+                assert_eq!(
+                    spec.param.shape_keys().len(),
+                    spec.shape.len(),
+                    "{}",
+                    spec.name
+                );
+            }
+            for (key, edited) in doubled(&json, None) {
+                let Ok(config) = Config::from_json_str(&edited, model) else {
+                    continue;
+                };
+                let after = Schema::new(&config).tensors();
+                let after: std::collections::HashMap<&str, &TensorSpec> =
+                    after.iter().map(|t| (t.name.as_str(), t)).collect();
+                for (a, b) in before
+                    .iter()
+                    .filter_map(|a| Some((a, *after.get(a.name.as_str())?)))
+                {
+                    for (i, (x, y)) in a.shape.iter().zip(&b.shape).enumerate() {
+                        if x != y {
+                            let from = a.param.shape_keys()[i];
+                            assert!(
+                                from.contains(key.as_str()),
+                                "{model}: {key} moves dimension {i} of {}, said to come from {from}",
+                                a.name
+                            );
+                            checked += 1;
+                        }
+                    }
+                }
+            }
+        }
+        let text = std::fs::read_to_string(format!(
+            "{}/../testdata/models/tiny-vl/config.json",
+            env!("CARGO_MANIFEST_DIR")
+        ))
+        .unwrap();
+        let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let base = VisionConfig::from_json_str(&text, "tiny-vl")
+            .unwrap()
+            .unwrap();
+        let before = crate::schema::vision::VisionSchema::new(&base).tensors();
+        for t in &before {
+            assert_eq!(t.keys().len(), t.shape.len(), "{}", t.name);
+        }
+        for (key, edited) in doubled(&json, Some("vision_config")) {
+            let Ok(Some(config)) = VisionConfig::from_json_str(&edited, "tiny-vl") else {
+                continue;
+            };
+            let after = crate::schema::vision::VisionSchema::new(&config).tensors();
+            let after: std::collections::HashMap<&str, _> =
+                after.iter().map(|t| (t.name.as_str(), t)).collect();
+            for (a, b) in before
+                .iter()
+                .filter_map(|a| Some((a, *after.get(a.name.as_str())?)))
+            {
+                for (i, (x, y)) in a.shape.iter().zip(&b.shape).enumerate() {
+                    if x != y {
+                        let from = a.keys()[i];
+                        assert!(
+                            from.contains(key.as_str()),
+                            "vision: {key} moves dimension {i} of {}, said to come from {from}",
+                            a.name
+                        );
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        assert!(checked > 100, "only {checked} dimensions moved");
+    }
+}

@@ -53,6 +53,50 @@ impl VisionTensor {
         }
     }
 
+    /// Where each dimension of the shape comes from, in the keys of `vision_config`: what an error names when the
+    /// checkpoint disagrees.
+    pub fn keys(&self) -> Vec<&'static str> {
+        const H: &str = "vision_config.hidden_size";
+        const M: &str = "vision_config.hidden_size·spatial_merge_size²";
+        let n = self.name.as_str();
+        let (weight, of) = match n.rsplit_once('.') {
+            Some((of, "weight")) => (true, of),
+            Some((of, _)) => (false, of),
+            None => (false, n),
+        };
+        let (out, inp): (&'static str, &'static str) = if of == "patch_embed.proj" {
+            if weight {
+                return vec![
+                    H,
+                    "vision_config.in_channels",
+                    "vision_config.temporal_patch_size",
+                    "vision_config.patch_size",
+                    "vision_config.patch_size",
+                ];
+            }
+            (H, "")
+        } else if of == "pos_embed" {
+            ("vision_config.num_position_embeddings", H)
+        } else if of.ends_with("attn.qkv") {
+            ("3·vision_config.hidden_size", H)
+        } else if of.ends_with("mlp.linear_fc1") {
+            ("vision_config.intermediate_size", H)
+        } else if of.ends_with("mlp.linear_fc2") {
+            (H, "vision_config.intermediate_size")
+        } else if of == "merger.linear_fc1" {
+            (M, M)
+        } else if of == "merger.linear_fc2" {
+            ("vision_config.out_hidden_size", M)
+        } else {
+            (H, H)
+        };
+        if weight && self.shape.len() == 2 {
+            vec![out, inp]
+        } else {
+            vec![out]
+        }
+    }
+
     /// The full checkpoint name.
     pub fn full_name(&self) -> String {
         format!("{VISION_PREFIX}{}", self.name)

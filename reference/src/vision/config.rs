@@ -57,8 +57,7 @@ impl VisionConfig {
     /// The vision tower of the checkpoint whose `config.json` is `path`; `None` for a text-only config
     /// (`model_type: qwen3_5_text`, or no `vision_config`).
     pub fn from_file(path: &Path) -> Result<Option<Self>> {
-        crate::inputs::record(path);
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::inputs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         Self::from_json_str(&text, &path.display().to_string())
     }
 

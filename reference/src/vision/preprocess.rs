@@ -32,9 +32,8 @@ impl RgbImage {
     /// Decodes a PNG or JPEG file (any colour type, converted to RGB as PIL's `convert("RGB")` does for opaque
     /// images).
     pub fn open(path: &Path) -> Result<Self> {
-        crate::inputs::record(path);
-        let img = image::ImageReader::open(path)
-            .map_err(|e| Error::io(path, e))?
+        let file = crate::inputs::open(path).map_err(|e| Error::io(path, e))?;
+        let img = image::ImageReader::new(std::io::BufReader::new(file))
             .with_guessed_format()
             .map_err(|e| Error::io(path, e))?
             .decode()
@@ -53,8 +52,8 @@ impl RgbImage {
     /// A PNG or JPEG file's `(width, height)`, read from its header without decoding it: what decoding it would
     /// allocate is known before it is.
     pub fn dimensions(path: &Path) -> Result<(usize, usize)> {
-        let (w, h) = image::ImageReader::open(path)
-            .map_err(|e| Error::io(path, e))?
+        let file = crate::inputs::open(path).map_err(|e| Error::io(path, e))?;
+        let (w, h) = image::ImageReader::new(std::io::BufReader::new(file))
             .with_guessed_format()
             .map_err(|e| Error::io(path, e))?
             .into_dimensions()
@@ -125,8 +124,7 @@ impl Preprocessor {
     /// Reads the checkpoint directory's `preprocessor_config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("preprocessor_config.json");
-        crate::inputs::record(&path);
-        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let text = crate::inputs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
         Self::from_json_str(&text, &path.display().to_string())
     }
 

@@ -34,7 +34,7 @@ impl WeightStore {
             _ => return Ok(None),
         };
         let full_name = self.full_name(spec);
-        let raw = self.raw(&full_name, &spec.shape)?;
+        let raw = self.raw(&full_name, &spec.shape, &spec.param.shape_keys())?;
         let elem = match raw.dtype {
             StDtype::BF16 => Elem::Bf16,
             StDtype::F16 => Elem::F16,
@@ -66,7 +66,7 @@ impl WeightStore {
         cols: usize,
     ) -> Result<PackedMatrix> {
         let full_name = self.full_name(spec);
-        let raw = self.raw(&full_name, &spec.shape)?;
+        let raw = self.raw(&full_name, &spec.shape, &spec.param.shape_keys())?;
         let kind = match self.storage(spec) {
             Storage::Int4Sym { group } => QuantKind::Int4Sym { group },
             Storage::Int8Sym => QuantKind::Int8Sym,
@@ -100,7 +100,7 @@ impl WeightStore {
         cols: usize,
     ) -> Result<MappedMatrix> {
         let full_name = self.full_name(spec);
-        let raw = self.raw(&full_name, &spec.shape)?;
+        let raw = self.raw(&full_name, &spec.shape, &spec.param.shape_keys())?;
         let block = Self::block_rows(cols);
         let mut bytes = vec![0u8; rows * cols * 2];
         bytes
@@ -138,7 +138,7 @@ impl WeightStore {
     /// constants an OpenVINO graph stores so that `f32(code) · f32(scale)` equals what [`WeightStore::load`] returns.
     pub fn quantized(&self, spec: &TensorSpec) -> Result<Option<QuantizedMatrix>> {
         let full_name = self.full_name(spec);
-        let raw = self.raw(&full_name, &spec.shape)?;
+        let raw = self.raw(&full_name, &spec.shape, &spec.param.shape_keys())?;
         if self.storage(spec).is_quantized() {
             self.quantize(&raw, spec).map(Some)
         } else {
@@ -155,7 +155,7 @@ impl WeightStore {
         rows: std::ops::Range<usize>,
     ) -> Result<Option<QuantizedMatrix>> {
         let full_name = self.full_name(spec);
-        let raw = self.raw(&full_name, &spec.shape)?;
+        let raw = self.raw(&full_name, &spec.shape, &spec.param.shape_keys())?;
         if !self.storage(spec).is_quantized() {
             return Ok(None);
         }

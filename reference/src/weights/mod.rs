@@ -35,8 +35,7 @@ struct ShardFile {
 
 impl ShardFile {
     fn open(path: &Path) -> Result<Self> {
-        crate::inputs::record(path);
-        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        let file = crate::inputs::open(path).map_err(|e| Error::io(path, e))?;
         // SAFETY: the file is opened read-only and the map is only read; a checkpoint is not expected to change
         // while a run holds it.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
@@ -115,9 +114,8 @@ impl WeightStore {
         let mut files = Vec::new();
         let mut index = HashMap::new();
         if index_path.exists() {
-            crate::inputs::record(&index_path);
-            let text =
-                std::fs::read_to_string(&index_path).map_err(|e| Error::io(&index_path, e))?;
+            let text = crate::inputs::read_to_string(&index_path)
+                .map_err(|e| Error::io(&index_path, e))?;
             let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::File {
                 file: index_path.display().to_string(),
                 message: format!("not valid JSON: {e}"),
@@ -263,7 +261,7 @@ impl WeightStore {
     /// then dequantised, or rounded to f16, when the store's format selects it.
     pub fn load(&self, spec: &TensorSpec) -> Result<Tensor> {
         let full_name = self.full_name(spec);
-        let raw = self.raw(&full_name, &spec.shape)?;
+        let raw = self.raw(&full_name, &spec.shape, &spec.param.shape_keys())?;
         match self.storage(spec) {
             Storage::Float => self.exact(&raw, &spec.shape),
             Storage::F16 => {
@@ -304,7 +302,7 @@ impl WeightStore {
     /// The matrix as stored, when [`WeightStore::linear`] reads it in place.
     fn mapped(&self, spec: &TensorSpec) -> Result<Option<MappedMatrix>> {
         let full_name = self.full_name(spec);
-        let raw = self.raw(&full_name, &spec.shape)?;
+        let raw = self.raw(&full_name, &spec.shape, &spec.param.shape_keys())?;
         let elem = match raw.dtype {
             StDtype::BF16 => Some(Elem::Bf16),
             StDtype::F16 => Some(Elem::F16),
@@ -399,7 +397,14 @@ impl WeightStore {
             let h = if on_read {
                 Held {
                     owned: 0,
-                    mapped: self.raw(&self.full_name(&spec), &spec.shape)?.bytes.len() as u64,
+                    mapped: self
+                        .raw(
+                            &self.full_name(&spec),
+                            &spec.shape,
+                            &spec.param.shape_keys(),
+                        )?
+                        .bytes
+                        .len() as u64,
                 }
             } else {
                 self.held(&spec)?
@@ -421,7 +426,8 @@ impl WeightStore {
     }
 
     /// Looks a tensor up (an MoE expert's also in its layer's fused tensor) and checks its shape and byte count.
-    fn raw<'a>(&'a self, full_name: &'a str, shape: &[usize]) -> Result<Raw<'a>> {
+    /// `keys` names the config keys each dimension of `shape` comes from, for the error when the file disagrees.
+    fn raw<'a>(&'a self, full_name: &'a str, shape: &[usize], keys: &[&str]) -> Result<Raw<'a>> {
         let Some(&file_idx) = self.index.get(full_name) else {
             return experts::fused_raw(self, full_name, shape);
         };
@@ -439,8 +445,10 @@ impl WeightStore {
         };
         if info.shape != shape {
             return Err(raw.err(format!(
-                "shape {:?} does not match the config, which implies {:?}",
-                info.shape, shape
+                "shape {:?} does not match the config, which implies {:?}: {}",
+                info.shape,
+                shape,
+                crate::schema::shape_disagreement(keys, &info.shape, shape)
             )));
         }
         let n: usize = shape.iter().product();

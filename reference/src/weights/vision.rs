@@ -12,7 +12,7 @@ impl WeightStore {
     /// A vision tensor, checked against the shape its spec gives and converted exactly to the store's dtype.
     pub fn vision_tensor(&self, spec: &VisionTensor) -> Result<Tensor> {
         let name = spec.full_name();
-        let raw = self.raw(&name, &spec.shape)?;
+        let raw = self.raw(&name, &spec.shape, &spec.keys())?;
         self.exact(&raw, &spec.shape)
     }
 
@@ -21,7 +21,7 @@ impl WeightStore {
     /// converted exactly otherwise.
     pub fn vision_matrix(&self, spec: &VisionTensor, rows: usize, cols: usize) -> Result<Linear> {
         let name = spec.full_name();
-        let raw = self.raw(&name, &spec.shape)?;
+        let raw = self.raw(&name, &spec.shape, &spec.keys())?;
         if rows * cols != spec.shape.iter().product::<usize>() {
             return Err(raw.err(format!(
                 "{:?} cannot be viewed as a [{rows}, {cols}] matrix",

@@ -234,8 +234,7 @@ pub fn open(dir: &Path) -> Result<GraphSet> {
     }
     let path = dir.join(MANIFEST);
     let set = if path.exists() {
-        reference::inputs::record(&path);
-        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let text = reference::inputs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
         parse(&text, dir, &path.display().to_string())?
     } else {
         super::convention::detect(dir)?
@@ -249,14 +248,20 @@ pub fn open(dir: &Path) -> Result<GraphSet> {
         .chain(set.vision.iter().map(|g| (&g.xml, &g.bin)));
     for (xml, bin) in files {
         for (key, file) in [("xml", xml), ("bin", bin)] {
-            reference::inputs::record(file);
-            if !file.is_file() {
+            if !file.exists() {
                 return Err(Error::Config(format!(
                     "{}: the {key} file {} does not exist",
                     set.source,
                     file.display()
                 )));
             }
+            reference::inputs::declare(file).map_err(|e| {
+                Error::Config(format!(
+                    "{}: the {key} file {}: {e}",
+                    set.source,
+                    file.display()
+                ))
+            })?;
         }
     }
     Ok(set)

@@ -134,8 +134,8 @@ fn same_model(a: &Path, b: &Path) -> bool {
         return true;
     }
     match (
-        std::fs::read(a.join("config.json")),
-        std::fs::read(b.join("config.json")),
+        reference::inputs::read(&a.join("config.json")),
+        reference::inputs::read(&b.join("config.json")),
     ) {
         (Ok(x), Ok(y)) => x == y,
         _ => false,
