@@ -164,6 +164,18 @@ fn check_port(
         ));
     }
     for (i, (d, a)) in dims.iter().zip(shape).enumerate() {
+        // A graph whose token axis is static takes that many tokens a call, whatever its entry says: an entry that
+        // gives no `tokens` (any count) would be fed other counts and fail inside the runtime.
+        if let (Some(d), Axis::Tokens | Axis::ContextTokens, None) = (d, a, s.tokens) {
+            return Err(s.err(
+                key,
+                format!(
+                    "`{name}` dim {i} (`{}`) is static in the graph ({d}), but its entry gives no `tokens` (any \
+                     count): give the graph's tokens per call as the entry's `tokens`",
+                    a.name()
+                ),
+            ));
+        }
         let expected = match a {
             Axis::Tokens => s.tokens,
             Axis::ContextTokens => s.tokens.zip(s.context).map(|(t, c)| t + c),

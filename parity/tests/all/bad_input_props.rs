@@ -34,18 +34,7 @@ const TIMEOUT: Duration = Duration::from_secs(15);
 /// Mutation classes whose promise is not kept yet (issue 32): a failure in one of these is printed, not counted, so
 /// the rest of the promise holds meanwhile. Each entry: the class (a prefix of the case's label) and why. Remove an
 /// entry when its mechanism lands.
-const PENDING: &[(&str, &str)] = &[
-    // Issue 32, "a model and a set that do not belong together are refused": a static graph whose manifest entry
-    // lost its `tokens` is taken for any token count, and fails in OpenVINO without naming the manifest or the key.
-    (
-        "manifest.json decoder.graphs.0.tokens removed",
-        "issue 32 set belonging: the graph's shape is not checked against its manifest entry",
-    ),
-    (
-        "manifest.json decoder.graphs.1.tokens removed",
-        "issue 32 set belonging: the graph's shape is not checked against its manifest entry",
-    ),
-];
+const PENDING: &[(&str, &str)] = &[];
 
 /// The shared valid inputs every case starts from (copies: a bug that writes to an input cannot touch testdata/).
 struct Fixtures {
