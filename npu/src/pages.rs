@@ -39,7 +39,8 @@ pub fn release(paths: &[&Path]) -> usize {
 /// then): for a phase that reads a mapped file through once, e.g. OpenVINO compiling a graph whose weights the device
 /// copies into its own layout, so that the file's pages never pile up in the resident set.
 pub struct Releaser {
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Dropped to stop the thread: it wakes at once (a sleeping thread made every compile wait up to `interval`).
+    stop: Option<std::sync::mpsc::Sender<()>>,
     handle: Option<std::thread::JoinHandle<()>>,
     paths: Vec<std::path::PathBuf>,
 }
@@ -47,18 +48,17 @@ pub struct Releaser {
 impl Releaser {
     /// Starts releasing the pages of `paths` every `interval`.
     pub fn start(paths: Vec<std::path::PathBuf>, interval: std::time::Duration) -> Releaser {
-        use std::sync::atomic::{AtomicBool, Ordering};
-        let stop = std::sync::Arc::new(AtomicBool::new(false));
-        let (flag, files) = (stop.clone(), paths.clone());
+        use std::sync::mpsc::RecvTimeoutError;
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        let files = paths.clone();
         let handle = std::thread::spawn(move || {
-            while !flag.load(Ordering::Relaxed) {
-                std::thread::sleep(interval);
+            while let Err(RecvTimeoutError::Timeout) = stopped.recv_timeout(interval) {
                 let refs: Vec<&Path> = files.iter().map(|p| p.as_path()).collect();
                 release(&refs);
             }
         });
         Releaser {
-            stop,
+            stop: Some(stop),
             handle: Some(handle),
             paths,
         }
@@ -67,7 +67,8 @@ impl Releaser {
 
 impl Drop for Releaser {
     fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        // Disconnects the channel: the thread's wait ends now, not at the end of its interval.
+        drop(self.stop.take());
         if let Some(h) = self.handle.take() {
             let _ = h.join();
         }

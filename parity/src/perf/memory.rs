@@ -3,7 +3,7 @@
 //! memory-mapped files), whose peak the kernel does not keep, so [`Sampler`] samples it.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -47,7 +47,8 @@ pub fn parse_status(text: &str) -> Option<Status> {
 /// A background thread that reads `RssAnon` every `interval` and keeps the largest value seen (and the largest
 /// `VmRSS`). A peak shorter than the interval can be missed; [`Sampler::stop`] takes one last reading.
 pub struct Sampler {
-    stop: Arc<AtomicBool>,
+    /// Dropped to stop the thread, which wakes at once (not at the end of its interval).
+    stop: Option<std::sync::mpsc::Sender<()>>,
     peak_anon: Arc<AtomicU64>,
     peak_rss: Arc<AtomicU64>,
     handle: Option<JoinHandle<()>>,
@@ -56,21 +57,20 @@ pub struct Sampler {
 impl Sampler {
     /// Starts sampling.
     pub fn start(interval: Duration) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
         let peak_anon = Arc::new(AtomicU64::new(0));
         let peak_rss = Arc::new(AtomicU64::new(0));
-        let (s, a, r) = (stop.clone(), peak_anon.clone(), peak_rss.clone());
+        let (a, r) = (peak_anon.clone(), peak_rss.clone());
         let handle = std::thread::spawn(move || {
-            loop {
+            record(&a, &r);
+            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                stopped.recv_timeout(interval)
+            {
                 record(&a, &r);
-                if s.load(Ordering::Relaxed) {
-                    break;
-                }
-                std::thread::sleep(interval);
             }
         });
         Sampler {
-            stop,
+            stop: Some(stop),
             peak_anon,
             peak_rss,
             handle: Some(handle),
@@ -85,7 +85,7 @@ impl Sampler {
     /// Stops the thread; returns the peak `RssAnon` and the peak sampled `VmRSS`, in bytes (0 where
     /// `/proc/self/status` cannot be read).
     pub fn stop(mut self) -> (u64, u64) {
-        self.stop.store(true, Ordering::Relaxed);
+        drop(self.stop.take());
         if let Some(h) = self.handle.take() {
             let _ = h.join();
         }
