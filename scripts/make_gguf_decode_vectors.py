@@ -22,7 +22,8 @@ F32 is ggml's own layout (ggml copies it; `decoder: copy`). Q8_1 has no decoder 
 `d * q` by the block's layout (`decoder: layout`), as the inverse of ggml's `quantize_row_q8_1_ref`. F64 and the
 integer types are not weights' types and get no vectors.
 
-Q2_0 (id 42) is newer than `gguf` 0.19.0, which does not name it: its id and sizes are written here.
+Q2_0 (id 42) is newer than `gguf` 0.19.0, which does not name it: its id is written here. The block sizes are
+ggml's own (its type traits); the `gguf` package's table is checked against them and any difference printed.
 
 Usage (a built llama.cpp, see scripts/make_gguf_fixtures.sh; `pip install gguf==0.19.0 numpy safetensors`):
 
@@ -82,16 +83,19 @@ def random_f16(rng: np.random.Generator, n: int) -> np.ndarray:
     return sign | exp | man
 
 
-# Types newer than the `gguf` package: (id, block_elems, block_bytes) from ggml-common.h.
-NEWER = {"Q2_0": (42, 64, 18)}
+# Types newer than the `gguf` package: their ids (the sizes come from ggml, below).
+NEWER = {"Q2_0": 42}
+
+# The block sizes ggml's own type traits give (`blck_size`, `type_size`), filled in by main() from the library; the
+# `gguf` package's GGML_QUANT_SIZES is checked against them (0.19.0 has Q8_1 as 40 bytes, ggml's block_q8_1 is 36).
+GGML_SIZES: dict[int, tuple[int, int]] = {}
+SIZE_FINDINGS: list[str] = []
 
 
 def type_info(name: str) -> tuple[int, int, int]:
-    if name in NEWER:
-        return NEWER[name]
-    qtype = T[name]
-    block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
-    return int(qtype), block_elems, block_bytes
+    type_id = NEWER[name] if name in NEWER else int(T[name])
+    block_elems, block_bytes = GGML_SIZES[type_id]
+    return type_id, block_elems, block_bytes
 
 
 def make_blocks(name: str, rng: np.random.Generator) -> np.ndarray:
@@ -162,6 +166,10 @@ class Ggml:
         self.lib.ggml_get_type_traits.restype = ctypes.POINTER(Ggml.Traits)
         self.lib.ggml_get_type_traits.argtypes = [ctypes.c_int]
 
+    def sizes(self, type_id: int) -> tuple[int, int]:
+        traits = self.lib.ggml_get_type_traits(type_id).contents
+        return int(traits.blck_size), int(traits.type_size)
+
     def decode(self, type_id: int, blocks: np.ndarray, n: int) -> np.ndarray | None:
         traits = self.lib.ggml_get_type_traits(type_id).contents
         src = np.ascontiguousarray(blocks)
@@ -207,13 +215,20 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(SEED)
     names = ["F32", "F16", "BF16"] + [n for n in F16_FIELDS]
+    for name in names:
+        type_id = NEWER[name] if name in NEWER else int(T[name])
+        GGML_SIZES[type_id] = ggml.sizes(type_id)
+        if name not in NEWER and tuple(GGML_QUANT_SIZES[T[name]]) != GGML_SIZES[type_id]:
+            SIZE_FINDINGS.append(f"{name}: gguf's GGML_QUANT_SIZES {tuple(GGML_QUANT_SIZES[T[name]])} but ggml's "
+                                 f"(blck_size, type_size) {GGML_SIZES[type_id]}")
     report = []
     for name in names:
         type_id, block_elems, block_bytes = type_info(name)
         blocks = make_elements(name, rng) if name in ELEMENT_SPECIALS else make_blocks(name, rng)
         n = blocks.shape[0] * block_elems
         ref = ggml.decode(type_id, blocks, n)
-        py = None if name in NEWER else gguf_py_decode(T[name], blocks, n)
+        py = None if name in NEWER or any(f.startswith(name + ":") for f in SIZE_FINDINGS) else \
+            gguf_py_decode(T[name], blocks, n)
         if ref is not None:
             decoder = "ggml"
             values = ref
@@ -242,7 +257,7 @@ def main() -> int:
         save_file({"blocks": np.ascontiguousarray(blocks), "values": values}, str(out / f"{name}.safetensors"),
                   metadata=meta)
         report.append(f"{name:8} {blocks.shape[0]:4} blocks {n:6} values  decoder {decoder:6}  gguf-py {gguf_py}")
-    print("\n".join(report))
+    print("\n".join(report + SIZE_FINDINGS))
     return 0
 
 

@@ -1,0 +1,73 @@
+//! The decoders of every ggml tensor type against ggml's own: `testdata/gguf/decode/<type>.safetensors` holds random
+//! valid blocks and the values ggml's C decoders give them (scripts/make_gguf_decode_vectors.py, which also checks
+//! the `gguf` Python package's decoders against them). Every value must have the same f32 bits.
+
+use reference::gguf::decode::dequantize;
+use reference::gguf::types::{ALL, GgmlType};
+use safetensors::SafeTensors;
+
+use crate::common::testdata;
+
+/// The types with vectors: every type but the integer ones and F64 (not weights' types).
+fn decodable() -> impl Iterator<Item = GgmlType> {
+    ALL.into_iter().filter(|ty| {
+        !matches!(
+            ty,
+            GgmlType::I8 | GgmlType::I16 | GgmlType::I32 | GgmlType::I64 | GgmlType::F64
+        )
+    })
+}
+
+#[test]
+fn every_type_decodes_as_ggml_does_bit_for_bit() {
+    let mut checked = Vec::new();
+    for ty in decodable() {
+        let name = vector_name(ty);
+        let path = testdata()
+            .join("gguf/decode")
+            .join(format!("{name}.safetensors"));
+        let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let (_, meta) = SafeTensors::read_metadata(&bytes).unwrap();
+        let meta = meta.metadata().clone().unwrap();
+        assert_eq!(meta["type_id"], ty.id().to_string(), "{name}");
+        let file = SafeTensors::deserialize(&bytes).unwrap();
+        let blocks = file.tensor("blocks").unwrap();
+        assert_eq!(blocks.shape()[1], ty.block_bytes(), "{name}");
+        let expected: Vec<f32> = file
+            .tensor("values")
+            .unwrap()
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        assert_eq!(
+            expected.len(),
+            blocks.shape()[0] * ty.block_elems(),
+            "{name}"
+        );
+        let mut got = vec![f32::NAN; expected.len()];
+        dequantize(ty, blocks.data(), &mut got).unwrap();
+        if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != expected[i].to_bits()) {
+            panic!(
+                "{name} (decoder {}): value {i} (block {}) is {:e} ({:#010x}), ggml's is {:e} ({:#010x})",
+                meta["decoder"],
+                i / ty.block_elems(),
+                got[i],
+                got[i].to_bits(),
+                expected[i],
+                expected[i].to_bits()
+            );
+        }
+        checked.push(name);
+    }
+    // Every vector file is checked: none left behind by a type this test does not know.
+    let files = std::fs::read_dir(testdata().join("gguf/decode"))
+        .unwrap()
+        .count();
+    assert_eq!(files, checked.len(), "{checked:?}");
+}
+
+/// The file name of a type's vectors: ggml's name as the `gguf` package spells it (`Q4_K`, `IQ2_XXS`, `BF16`).
+fn vector_name(ty: GgmlType) -> String {
+    ty.name().to_uppercase()
+}
