@@ -71,3 +71,44 @@ fn every_type_decodes_as_ggml_does_bit_for_bit() {
 fn vector_name(ty: GgmlType) -> String {
     ty.name().to_uppercase()
 }
+
+/// Decode speed per type, one thread, rows of 4096 values decoded one at a time (as a store of packed weights
+/// would): `cargo test --release -p reference --test all gguf_decode_speed -- --ignored --nocapture`.
+#[test]
+#[ignore = "a measurement, not a check"]
+fn gguf_decode_speed() {
+    const ROW: usize = 4096;
+    const ROWS: usize = 2048;
+    for ty in decodable() {
+        let row_bytes = ROW / ty.block_elems() * ty.block_bytes();
+        // Blocks repeated from the vectors (valid, finite scales).
+        let path = testdata()
+            .join("gguf/decode")
+            .join(format!("{}.safetensors", vector_name(ty)));
+        let bytes = std::fs::read(&path).unwrap();
+        let file = SafeTensors::deserialize(&bytes).unwrap();
+        let blocks = file.tensor("blocks").unwrap().data().to_vec();
+        let packed: Vec<u8> = blocks
+            .iter()
+            .copied()
+            .cycle()
+            .take(row_bytes * ROWS)
+            .collect();
+        let mut row = vec![0f32; ROW];
+        let mut sink = 0f32;
+        let start = std::time::Instant::now();
+        for r in 0..ROWS {
+            dequantize(ty, &packed[r * row_bytes..][..row_bytes], &mut row).unwrap();
+            sink += row[r % ROW];
+        }
+        let secs = start.elapsed().as_secs_f64();
+        println!(
+            "{:8} {:7.1} Mvalues/s  {:7.1} MB/s packed in  {:7.1} MB/s f32 out{}",
+            vector_name(ty),
+            (ROW * ROWS) as f64 / secs / 1e6,
+            (row_bytes * ROWS) as f64 / secs / 1e6,
+            (4 * ROW * ROWS) as f64 / secs / 1e6,
+            if sink.is_nan() { " " } else { "" }
+        );
+    }
+}
