@@ -41,7 +41,8 @@ import pathlib
 import sys
 
 import numpy as np
-from safetensors.numpy import save_file
+
+from gguf_fixture_io import save_sorted
 
 import gguf
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
@@ -254,7 +255,7 @@ def main() -> int:
             "llama_cpp_commit": args.llama_commit, "gguf_py_version": gguf_version(),
             "numpy_version": np.__version__,
         }
-        save_file({"blocks": np.ascontiguousarray(blocks), "values": values}, str(out / f"{name}.safetensors"),
+        save_sorted({"blocks": np.ascontiguousarray(blocks), "values": values}, str(out / f"{name}.safetensors"),
                   metadata=meta)
         report.append(f"{name:8} {blocks.shape[0]:4} blocks {n:6} values  decoder {decoder:6}  gguf-py {gguf_py}")
     print("\n".join(report + SIZE_FINDINGS))

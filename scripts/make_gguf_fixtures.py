@@ -18,10 +18,11 @@ Outputs, in `testdata/gguf/llamacpp/` (`--out`):
 - `<model>.f32.gguf` and `<model>.<type>.gguf`: the converter's and the quantizer's files, unchanged;
 - `<model>.<type>.dump.safetensors`: f32 tensors under llama.cpp's own names (`l_out-3`, `attn_norm-0`, ...; a name
   that occurs again in the graph gets `#1`, `#2`, ... in graph order), each with llama.cpp's shape reversed to
-  row-major (`ne[0]` last); `logits` [T, V] for every position. The f32 file's dump and the Q4_K_M file's dump hold
-  every tensor of the graph; the other types' dumps hold the layer outputs (`l_out-*`), the embeddings
-  (`model.input_embed`), the final norm (`result_norm`) and the logits only, to keep the fixtures small. Metadata:
-  the llama.cpp commit, the model, the type, the token ids, which tensors;
+  row-major (`ne[0]` last); `logits` [T, V] for every position. The f32 file's dump and the Q4_K_M file's dump of
+  the small models hold every named tensor of the graph (not the caches' views, `cache_*`, nor unnamed nodes,
+  `node_*`); the others hold the per-layer outputs (`l_out-*`, `attn_output-*`, `linear_attn_out-*`, `ffn_out-*`),
+  the embeddings (`model.input_embed`), the final norm (`result_norm`) and the logits, to keep the fixtures small
+  (see TYPES_FOR, F32_GGUF_KEPT). Metadata: the llama.cpp commit, the model, the type, the token ids, which tensors;
 - `fixtures.json`: the llama.cpp commit, the tools' versions, the token ids, each file's size, sha256 and (for the
   GGUFs) the count of tensors of each ggml type, and every model llama.cpp refused with its message.
 
@@ -59,12 +60,20 @@ import sys
 from collections import Counter
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
+
+from gguf_fixture_io import save_sorted
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODELS = ["tiny", "tiny-moe", "tiny-tied", "tiny-h128"]
 TYPES = ["q8_0", "q4_0", "q4_k_m", "q6_k", "iq4_nl"]
+# Kept small (a few MB in all): tiny-h128 (head dim 128, 2.6 times tiny-tied's bytes) gets four types and no
+# committed f32 GGUF (1.7 MB; this script remakes it); every graph tensor is kept for the f32 and Q4_K_M runs of the
+# smaller models only.
+TYPES_FOR = {"tiny-h128": ["q8_0", "q4_k_m", "q6_k", "iq4_nl"]}
+F32_GGUF_KEPT = {"tiny", "tiny-moe", "tiny-tied"}
 FULL_DUMPS = {"f32", "q4_k_m"}
+FULL_DUMP_MODELS = {"tiny", "tiny-moe", "tiny-tied"}
 N_TOKENS = 8
 QWEN35_REGEX = (
     "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}| ?[^\\s\\p{L}\\p{M}\\p{N}]+[\\r\\n]*"
@@ -83,7 +92,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    print("+", " ".join(map(str, cmd)), flush=True)
+    shown = ["<converter wrapper>" if "\n" in str(c) else str(c) for c in cmd]
+    print("+", " ".join(shown), flush=True)
     return subprocess.run(cmd, text=True, capture_output=True, **kw)
 
 
@@ -142,13 +152,22 @@ def read_dump(path: pathlib.Path) -> list[tuple[int, str, int, tuple[int, ...], 
         n = int(np.prod(ne))
         data = np.frombuffer(b, dtype="<f4", count=n, offset=i).copy()
         i += 4 * n
+        if n == 0:  # an empty view (a cache slice no token fills): nothing was computed
+            continue
         shape = tuple(reversed(ne[:max(nd, 1)]))
         out.append((kind, name, ty, shape, data.reshape(shape)))
     return out
 
 
 def keep_subset(name: str) -> bool:
-    return name.startswith("l_out-") or name in ("model.input_embed", "result_norm")
+    """The per-layer outputs: each layer's output, its mixer's and its MLP's, the embeddings, the final norm."""
+    layer = ("l_out-", "attn_output-", "linear_attn_out-", "ffn_out-", "ffn_moe_out-")
+    return name.startswith(layer) or name in ("model.input_embed", "result_norm")
+
+
+def keep_full(name: str) -> bool:
+    """Every named tensor of the graph but the caches' views and copies (`cache_*`) and unnamed nodes (`node_*`)."""
+    return not name.startswith(("cache_", "node_"))
 
 
 def gguf_types(path: pathlib.Path) -> dict[str, int]:
@@ -214,7 +233,7 @@ def main() -> int:
             continue
         entry = {"token_ids": tokens, "files": {}}
         files = {"f32": f32}
-        for ty in TYPES:
+        for ty in TYPES_FOR.get(model, TYPES):
             q = args.work / f"{model}.{ty}.gguf"
             done = run([str(quantize), str(f32), str(q), ty.upper()])
             if done.returncode != 0:
@@ -222,11 +241,15 @@ def main() -> int:
                 continue
             files[ty] = q
         for ty, gguf_path in files.items():
-            dst = out / f"{model}.{ty}.gguf"
-            shutil.copyfile(gguf_path, dst)
+            full = ty in FULL_DUMPS and model in FULL_DUMP_MODELS
+            kept = ty != "f32" or model in F32_GGUF_KEPT
+            dst = out / f"{model}.{ty}.gguf" if kept else gguf_path
+            if kept:
+                shutil.copyfile(gguf_path, dst)
             raw = args.work / f"{model}.{ty}.bin"
             ran = run([str(dump_exe), str(gguf_path), str(raw), *map(str, tokens)])
-            info = {"gguf": {"bytes": dst.stat().st_size, "sha256": sha256(dst), "tensor_types": gguf_types(dst)}}
+            info = {"gguf": {"bytes": dst.stat().st_size, "sha256": sha256(dst), "tensor_types": gguf_types(dst),
+                             "committed": kept}}
             if ran.returncode != 0:
                 info["dump_failed"] = {"exit": ran.returncode, "stderr": ran.stderr[-800:]}
                 entry["files"][ty] = info
@@ -236,17 +259,19 @@ def main() -> int:
                 if kind == 1:
                     tensors["logits"] = data
                     continue
-                if ty not in FULL_DUMPS and not keep_subset(name):
+                if not (keep_full(name) if full else keep_subset(name)):
                     continue
                 key = name if seen[name] == 0 else f"{name}#{seen[name]}"
                 seen[name] += 1
                 tensors[key] = data
             dump = out / f"{model}.{ty}.dump.safetensors"
-            save_file(tensors, str(dump), metadata={
+            save_sorted(tensors, str(dump), metadata={
                 "llama_cpp_commit": args.llama_commit, "model": model, "type": ty,
-                "token_ids": json.dumps(tokens), "tensors": "all" if ty in FULL_DUMPS else "layer outputs",
+                "token_ids": json.dumps(tokens), "tensors": "all named" if full else "layer outputs",
             })
-            info["dump"] = {"bytes": dump.stat().st_size, "sha256": sha256(dump), "tensors": len(tensors)}
+            dump.chmod(0o644)
+            info["dump"] = {"bytes": dump.stat().st_size, "sha256": sha256(dump), "tensors": len(tensors),
+                            "all_named": full}
             entry["files"][ty] = info
         record["models"][model] = entry
     (out / "fixtures.json").write_text(json.dumps(record, indent=2) + "\n")
