@@ -2,6 +2,7 @@
 //! container reader, the decoders of each type (`decode`), and the mapping of a GGUF's metadata, tensors and
 //! vocabulary onto the reference's config, checkpoint names and tokenizer join this module as they land.
 
+pub mod file;
 pub mod types;
 
 pub use types::GgmlType;
