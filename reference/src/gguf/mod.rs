@@ -3,6 +3,7 @@
 //! vocabulary onto the reference's config, checkpoint names and tokenizer join this module as they land.
 
 pub mod decode;
+pub mod file;
 pub mod types;
 
 pub use types::GgmlType;
