@@ -112,3 +112,62 @@ fn gguf_decode_speed() {
         );
     }
 }
+
+/// The decoders on files llama.cpp's quantizer wrote, against what llama.cpp's CPU back end computed from them: the
+/// model's first op looks up the prompt's rows of `token_embd.weight` (`ggml_get_rows`, which decodes each row with
+/// ggml's `to_float`), and `testdata/gguf/llamacpp/<model>.<type>.dump.safetensors` holds the result
+/// (`model.input_embed`, [T, hidden]). Decoding the same rows of the committed GGUF must give the same bits.
+#[test]
+fn the_embedding_rows_llama_cpp_looked_up_decode_to_the_same_bits() {
+    use reference::gguf::file::GgufFile;
+    let dir = testdata().join("gguf/llamacpp");
+    let mut checked = Vec::new();
+    let mut entries: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "gguf"))
+        .collect();
+    entries.sort();
+    for path in entries {
+        let gguf = GgufFile::open(&path).unwrap();
+        let embd = gguf.tensor("token_embd.weight").expect("token_embd.weight");
+        let dump_path = path.with_extension("dump.safetensors");
+        let dump_bytes = std::fs::read(&dump_path).unwrap();
+        let dump = SafeTensors::deserialize(&dump_bytes).unwrap();
+        let (_, meta) = SafeTensors::read_metadata(&dump_bytes).unwrap();
+        let tokens: Vec<usize> =
+            serde_json::from_str(&meta.metadata().as_ref().unwrap()["token_ids"]).unwrap();
+        let looked_up = dump.tensor("model.input_embed").unwrap();
+        let hidden = embd.dims[0] as usize;
+        assert_eq!(
+            looked_up.shape(),
+            [tokens.len(), hidden],
+            "{}",
+            path.display()
+        );
+        let row_bytes = embd.ty.row_bytes(hidden as u64).unwrap() as usize;
+        let all = gguf.bytes(embd);
+        let mut row = vec![0f32; hidden];
+        for (t, &token) in tokens.iter().enumerate() {
+            dequantize(embd.ty, &all[token * row_bytes..][..row_bytes], &mut row).unwrap();
+            let theirs = &looked_up.data()[4 * hidden * t..4 * hidden * (t + 1)];
+            for (i, (ours, b)) in row.iter().zip(theirs.chunks_exact(4)).enumerate() {
+                let theirs = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                assert_eq!(
+                    ours.to_bits(),
+                    theirs.to_bits(),
+                    "{} ({}): token {token} value {i}: ours {ours:e}, llama.cpp's {theirs:e}",
+                    path.display(),
+                    embd.ty
+                );
+            }
+        }
+        checked.push(embd.ty);
+    }
+    // The committed files' embeddings are of these types (Q4_0, Q4_K_M and Q6_K fall back to Q5_0 or Q8_0 on rows
+    // of 64 elements; tiny-tied's IQ4_NL file keeps its tied embedding in Q8_0).
+    checked.sort();
+    checked.dedup();
+    use GgmlType::*;
+    assert_eq!(checked, [F32, Q5_0, Q8_0, IQ4_NL]);
+}
