@@ -30,7 +30,7 @@ use candle_core::quantized::k_quants::{self, GgmlType as CandleBlock};
 /// 31-33, 36-38) are not [`GgmlType`]s at all: [`GgmlType::from_id`] refuses them.
 pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
     let (block_elems, block_bytes) = (ty.block_elems(), ty.block_bytes());
-    if bytes.len() % block_bytes != 0 {
+    if !bytes.len().is_multiple_of(block_bytes) {
         return Err(Error::Input(format!(
             "{ty}: {} bytes are not a whole number of {block_bytes}-byte blocks",
             bytes.len()
