@@ -48,7 +48,16 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
     use GgmlType::*;
     match ty {
         F32 => each_element(bytes, out, |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        F16 => each_element(bytes, out, |b| f16_bits(u16::from_le_bytes([b[0], b[1]]))),
+        F16 => {
+            // half's slice conversion uses the CPU's F16C instructions where it has them (as ggml does): NaNs come
+            // out quiet either way.
+            use half::slice::HalfFloatSliceExt;
+            let halves: Vec<half::f16> = bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])))
+                .collect();
+            halves.convert_to_f32_slice(out);
+        }
         BF16 => each_element(bytes, out, |b| {
             f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16)
         }),
