@@ -19,6 +19,7 @@ pub mod compare;
 pub mod config;
 pub mod deltanet;
 pub mod error;
+pub mod gguf;
 pub mod inputs;
 pub mod io;
 pub mod linear;
