@@ -156,8 +156,7 @@ pub struct GgufFile {
 impl GgufFile {
     /// Maps and parses `path`, recording it as an input of the run.
     pub fn open(path: &Path) -> Result<Self> {
-        crate::inputs::record(path);
-        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        let file = crate::inputs::open(path).map_err(|e| Error::io(path, e))?;
         // SAFETY: the file is opened read-only and the map is only read; a checkpoint is not expected to change
         // while a run holds it.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
@@ -323,7 +322,7 @@ fn min_size(ty: u32) -> Option<usize> {
     Some(match ty {
         0 | 1 | 7 => 1,
         2 | 3 => 2,
-        4 | 5 | 6 => 4,
+        4..=6 => 4,
         8 => 8,
         9 => 12,
         10..=12 => 8,
