@@ -5,6 +5,7 @@ mod conventions;
 mod deltanet;
 mod deltanet_kernel;
 mod fp16_output;
+mod gguf;
 mod goldens;
 mod long_prompt;
 mod manifest;
