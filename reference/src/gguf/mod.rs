@@ -1,6 +1,8 @@
-//! GGUF checkpoints, as llama.cpp writes them: [`types`] names every ggml tensor type with its block size. The
-//! container reader, the decoders of each type (`decode`), and the mapping of a GGUF's metadata, tensors and
-//! vocabulary onto the reference's config, checkpoint names and tokenizer join this module as they land.
+//! GGUF checkpoints, as llama.cpp writes them: [`types`] names every ggml tensor type with its block size; [`file`]
+//! reads the container; [`model`] maps a Qwen3.5 GGUF's metadata and tensors onto the reference's config and the
+//! checkpoint's tensor names and layouts; [`tokenizer`] builds the tokenizer its vocabulary and merges describe.
+//! [`find`] says whether a `--model` path is a GGUF, [`model_config`] and [`checkpoint_image`] are what the config
+//! reader and the weight store open in its place, so every command taking `--model` runs a GGUF.
 
 pub mod file;
 pub mod types;
@@ -8,6 +10,7 @@ pub mod types;
 pub use types::GgmlType;
 
 pub mod model;
+pub mod tokenizer;
 
 use crate::config::Config;
 use crate::error::{Error, Result};

@@ -410,7 +410,7 @@ fn target(name: &str, layers: usize) -> std::result::Result<Target, String> {
         "output_norm.weight" => return global("model.norm.weight", Layout::PlusOne),
         _ => {}
     }
-    let unknown = || format!("not a tensor of a Qwen3.5 decoder this reader knows");
+    let unknown = || "not a tensor of a Qwen3.5 decoder this reader knows".to_string();
     let rest = name.strip_prefix("blk.").ok_or_else(unknown)?;
     let (layer, key) = rest.split_once('.').ok_or_else(unknown)?;
     let layer: usize = layer.parse().map_err(|_| unknown())?;
