@@ -815,6 +815,114 @@ mod tests {
         );
     }
 
+    /// A value's GGUF type id and bytes.
+    fn encode(v: &Value) -> (u32, Vec<u8>) {
+        match v {
+            Value::U8(x) => (0, vec![*x]),
+            Value::I8(x) => (1, x.to_le_bytes().to_vec()),
+            Value::U16(x) => (2, x.to_le_bytes().to_vec()),
+            Value::I16(x) => (3, x.to_le_bytes().to_vec()),
+            Value::U32(x) => (4, x.to_le_bytes().to_vec()),
+            Value::I32(x) => (5, x.to_le_bytes().to_vec()),
+            Value::F32(x) => (6, x.to_le_bytes().to_vec()),
+            Value::Bool(x) => (7, vec![u8::from(*x)]),
+            Value::String(s) => (8, crate::gguf::file::tests::string_value(s)),
+            Value::Array(items) => {
+                let item = items.first().map_or(4, |i| encode(i).0);
+                let mut out = item.to_le_bytes().to_vec();
+                out.extend_from_slice(&(items.len() as u64).to_le_bytes());
+                for i in items {
+                    out.extend(encode(i).1);
+                }
+                (9, out)
+            }
+            Value::U64(x) => (10, x.to_le_bytes().to_vec()),
+            Value::I64(x) => (11, x.to_le_bytes().to_vec()),
+            Value::F64(x) => (12, x.to_le_bytes().to_vec()),
+        }
+    }
+
+    /// The tiny models' GGUF rewritten without the metadata key `drop`, opened from a temporary file.
+    fn without(name: &str, drop: &str) -> (tempfile::TempDir, GgufFile) {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join(format!("../testdata/gguf/models/{name}-f32.gguf"));
+        let file = GgufFile::open(&path).unwrap();
+        let meta: Vec<(&str, u32, Vec<u8>)> = file
+            .metadata
+            .iter()
+            .filter(|(k, _)| k != drop)
+            .map(|(k, v)| {
+                let (ty, bytes) = encode(v);
+                (k.as_str(), ty, bytes)
+            })
+            .collect();
+        let tensors: Vec<(&str, Vec<u64>, GgmlType, Vec<u8>)> = file
+            .tensors
+            .iter()
+            .map(|t| {
+                (
+                    t.name.as_str(),
+                    t.dims.clone(),
+                    t.ty,
+                    file.bytes(t).to_vec(),
+                )
+            })
+            .collect();
+        let bytes = crate::gguf::file::tests::write(&meta, &tensors, file.alignment);
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("m.gguf");
+        std::fs::write(&out, bytes).unwrap();
+        let reopened = GgufFile::open(&out).unwrap();
+        (dir, reopened)
+    }
+
+    #[test]
+    fn every_key_the_math_reads_is_required_and_named_when_missing() {
+        for (name, arch) in [("tiny", "qwen35"), ("tiny-moe", "qwen35moe")] {
+            let (_dir, whole) = without(name, "");
+            config(&whole).unwrap();
+            let mut required = vec!["general.architecture".to_string()];
+            for suffix in [
+                "block_count",
+                "embedding_length",
+                "attention.head_count",
+                "attention.head_count_kv",
+                "attention.key_length",
+                "attention.value_length",
+                "ssm.time_step_rank",
+                "ssm.inner_size",
+                "ssm.group_count",
+                "ssm.state_size",
+                "ssm.conv_kernel",
+                "attention.layer_norm_rms_epsilon",
+                "context_length",
+                "rope.dimension_count",
+                "rope.freq_base",
+            ] {
+                required.push(format!("{arch}.{suffix}"));
+            }
+            let own: &[&str] = if arch == "qwen35moe" {
+                &[
+                    "expert_count",
+                    "expert_used_count",
+                    "expert_feed_forward_length",
+                    "expert_shared_feed_forward_length",
+                ]
+            } else {
+                &["feed_forward_length"]
+            };
+            required.extend(own.iter().map(|s| format!("{arch}.{s}")));
+            for key in &required {
+                let (_dir, file) = without(name, key);
+                let e = config(&file).unwrap_err().to_string();
+                assert!(e.contains(key.as_str()), "{name} without {key}: {e}");
+            }
+            // The layer kinds: the recurrent layers' list, else the interval; neither is an error naming both.
+            let (_dir, file) = without(name, &format!("{arch}.attention.recurrent_layers"));
+            assert_eq!(config(&file).unwrap(), config(&whole).unwrap());
+        }
+    }
+
     proptest! {
         /// `1 + w` rounded to f32 and then `- 1` gives back a `w'` whose `1 + w'` is the GGUF's value exactly: the
         /// reference's norm scale is llama.cpp's, bit for bit.
