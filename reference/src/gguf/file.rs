@@ -323,7 +323,7 @@ fn min_size(ty: u32) -> Option<usize> {
     Some(match ty {
         0 | 1 | 7 => 1,
         2 | 3 => 2,
-        4 | 5 | 6 => 4,
+        4..=6 => 4,
         8 => 8,
         9 => 12,
         10..=12 => 8,
@@ -391,7 +391,7 @@ pub(crate) fn parse(bytes: &[u8]) -> std::result::Result<Header, String> {
             return Err(format!("tensor `{name}` appears twice"));
         }
         let len = byte_len(ty, &dims).map_err(|e| format!("tensor `{name}` {dims:?}: {e}"))?;
-        if offset % alignment != 0 {
+        if !offset.is_multiple_of(alignment) {
             return Err(format!(
                 "tensor `{name}`'s offset {offset} is not a multiple of the alignment {alignment}"
             ));

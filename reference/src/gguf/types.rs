@@ -329,7 +329,7 @@ impl GgmlType {
     /// The bytes of a row of `elems` elements, or why it has none: `elems` must be a whole number of blocks.
     pub fn row_bytes(self, elems: u64) -> Result<u64, String> {
         let block = self.block_elems() as u64;
-        if elems % block != 0 {
+        if !elems.is_multiple_of(block) {
             return Err(format!(
                 "a row of {elems} elements is not a whole number of {} blocks of {block}",
                 self.name()
