@@ -26,7 +26,8 @@ pub fn is_llamacpp(tensors: &BTreeMap<String, Tensor>) -> bool {
     tensors.keys().any(|k| {
         k == "model.input_embed"
             || k == "result_norm"
-            || k.strip_prefix("l_out-").is_some_and(|i| i.parse::<u64>().is_ok())
+            || k.strip_prefix("l_out-")
+                .is_some_and(|i| i.parse::<u64>().is_ok())
     })
 }
 
@@ -54,7 +55,9 @@ pub fn convert(
         .keys()
         .find(|k| k.as_str() == "embeddings" || k.starts_with("layers.") || k == &"final_norm")
     {
-        bail!("{at}: holds both llama.cpp's names and this project's (`{k}`): which is which is ambiguous");
+        bail!(
+            "{at}: holds both llama.cpp's names and this project's (`{k}`): which is which is ambiguous"
+        );
     }
     let mut out = BTreeMap::new();
     let mut unmapped = 0usize;
