@@ -110,3 +110,88 @@ pub fn convert(
     metadata.insert("llama_cpp_unmapped".into(), unmapped.to_string());
     Ok((out, metadata))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+    use proptest::prelude::*;
+
+    fn t(rows: usize, cols: usize) -> Tensor {
+        Tensor::zeros((rows, cols), candle_core::DType::F32, &Device::Cpu).unwrap()
+    }
+
+    proptest! {
+        /// Any number of layers and tokens: every `l_out-{i}` becomes `layers.{i}.output`, the rest as the map says,
+        /// nothing else kept, and the ids come from the metadata.
+        #[test]
+        fn names_map(layers in 1usize..40, tokens in 1usize..6, extra in 0usize..5) {
+            let mut m = BTreeMap::new();
+            m.insert("model.input_embed".to_string(), t(tokens, 4));
+            m.insert("result_norm".to_string(), t(tokens, 4));
+            m.insert("result_output".to_string(), t(tokens, 7));
+            for i in 0..layers {
+                m.insert(format!("l_out-{i}"), t(tokens, 4));
+            }
+            for i in 0..extra {
+                m.insert(format!("attn_norm-{i}"), t(tokens, 4));
+            }
+            prop_assert!(is_llamacpp(&m));
+            let ids: Vec<String> = (0..tokens).map(|i| i.to_string()).collect();
+            let meta = BTreeMap::from([("token_ids".to_string(), format!("[{}]", ids.join(", ")))]);
+            let (out, meta) = convert(Path::new("x"), m, meta).unwrap();
+            prop_assert_eq!(out.len(), layers + 4);
+            for i in 0..layers {
+                let name = format!("layers.{i}.output");
+                prop_assert!(out.contains_key(&name), "{}", name);
+            }
+            for n in ["embeddings", "final_norm", "logits", "token_ids"] {
+                prop_assert!(out.contains_key(n), "{}", n);
+            }
+            prop_assert_eq!(out["token_ids"].dims(), &[tokens]);
+            prop_assert_eq!(meta["llama_cpp_unmapped"].clone(), extra.to_string());
+        }
+
+        /// A mapped tensor of another token count than the rest, or than the ids, is refused naming the file.
+        #[test]
+        fn token_counts_agree(tokens in 1usize..6, other in 1usize..6) {
+            prop_assume!(tokens != other);
+            let m = BTreeMap::from([
+                ("l_out-0".to_string(), t(tokens, 4)),
+                ("l_out-1".to_string(), t(other, 4)),
+            ]);
+            let e = convert(Path::new("l.safetensors"), m, BTreeMap::new()).unwrap_err().to_string();
+            prop_assert!(e.contains("l.safetensors") && e.contains("token count"), "{}", e);
+            let m = BTreeMap::from([("l_out-0".to_string(), t(tokens, 4))]);
+            let ids: Vec<String> = (0..other).map(|i| i.to_string()).collect();
+            let meta = BTreeMap::from([("token_ids".to_string(), format!("[{}]", ids.join(",")))]);
+            let e = convert(Path::new("l.safetensors"), m, meta).unwrap_err().to_string();
+            prop_assert!(e.contains("l.safetensors") && e.contains("token_ids"), "{}", e);
+        }
+    }
+
+    #[test]
+    fn mixed_names_and_bad_ids_refused() {
+        let m = BTreeMap::from([
+            ("l_out-0".to_string(), t(2, 4)),
+            ("layers.0.output".to_string(), t(2, 4)),
+        ]);
+        let e = convert(Path::new("m.st"), m, BTreeMap::new())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("m.st") && e.contains("layers.0.output"), "{e}");
+        let m = BTreeMap::from([("l_out-0".to_string(), t(2, 4))]);
+        let meta = BTreeMap::from([("token_ids".to_string(), "[1, x]".to_string())]);
+        let e = format!("{:#}", convert(Path::new("m.st"), m, meta).unwrap_err());
+        assert!(e.contains("m.st") && e.contains("`x`"), "{e}");
+        let m = BTreeMap::from([("l_out-0".to_string(), t(2, 4).reshape((2, 2, 2)).unwrap())]);
+        let e = convert(Path::new("m.st"), m, BTreeMap::new())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("l_out-0") && e.contains("[T, width]"), "{e}");
+        assert!(!is_llamacpp(&BTreeMap::from([(
+            "layers.0.output".to_string(),
+            t(2, 4)
+        )])));
+    }
+}
