@@ -199,9 +199,10 @@ pub struct Model {
 }
 
 impl Model {
-    /// Loads `config.json` and the safetensors weights of a checkpoint directory, converting them to `dtype`.
+    /// Loads `config.json` and the safetensors weights of a checkpoint directory (or a GGUF file, or a directory
+    /// holding one: see [`crate::gguf`]), converting them to `dtype`.
     pub fn load(dir: &Path, dtype: DType) -> Result<Self> {
-        let config = Config::from_file(&dir.join("config.json"))?;
+        let config = crate::gguf::model_config(dir)?;
         let weights = WeightStore::open(dir, dtype)?;
         Self::from_weights(config, &weights)
     }

@@ -51,9 +51,19 @@ fn token_text(v: &serde_json::Value) -> Option<String> {
 
 impl ChatTokenizer {
     /// Loads `tokenizer.json`, and the chat template from `chat_template.jinja` or else `tokenizer_config.json`'s
-    /// `chat_template` (the file wins, as in transformers), from a checkpoint directory.
+    /// `chat_template` (the file wins, as in transformers), from a checkpoint directory. A GGUF model (a `.gguf` file,
+    /// or a directory holding one: [`crate::gguf::find`]) with no `tokenizer.json` beside it gives the tokenizer and
+    /// chat template its file carries ([`crate::gguf::tokenizer`]).
     pub fn load(dir: &Path) -> Result<Self> {
+        let gguf = crate::gguf::find(dir)?;
+        let dir = match &gguf {
+            Some(file) if dir.is_file() => file.parent().unwrap_or(Path::new("")).to_path_buf(),
+            _ => dir.to_path_buf(),
+        };
         let tokenizer_path = dir.join("tokenizer.json");
+        if let Some(file) = gguf.filter(|_| !tokenizer_path.exists()) {
+            return Self::from_gguf(&file);
+        }
         if !tokenizer_path.exists() {
             return Err(tok_err(
                 &tokenizer_path,
@@ -116,6 +126,23 @@ impl ChatTokenizer {
             template,
             eos_token,
             special_tokens,
+        })
+    }
+
+    /// The tokenizer and chat template a GGUF file carries.
+    fn from_gguf(path: &Path) -> Result<Self> {
+        let file = crate::gguf::file::GgufFile::open(path)?;
+        let t = crate::gguf::tokenizer::load(&file)?;
+        Ok(ChatTokenizer {
+            tokenizer: t.tokenizer,
+            tokenizer_path: path.to_path_buf(),
+            template: t.chat_template.map(|s| (s, path.to_path_buf())),
+            special_tokens: t
+                .eos_token
+                .iter()
+                .map(|e| ("eos_token".to_string(), e.clone()))
+                .collect(),
+            eos_token: t.eos_token,
         })
     }
 

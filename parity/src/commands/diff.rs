@@ -252,7 +252,7 @@ pub fn exec(args: DiffArgs) -> Result<Outcome> {
     let outputs = args.report.outputs()?;
     let config = match &args.model {
         Some(dir) => Some(
-            Config::from_file(&dir.join("config.json"))
+            reference::gguf::model_config(dir)
                 .with_context(|| format!("--model {}", dir.display()))?,
         ),
         None => None,

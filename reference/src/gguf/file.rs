@@ -390,7 +390,7 @@ pub(crate) fn parse(bytes: &[u8]) -> std::result::Result<Header, String> {
             return Err(format!("tensor `{name}` appears twice"));
         }
         let len = byte_len(ty, &dims).map_err(|e| format!("tensor `{name}` {dims:?}: {e}"))?;
-        if offset % alignment != 0 {
+        if !offset.is_multiple_of(alignment) {
             return Err(format!(
                 "tensor `{name}`'s offset {offset} is not a multiple of the alignment {alignment}"
             ));

@@ -52,6 +52,23 @@ impl ShardFile {
         })
     }
 
+    /// A GGUF file served as the checkpoint it was converted from: its tensors under the checkpoint's names, shapes
+    /// and layouts, in f32, held in memory (see [`crate::gguf::checkpoint_image`]).
+    fn from_gguf(path: &Path) -> Result<Self> {
+        let (_, image) = crate::gguf::checkpoint_image(path)?;
+        let (header_len, metadata) =
+            safetensors::SafeTensors::read_metadata(&image[..]).map_err(|e| Error::File {
+                file: path.display().to_string(),
+                message: format!("its tensors as a checkpoint are not valid safetensors: {e}"),
+            })?;
+        Ok(ShardFile {
+            path: path.to_path_buf(),
+            mmap: SharedMap::from_vec(image),
+            header_len,
+            metadata,
+        })
+    }
+
     fn info(&self, name: &str) -> Option<&TensorInfo> {
         self.metadata.info(name)
     }
@@ -93,8 +110,8 @@ pub struct WeightStore {
 const PREFIXES: [&str; 2] = ["model.", "model.language_model."];
 
 impl WeightStore {
-    /// Opens `model.safetensors.index.json` (sharded) or `model.safetensors` in `dir`; tensors will be converted
-    /// to `dtype` (F32 or F64). The weights are the checkpoint's own ([`WeightFormat::F32`]).
+    /// Opens `model.safetensors.index.json` (sharded) or `model.safetensors` in `dir`, or the GGUF file `dir` is or
+    /// holds ([`crate::gguf::find`]); tensors will be converted to `dtype` (F32 or F64). The weights are the checkpoint's own ([`WeightFormat::F32`]).
     pub fn open(dir: &Path, dtype: DType) -> Result<Self> {
         Self::open_with_format(dir, dtype, WeightFormat::F32)
     }
@@ -113,7 +130,13 @@ impl WeightStore {
         let single = dir.join("model.safetensors");
         let mut files = Vec::new();
         let mut index = HashMap::new();
-        if index_path.exists() {
+        if let Some(gguf) = crate::gguf::find(dir)? {
+            let file = ShardFile::from_gguf(&gguf)?;
+            for name in file.metadata.tensors().keys() {
+                index.insert(name.clone(), 0);
+            }
+            files.push(file);
+        } else if index_path.exists() {
             let text = crate::inputs::read_to_string(&index_path)
                 .map_err(|e| Error::io(&index_path, e))?;
             let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::File {

@@ -6,6 +6,7 @@ mod conventions;
 mod deltanet;
 mod deltanet_kernel;
 mod fp16_output;
+mod gguf;
 mod gguf_decode;
 mod goldens;
 mod long_prompt;

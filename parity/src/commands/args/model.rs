@@ -32,8 +32,9 @@ impl Dtype {
 /// Which model, in which precision, with which weights.
 #[derive(Debug, Clone, Args)]
 pub struct ModelArgs {
-    /// Checkpoint directory (config.json, safetensors, tokenizer). Default: the bundled tiny model.
-    #[arg(long, value_name = "DIR")]
+    /// Checkpoint directory (config.json, safetensors, tokenizer), or a GGUF file (or a directory holding one).
+    /// Default: the bundled tiny model.
+    #[arg(long, value_name = "DIR|FILE.gguf")]
     pub model: Option<PathBuf>,
     /// Precision of the reference run.
     #[arg(long, value_enum, default_value = "f32")]
@@ -53,7 +54,7 @@ impl ModelArgs {
     /// Reads the config and opens the weights in the chosen format.
     pub fn open(&self) -> Result<(PathBuf, Config, WeightStore)> {
         let dir = self.dir()?;
-        let config = Config::from_file(&dir.join("config.json"))?;
+        let config = reference::gguf::model_config(&dir)?;
         let store = WeightStore::open_with_format(&dir, self.dtype.dtype(), self.weights)?;
         Ok((dir, config, store))
     }
@@ -65,13 +66,16 @@ impl ModelArgs {
         Ok((dir, config, store, model))
     }
 
-    /// The model directory, checked to hold a config: `--model`, or the bundled tiny model.
+    /// The model directory, checked to hold a config (or the GGUF file, or a directory holding one: see
+    /// [`reference::gguf::find`]): `--model`, or the bundled tiny model.
     pub fn dir(&self) -> Result<PathBuf> {
         match &self.model {
+            Some(d) if reference::gguf::find(d)?.is_some() => Ok(d.clone()),
             Some(d) if d.join("config.json").is_file() => Ok(d.clone()),
             Some(d) if !d.exists() => bail!("--model {}: no such directory", d.display()),
             Some(d) if !d.is_dir() => bail!(
-                "--model {}: a file; --model takes the checkpoint's directory (the one holding config.json)",
+                "--model {}: a file that is not a .gguf; --model takes the checkpoint's directory (the one holding \
+                 config.json) or a GGUF file",
                 d.display()
             ),
             Some(d) => bail!("--model {}: no config.json in this directory", d.display()),

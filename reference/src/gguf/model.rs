@@ -1,0 +1,946 @@
+//! A Qwen3.5 GGUF (llama.cpp's architectures `qwen35`, dense, and `qwen35moe`) as the checkpoint it was converted
+//! from: the [`Config`] from the file's metadata ([`config`]), and every tensor under the checkpoint's name, in its
+//! shape and layout ([`checkpoint_tensors`]), so that the weight store serves a GGUF exactly as it serves the
+//! safetensors checkpoint (see [`crate::weights`]).
+//!
+//! # What llama.cpp's converter does, undone here (and only here: [`layout`])
+//!
+//! `convert_hf_to_gguf.py` (`Qwen3_5TextModel` / `Qwen3_5MoeTextModel` over `_LinearAttentionVReorderBase` and
+//! `Qwen3NextModel`) changes these tensors; each change has its inverse in [`layout`] and a unit test:
+//!
+//! | checkpoint | GGUF | change |
+//! |---|---|---|
+//! | every `[a, b]` weight | `ne = [b, a]` | none to the bytes: GGUF lists dimensions fastest first |
+//! | `linear_attn.in_proj_qkv` | `attn_qkv` | the value rows' heads reordered, grouped → tiled (when `Hk ≠ Hv`) |
+//! | `linear_attn.in_proj_z` | `attn_gate` | rows reordered by value head |
+//! | `linear_attn.in_proj_a`, `in_proj_b` | `ssm_alpha`, `ssm_beta` | rows reordered by value head |
+//! | `linear_attn.A_log` | `ssm_a` | `-exp(A_log)`, and reordered by value head |
+//! | `linear_attn.dt_bias` | `ssm_dt.bias` | reordered by value head |
+//! | `linear_attn.conv1d.weight` `[C, 1, K]` | `ssm_conv1d.weight` `ne = [K, C]` | squeezed; the value channels reordered |
+//! | `linear_attn.out_proj` | `ssm_out` | columns reordered by value head |
+//! | `input_layernorm`, `post_attention_layernorm`, `norm`, `q_norm`, `k_norm` | `attn_norm`, ... | `+ 1` |
+//! | `mlp.experts.{e}.{gate,up,down}_proj` | `ffn_{gate,up,down}_exps` `ne = [in, out, E]` | stacked |
+//!
+//! Unchanged: `linear_attn.norm` (`ssm_norm`, the gated norm's plain weight: no `+ 1`), the full attention's
+//! `q_proj` (`attn_q`: the query and its gate stay interleaved per head, `[Hq · 2 · D, H]`), `k_proj`, `v_proj`,
+//! `o_proj`, the MLPs, the router (`ffn_gate_inp`), the shared expert and its gate (`ffn_gate_inp_shexp`,
+//! `[1, H]`). Qwen3.5 splits its in-projections (`in_proj_qkv`, `in_proj_z`, `in_proj_a`, `in_proj_b`); the fused
+//! `in_proj_qkvz`/`in_proj_ba` of Qwen3-Next (`qwen3next`) are not this architecture and are refused.
+//!
+//! Bits: the reorders, the split of the experts and the squeeze move values unchanged. `(1 + w)` rounded is `g`,
+//! and `1 + (g - 1)` is `g` again, so an f32 run's norm scales are the GGUF's exactly. `A_log` is the f32 whose
+//! `-exp` (as the reference computes it) is `ssm_a` itself when one exists (it is searched for among the
+//! neighbours of `ln(-ssm_a)`), so the reference decays by exactly the value llama.cpp reads; it can differ from
+//! the checkpoint's own `-exp(A_log)` by the last bit of torch's `exp` against Rust's.
+
+use super::file::{GgufFile, TensorInfo, Value};
+use super::types::GgmlType;
+use crate::config::Config;
+use crate::error::{Error, Result};
+use serde_json::{Map, json};
+
+/// The architectures read (`general.architecture`), and whether each is the MoE decoder.
+pub const ARCHITECTURES: [(&str, bool); 2] = [("qwen35", false), ("qwen35moe", true)];
+
+/// The architecture of a GGUF file: `qwen35` or `qwen35moe`; anything else is an error naming the key.
+pub fn architecture(file: &GgufFile) -> Result<(&'static str, bool)> {
+    let key = "general.architecture";
+    let arch = match file.get(key) {
+        Some(Value::String(s)) => s.as_str(),
+        Some(v) => {
+            return Err(meta_err(
+                file,
+                key,
+                format!("a {}, not a string", v.type_name()),
+            ));
+        }
+        None => return Err(meta_err(file, key, "missing".into())),
+    };
+    ARCHITECTURES
+        .iter()
+        .find(|(name, _)| *name == arch)
+        .copied()
+        .ok_or_else(|| {
+            meta_err(
+                file,
+                key,
+                format!(
+                    "`{arch}` is not a Qwen3.5 decoder (expected `qwen35` or `qwen35moe`{})",
+                    if arch == "qwen3next" {
+                        "; Qwen3-Next's fused projections are another model"
+                    } else {
+                        ""
+                    }
+                ),
+            )
+        })
+}
+
+fn meta_err(file: &GgufFile, key: &str, message: String) -> Error {
+    Error::Config {
+        file: file.path().display().to_string(),
+        key: key.to_string(),
+        message,
+    }
+}
+
+/// Reads the metadata the math needs, each key required (a missing one is an error naming it, never a default).
+struct Meta<'a> {
+    file: &'a GgufFile,
+    arch: &'static str,
+}
+
+impl Meta<'_> {
+    fn key(&self, suffix: &str) -> String {
+        format!("{}.{suffix}", self.arch)
+    }
+
+    fn value(&self, key: &str) -> Result<&Value> {
+        self.file.get(key).ok_or_else(|| {
+            meta_err(
+                self.file,
+                key,
+                "missing (required by the decoder, no default is assumed)".into(),
+            )
+        })
+    }
+
+    fn usize(&self, suffix: &str) -> Result<usize> {
+        let key = self.key(suffix);
+        let v = self.value(&key)?;
+        v.as_u64()
+            .and_then(|n| usize::try_from(n).ok())
+            .ok_or_else(|| {
+                meta_err(
+                    self.file,
+                    &key,
+                    format!("a {} is not a count", v.type_name()),
+                )
+            })
+    }
+
+    /// A float the converter wrote as f32 from the config's decimal: the shortest decimal that rounds to it, so
+    /// that `1e-06` comes back as the f64 `1e-06` the checkpoint's config gives, not `9.99999997e-07`.
+    fn f64(&self, suffix: &str) -> Result<f64> {
+        let key = self.key(suffix);
+        match self.value(&key)? {
+            Value::F32(x) => Ok(format!("{x}").parse().unwrap_or(f64::from(*x))),
+            Value::F64(x) => Ok(*x),
+            v => Err(meta_err(
+                self.file,
+                &key,
+                format!("a {}, not a float", v.type_name()),
+            )),
+        }
+    }
+}
+
+/// The decoder's config from the file's metadata: every value the math reads, a missing key an error naming it.
+/// The config is checked as a `config.json` is (its errors then name the checkpoint key the value became).
+pub fn config(file: &GgufFile) -> Result<Config> {
+    let (arch, moe) = architecture(file)?;
+    let m = Meta { file, arch };
+    let mut c = Map::new();
+    c.insert(
+        "model_type".into(),
+        json!(if moe {
+            "qwen3_5_moe_text"
+        } else {
+            "qwen3_5_text"
+        }),
+    );
+    let nextn = match file.get(&m.key("nextn_predict_layers")) {
+        Some(v) => v.as_u64().unwrap_or(0) as usize,
+        None => 0,
+    };
+    let blocks = m.usize("block_count")?;
+    let layers = blocks
+        .checked_sub(nextn)
+        .filter(|&n| n > 0)
+        .ok_or_else(|| {
+            meta_err(
+                file,
+                &m.key("block_count"),
+                format!("{blocks} blocks leave no decoder layer after {nextn} MTP layers"),
+            )
+        })?;
+    c.insert("num_hidden_layers".into(), json!(layers));
+    let recurrent_key = m.key("attention.recurrent_layers");
+    match file.get(&recurrent_key) {
+        Some(Value::Array(items)) => {
+            let kinds = items
+                .iter()
+                .take(layers)
+                .map(|v| match v {
+                    Value::Bool(true) => Ok("linear_attention"),
+                    Value::Bool(false) => Ok("full_attention"),
+                    other => Err(meta_err(
+                        file,
+                        &recurrent_key,
+                        format!("holds a {}, not bools", other.type_name()),
+                    )),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            if kinds.len() != layers {
+                return Err(meta_err(
+                    file,
+                    &recurrent_key,
+                    format!(
+                        "lists {} layers, fewer than the {layers} decoder layers",
+                        kinds.len()
+                    ),
+                ));
+            }
+            c.insert("layer_types".into(), json!(kinds));
+        }
+        Some(v) => {
+            return Err(meta_err(
+                file,
+                &recurrent_key,
+                format!("a {}, not an array", v.type_name()),
+            ));
+        }
+        None => {
+            let interval = m.usize("full_attention_interval").map_err(|_| {
+                meta_err(
+                    file,
+                    &recurrent_key,
+                    format!(
+                        "missing, and so is {}: the layer kinds cannot be derived",
+                        m.key("full_attention_interval")
+                    ),
+                )
+            })?;
+            c.insert("full_attention_interval".into(), json!(interval));
+        }
+    }
+    c.insert("hidden_size".into(), json!(m.usize("embedding_length")?));
+    if moe {
+        c.insert("num_experts".into(), json!(m.usize("expert_count")?));
+        c.insert(
+            "num_experts_per_tok".into(),
+            json!(m.usize("expert_used_count")?),
+        );
+        c.insert(
+            "moe_intermediate_size".into(),
+            json!(m.usize("expert_feed_forward_length")?),
+        );
+        c.insert(
+            "shared_expert_intermediate_size".into(),
+            json!(m.usize("expert_shared_feed_forward_length")?),
+        );
+    } else {
+        c.insert(
+            "intermediate_size".into(),
+            json!(m.usize("feed_forward_length")?),
+        );
+    }
+    c.insert(
+        "num_attention_heads".into(),
+        json!(m.usize("attention.head_count")?),
+    );
+    c.insert(
+        "num_key_value_heads".into(),
+        json!(m.usize("attention.head_count_kv")?),
+    );
+    let head_dim = m.usize("attention.key_length")?;
+    let value_length = m.usize("attention.value_length")?;
+    if value_length != head_dim {
+        return Err(meta_err(
+            file,
+            &m.key("attention.value_length"),
+            format!(
+                "{value_length} differs from attention.key_length {head_dim}: Qwen3.5 has one head dimension"
+            ),
+        ));
+    }
+    c.insert("head_dim".into(), json!(head_dim));
+    let hv = m.usize("ssm.time_step_rank")?;
+    let inner = m.usize("ssm.inner_size")?;
+    if hv == 0 || !inner.is_multiple_of(hv) {
+        return Err(meta_err(
+            file,
+            &m.key("ssm.inner_size"),
+            format!("{inner} is not a whole number of {hv} value heads (ssm.time_step_rank)"),
+        ));
+    }
+    c.insert(
+        "linear_num_key_heads".into(),
+        json!(m.usize("ssm.group_count")?),
+    );
+    c.insert("linear_num_value_heads".into(), json!(hv));
+    c.insert(
+        "linear_key_head_dim".into(),
+        json!(m.usize("ssm.state_size")?),
+    );
+    c.insert("linear_value_head_dim".into(), json!(inner / hv));
+    c.insert(
+        "linear_conv_kernel_dim".into(),
+        json!(m.usize("ssm.conv_kernel")?),
+    );
+    c.insert(
+        "rms_norm_eps".into(),
+        json!(m.f64("attention.layer_norm_rms_epsilon")?),
+    );
+    c.insert(
+        "max_position_embeddings".into(),
+        json!(m.usize("context_length")?),
+    );
+    let embed = tensor(file, "token_embd.weight")?;
+    let vocab = match embed.dims.as_slice() {
+        [_, rows] => *rows,
+        other => {
+            return Err(tensor_err(
+                file,
+                &embed.name,
+                format!("is {other:?}, not a matrix"),
+            ));
+        }
+    };
+    c.insert("vocab_size".into(), json!(vocab));
+    c.insert(
+        "tie_word_embeddings".into(),
+        json!(file.tensor("output.weight").is_none()),
+    );
+    let rotary = m.usize("rope.dimension_count")?;
+    let mut rope = Map::new();
+    rope.insert("rope_theta".into(), json!(m.f64("rope.freq_base")?));
+    rope.insert(
+        "partial_rotary_factor".into(),
+        json!(rotary as f64 / head_dim as f64),
+    );
+    let sections_key = m.key("rope.dimension_sections");
+    if let Some(v) = file.get(&sections_key) {
+        let sections: Vec<u64> = match v {
+            Value::Array(items) => items.iter().filter_map(Value::as_u64).collect(),
+            _ => vec![],
+        };
+        match sections.as_slice() {
+            [t, h, w] | [t, h, w, 0] => {
+                rope.insert("mrope_section".into(), json!([t, h, w]));
+            }
+            _ => {
+                return Err(meta_err(
+                    file,
+                    &sections_key,
+                    format!("{v:?} is not three sections (and a fourth of 0)"),
+                ));
+            }
+        }
+    }
+    c.insert("rope_parameters".into(), serde_json::Value::Object(rope));
+    let mut eos = vec![];
+    for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
+        if let Some(v) = file.get(key) {
+            let id = v.as_u64().ok_or_else(|| {
+                meta_err(file, key, format!("a {} is not a token id", v.type_name()))
+            })?;
+            if !eos.contains(&id) {
+                eos.push(id);
+            }
+        }
+    }
+    c.insert("eos_token_id".into(), json!(eos));
+    let text = serde_json::Value::Object(c).to_string();
+    Config::from_json_str(&text, &file.path().display().to_string())
+}
+
+fn tensor<'a>(file: &'a GgufFile, name: &str) -> Result<&'a TensorInfo> {
+    file.tensor(name)
+        .ok_or_else(|| tensor_err(file, name, "missing".into()))
+}
+
+fn tensor_err(file: &GgufFile, name: &str, message: String) -> Error {
+    Error::Weights {
+        file: file.path().display().to_string(),
+        key: name.to_string(),
+        message,
+    }
+}
+
+/// One tensor under its checkpoint name (`model.layers.0.linear_attn.A_log`, `lm_head.weight`, ...), in the
+/// checkpoint's shape and layout, as f32.
+pub struct CheckpointTensor {
+    /// The checkpoint's name.
+    pub name: String,
+    /// The checkpoint's shape (PyTorch order).
+    pub shape: Vec<usize>,
+    /// The values, row-major.
+    pub values: Vec<f32>,
+}
+
+/// What a GGUF tensor is in the checkpoint.
+#[derive(Debug, Clone, PartialEq)]
+enum Target {
+    /// One tensor, `layout` undone.
+    One(String, Layout),
+    /// The stacked experts `[E, out, in]`, split into `model.layers.{i}.mlp.experts.{e}.{proj}.weight`.
+    Experts { layer: usize, proj: &'static str },
+    /// An MTP layer's (`blk.N` past the decoder's layers): not read by the reference.
+    Skip,
+}
+
+/// Which of the converter's changes a tensor went through (see the module's table).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// None.
+    Plain,
+    /// A zero-centred norm weight: the GGUF holds `1 + w`.
+    PlusOne,
+    /// `in_proj_qkv`: the value rows after `2·Hk·Dk` query and key rows reordered.
+    QkvRows,
+    /// Rows reordered by value head, `Dv` rows a head (`in_proj_z`).
+    ValueRows,
+    /// One row (or element) a value head (`in_proj_a`, `in_proj_b`, `dt_bias`).
+    HeadRows,
+    /// `ssm_a = -exp(A_log)`, one element a value head.
+    Decay,
+    /// The convolution: squeezed `[C, K]`, the value channels reordered.
+    Conv,
+    /// `out_proj`: columns reordered by value head.
+    ValueColumns,
+}
+
+/// The checkpoint name and layout of a GGUF tensor of a `layers`-layer decoder, or an error naming it.
+fn target(name: &str, layers: usize) -> std::result::Result<Target, String> {
+    let global = |n: &str, layout| Ok(Target::One(n.to_string(), layout));
+    match name {
+        "token_embd.weight" => return global("model.embed_tokens.weight", Layout::Plain),
+        "output.weight" => return global("lm_head.weight", Layout::Plain),
+        "output_norm.weight" => return global("model.norm.weight", Layout::PlusOne),
+        _ => {}
+    }
+    let unknown = || "not a tensor of a Qwen3.5 decoder this reader knows".to_string();
+    let rest = name.strip_prefix("blk.").ok_or_else(unknown)?;
+    let (layer, key) = rest.split_once('.').ok_or_else(unknown)?;
+    let layer: usize = layer.parse().map_err(|_| unknown())?;
+    if layer >= layers {
+        return Ok(Target::Skip);
+    }
+    let (checkpoint, layout) = match key {
+        "attn_norm.weight" => ("input_layernorm.weight", Layout::PlusOne),
+        "post_attention_norm.weight" => ("post_attention_layernorm.weight", Layout::PlusOne),
+        "attn_qkv.weight" => ("linear_attn.in_proj_qkv.weight", Layout::QkvRows),
+        "attn_gate.weight" => ("linear_attn.in_proj_z.weight", Layout::ValueRows),
+        "ssm_alpha.weight" => ("linear_attn.in_proj_a.weight", Layout::HeadRows),
+        "ssm_beta.weight" => ("linear_attn.in_proj_b.weight", Layout::HeadRows),
+        "ssm_a" => ("linear_attn.A_log", Layout::Decay),
+        "ssm_dt.bias" => ("linear_attn.dt_bias", Layout::HeadRows),
+        "ssm_conv1d.weight" => ("linear_attn.conv1d.weight", Layout::Conv),
+        "ssm_norm.weight" => ("linear_attn.norm.weight", Layout::Plain),
+        "ssm_out.weight" => ("linear_attn.out_proj.weight", Layout::ValueColumns),
+        "attn_q.weight" => ("self_attn.q_proj.weight", Layout::Plain),
+        "attn_k.weight" => ("self_attn.k_proj.weight", Layout::Plain),
+        "attn_v.weight" => ("self_attn.v_proj.weight", Layout::Plain),
+        "attn_output.weight" => ("self_attn.o_proj.weight", Layout::Plain),
+        "attn_q_norm.weight" => ("self_attn.q_norm.weight", Layout::PlusOne),
+        "attn_k_norm.weight" => ("self_attn.k_norm.weight", Layout::PlusOne),
+        "ffn_gate.weight" => ("mlp.gate_proj.weight", Layout::Plain),
+        "ffn_up.weight" => ("mlp.up_proj.weight", Layout::Plain),
+        "ffn_down.weight" => ("mlp.down_proj.weight", Layout::Plain),
+        "ffn_gate_inp.weight" => ("mlp.gate.weight", Layout::Plain),
+        "ffn_gate_shexp.weight" => ("mlp.shared_expert.gate_proj.weight", Layout::Plain),
+        "ffn_up_shexp.weight" => ("mlp.shared_expert.up_proj.weight", Layout::Plain),
+        "ffn_down_shexp.weight" => ("mlp.shared_expert.down_proj.weight", Layout::Plain),
+        "ffn_gate_inp_shexp.weight" => ("mlp.shared_expert_gate.weight", Layout::Plain),
+        "ffn_gate_exps.weight" => {
+            return Ok(Target::Experts {
+                layer,
+                proj: "gate_proj",
+            });
+        }
+        "ffn_up_exps.weight" => {
+            return Ok(Target::Experts {
+                layer,
+                proj: "up_proj",
+            });
+        }
+        "ffn_down_exps.weight" => {
+            return Ok(Target::Experts {
+                layer,
+                proj: "down_proj",
+            });
+        }
+        _ => return Err(unknown()),
+    };
+    Ok(Target::One(
+        format!("model.layers.{layer}.{checkpoint}"),
+        layout,
+    ))
+}
+
+/// A tensor's values as f32.
+///
+/// Only F32, F16 and BF16 are decoded here, a private stand-in until the decoders of every ggml type
+/// (`gguf::decode::dequantize`, another branch) are merged; any other type is an error naming the tensor.
+fn values(file: &GgufFile, info: &TensorInfo) -> Result<Vec<f32>> {
+    let bytes = file.bytes(info);
+    let pairs = || bytes.chunks_exact(2).map(|c| [c[0], c[1]]);
+    Ok(match info.ty {
+        GgmlType::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        GgmlType::F16 => pairs()
+            .map(|b| half::f16::from_le_bytes(b).to_f32())
+            .collect(),
+        GgmlType::BF16 => pairs()
+            .map(|b| half::bf16::from_le_bytes(b).to_f32())
+            .collect(),
+        other => {
+            return Err(tensor_err(
+                file,
+                &info.name,
+                format!("type {other} cannot be decoded yet (F32, F16 and BF16 can)"),
+            ));
+        }
+    })
+}
+
+/// Every tensor of the file under its checkpoint name, shape and layout (see the module's table), checked against
+/// `config`'s dimensions.
+pub fn checkpoint_tensors(file: &GgufFile, config: &Config) -> Result<Vec<CheckpointTensor>> {
+    let heads = layout::Heads {
+        hk: config.linear_num_key_heads,
+        hv: config.linear_num_value_heads,
+        dk: config.linear_key_head_dim,
+        dv: config.linear_value_head_dim,
+    };
+    let mut out = Vec::new();
+    for info in &file.tensors {
+        let target =
+            target(&info.name, config.num_layers()).map_err(|e| tensor_err(file, &info.name, e))?;
+        let shape = info.torch_shape();
+        let err = |message: String| tensor_err(file, &info.name, message);
+        match target {
+            Target::Skip => {}
+            Target::One(name, layout) => {
+                let mut values = values(file, info)?;
+                let shape = layout::undo(layout, &mut values, &shape, heads).map_err(err)?;
+                out.push(CheckpointTensor {
+                    name,
+                    shape,
+                    values,
+                });
+            }
+            Target::Experts { layer, proj } => {
+                let &[experts, rows, cols] = shape.as_slice() else {
+                    return Err(err(format!(
+                        "stacked experts are [E, out, in], not {shape:?}"
+                    )));
+                };
+                let values = values(file, info)?;
+                for (e, chunk) in values.chunks_exact(rows * cols).enumerate().take(experts) {
+                    out.push(CheckpointTensor {
+                        name: format!("model.layers.{layer}.mlp.experts.{e}.{proj}.weight"),
+                        shape: vec![rows, cols],
+                        values: chunk.to_vec(),
+                    });
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The inverses of the converter's changes, one function a change (see the module's table).
+pub mod layout {
+    use super::Layout;
+
+    /// The linear attention's head counts and dimensions.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct Heads {
+        /// Key heads.
+        pub hk: usize,
+        /// Value heads (a multiple of `hk`).
+        pub hv: usize,
+        /// Key head dimension.
+        pub dk: usize,
+        /// Value head dimension.
+        pub dv: usize,
+    }
+
+    /// Undoes `layout` on `values` of GGUF (PyTorch-order) shape `shape`; returns the checkpoint's shape.
+    pub fn undo(
+        layout: Layout,
+        values: &mut [f32],
+        shape: &[usize],
+        heads: Heads,
+    ) -> std::result::Result<Vec<usize>, String> {
+        let row_len = |rows: usize| -> std::result::Result<usize, String> {
+            match shape {
+                [r, c] if *r == rows => Ok(*c),
+                [r] if *r == rows => Ok(1),
+                _ => Err(format!(
+                    "shape {shape:?} does not have the {rows} rows the config implies"
+                )),
+            }
+        };
+        match layout {
+            Layout::Plain => {}
+            Layout::PlusOne => minus_one(values),
+            Layout::QkvRows => {
+                let qk = 2 * heads.hk * heads.dk;
+                let cols = row_len(qk + heads.hv * heads.dv)?;
+                ungroup_rows(&mut values[qk * cols..], cols, heads, heads.dv);
+            }
+            Layout::ValueRows => {
+                let cols = row_len(heads.hv * heads.dv)?;
+                ungroup_rows(values, cols, heads, heads.dv);
+            }
+            Layout::HeadRows => {
+                let cols = row_len(heads.hv)?;
+                ungroup_rows(values, cols, heads, 1);
+            }
+            Layout::Decay => {
+                row_len(heads.hv)?;
+                ungroup_rows(values, 1, heads, 1);
+                a_log(values)?;
+            }
+            Layout::Conv => {
+                let qk = 2 * heads.hk * heads.dk;
+                let k = row_len(qk + heads.hv * heads.dv)?;
+                ungroup_rows(&mut values[qk * k..], k, heads, heads.dv);
+                return Ok(vec![shape[0], 1, k]);
+            }
+            Layout::ValueColumns => {
+                let [rows, cols] = *shape else {
+                    return Err(format!("shape {shape:?} is not a matrix"));
+                };
+                if cols != heads.hv * heads.dv {
+                    return Err(format!(
+                        "shape {shape:?} does not have the {} columns the config implies",
+                        heads.hv * heads.dv
+                    ));
+                }
+                for row in values.chunks_exact_mut(cols).take(rows) {
+                    ungroup_rows(row, 1, heads, heads.dv);
+                }
+            }
+        }
+        Ok(shape.to_vec())
+    }
+
+    /// `w = g - 1` for the GGUF's `g = 1 + w` (exact: see the module's notes).
+    pub fn minus_one(values: &mut [f32]) {
+        for v in values {
+            *v -= 1.0;
+        }
+    }
+
+    /// Puts value heads back in the checkpoint's order, grouped by key head (`[k0: v0..v{r-1}, k1: ...]`), from
+    /// llama.cpp's tiled order (`[v0: k0..k{Hk-1}, v1: ...]`), `rows_per_head` rows of `cols` values a head: the
+    /// checkpoint's head `k·r + j` is the GGUF's `j·Hk + k`. Nothing moves when `Hk = Hv` (the converter changes
+    /// nothing then).
+    pub fn ungroup_rows(values: &mut [f32], cols: usize, heads: Heads, rows_per_head: usize) {
+        if heads.hk == heads.hv || heads.hk == 0 {
+            return;
+        }
+        let r = heads.hv / heads.hk;
+        let head = rows_per_head * cols;
+        let tiled = values[..heads.hv * head].to_vec();
+        for k in 0..heads.hk {
+            for j in 0..r {
+                let to = (k * r + j) * head;
+                let from = (j * heads.hk + k) * head;
+                values[to..to + head].copy_from_slice(&tiled[from..from + head]);
+            }
+        }
+    }
+
+    /// `A_log` from `ssm_a = -exp(A_log)`: the f32 whose `-exp` in f32 is `ssm_a` exactly where one exists (the
+    /// neighbours of `ln(-ssm_a)` are tried), else `ln(-ssm_a)` rounded. A non-negative or non-finite `ssm_a` has
+    /// no `A_log`: an error.
+    pub fn a_log(values: &mut [f32]) -> std::result::Result<(), String> {
+        for v in values {
+            let a = *v;
+            if !(a < 0.0 && a.is_finite()) {
+                return Err(format!(
+                    "holds {a}, but ssm_a = -exp(A_log) is negative and finite"
+                ));
+            }
+            let guess = (-(a as f64)).ln() as f32;
+            let mut best = guess;
+            let mut x = guess;
+            for _ in 0..4 {
+                x = next_down(x);
+            }
+            for _ in 0..9 {
+                if -x.exp() == a {
+                    best = x;
+                    break;
+                }
+                x = next_up(x);
+            }
+            *v = best;
+        }
+        Ok(())
+    }
+
+    fn next_up(x: f32) -> f32 {
+        if x == 0.0 {
+            return f32::from_bits(1);
+        }
+        let bits = x.to_bits();
+        f32::from_bits(if x > 0.0 { bits + 1 } else { bits - 1 })
+    }
+
+    fn next_down(x: f32) -> f32 {
+        -next_up(-x)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::layout::*;
+    use super::*;
+    use proptest::prelude::*;
+
+    const HEADS: Heads = Heads {
+        hk: 2,
+        hv: 6,
+        dk: 3,
+        dv: 2,
+    };
+
+    /// The converter's reorder (`_reorder_v_heads`): `[Hk, r, d]` → `[r, Hk, d]` along the rows.
+    fn tile_rows(values: &[f32], cols: usize, heads: Heads, rows_per_head: usize) -> Vec<f32> {
+        let r = heads.hv / heads.hk;
+        let head = rows_per_head * cols;
+        let mut out = values.to_vec();
+        for k in 0..heads.hk {
+            for j in 0..r {
+                let from = (k * r + j) * head;
+                let to = (j * heads.hk + k) * head;
+                out[to..to + head].copy_from_slice(&values[from..from + head]);
+            }
+        }
+        out
+    }
+
+    fn iota(n: usize) -> Vec<f32> {
+        (0..n).map(|i| i as f32).collect()
+    }
+
+    #[test]
+    fn value_heads_go_back_to_their_groups() {
+        // Six value heads of one value each: key head 0 owns checkpoint heads 0, 1, 2 and key head 1 heads 3, 4, 5;
+        // llama.cpp tiles them as 0, 3, 1, 4, 2, 5.
+        let mut gguf = vec![0., 3., 1., 4., 2., 5.];
+        ungroup_rows(&mut gguf, 1, HEADS, 1);
+        assert_eq!(gguf, iota(6));
+        let checkpoint = iota(6 * 2 * 5);
+        let mut values = tile_rows(&checkpoint, 5, HEADS, 2);
+        assert_ne!(values, checkpoint);
+        ungroup_rows(&mut values, 5, HEADS, 2);
+        assert_eq!(values, checkpoint);
+    }
+
+    #[test]
+    fn qkv_keeps_query_and_key_rows_and_reorders_the_values() {
+        let cols = 4;
+        let qk = 2 * HEADS.hk * HEADS.dk;
+        let checkpoint = iota((qk + HEADS.hv * HEADS.dv) * cols);
+        let mut gguf = checkpoint[..qk * cols].to_vec();
+        gguf.extend(tile_rows(&checkpoint[qk * cols..], cols, HEADS, HEADS.dv));
+        let shape = [qk + HEADS.hv * HEADS.dv, cols];
+        assert_eq!(
+            undo(Layout::QkvRows, &mut gguf, &shape, HEADS).unwrap(),
+            shape
+        );
+        assert_eq!(gguf, checkpoint);
+    }
+
+    #[test]
+    fn the_convolution_is_unsqueezed_and_its_value_channels_reordered() {
+        let k = 4;
+        let qk = 2 * HEADS.hk * HEADS.dk;
+        let channels = qk + HEADS.hv * HEADS.dv;
+        let checkpoint = iota(channels * k);
+        let mut gguf = checkpoint[..qk * k].to_vec();
+        gguf.extend(tile_rows(&checkpoint[qk * k..], k, HEADS, HEADS.dv));
+        let shape = undo(Layout::Conv, &mut gguf, &[channels, k], HEADS).unwrap();
+        assert_eq!(shape, vec![channels, 1, k]);
+        assert_eq!(gguf, checkpoint);
+    }
+
+    #[test]
+    fn out_proj_columns_are_reordered() {
+        let rows = 3;
+        let cols = HEADS.hv * HEADS.dv;
+        let checkpoint = iota(rows * cols);
+        let mut gguf: Vec<f32> = checkpoint
+            .chunks(cols)
+            .flat_map(|row| tile_rows(row, 1, HEADS, HEADS.dv))
+            .collect();
+        undo(Layout::ValueColumns, &mut gguf, &[rows, cols], HEADS).unwrap();
+        assert_eq!(gguf, checkpoint);
+    }
+
+    #[test]
+    fn nothing_moves_when_key_and_value_heads_are_as_many() {
+        let heads = Heads { hv: 2, ..HEADS };
+        let mut values = vec![1., 2.];
+        ungroup_rows(&mut values, 1, heads, 1);
+        assert_eq!(values, [1., 2.]);
+    }
+
+    #[test]
+    fn a_bad_shape_is_an_error() {
+        let mut v = vec![0.; 10];
+        assert!(
+            undo(Layout::ValueRows, &mut v, &[5, 2], HEADS)
+                .unwrap_err()
+                .contains("rows")
+        );
+    }
+
+    #[test]
+    fn a_positive_decay_is_an_error() {
+        assert!(a_log(&mut [0.5]).unwrap_err().contains("negative"));
+        assert!(a_log(&mut [f32::NEG_INFINITY]).is_err());
+    }
+
+    #[test]
+    fn mtp_layers_are_skipped_and_unknown_names_refused() {
+        assert_eq!(target("blk.4.attn_norm.weight", 4), Ok(Target::Skip));
+        assert!(target("blk.0.in_proj_qkvz.weight", 4).is_err());
+        assert!(target("rope_freqs.weight", 4).is_err());
+        assert_eq!(
+            target("blk.1.ssm_a", 4),
+            Ok(Target::One(
+                "model.layers.1.linear_attn.A_log".into(),
+                Layout::Decay
+            ))
+        );
+    }
+
+    /// A value's GGUF type id and bytes.
+    fn encode(v: &Value) -> (u32, Vec<u8>) {
+        match v {
+            Value::U8(x) => (0, vec![*x]),
+            Value::I8(x) => (1, x.to_le_bytes().to_vec()),
+            Value::U16(x) => (2, x.to_le_bytes().to_vec()),
+            Value::I16(x) => (3, x.to_le_bytes().to_vec()),
+            Value::U32(x) => (4, x.to_le_bytes().to_vec()),
+            Value::I32(x) => (5, x.to_le_bytes().to_vec()),
+            Value::F32(x) => (6, x.to_le_bytes().to_vec()),
+            Value::Bool(x) => (7, vec![u8::from(*x)]),
+            Value::String(s) => (8, crate::gguf::file::tests::string_value(s)),
+            Value::Array(items) => {
+                let item = items.first().map_or(4, |i| encode(i).0);
+                let mut out = item.to_le_bytes().to_vec();
+                out.extend_from_slice(&(items.len() as u64).to_le_bytes());
+                for i in items {
+                    out.extend(encode(i).1);
+                }
+                (9, out)
+            }
+            Value::U64(x) => (10, x.to_le_bytes().to_vec()),
+            Value::I64(x) => (11, x.to_le_bytes().to_vec()),
+            Value::F64(x) => (12, x.to_le_bytes().to_vec()),
+        }
+    }
+
+    /// The tiny models' GGUF rewritten without the metadata key `drop`, opened from a temporary file.
+    fn without(name: &str, drop: &str) -> (tempfile::TempDir, GgufFile) {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join(format!("../testdata/gguf/models/{name}-f32.gguf"));
+        let file = GgufFile::open(&path).unwrap();
+        let meta: Vec<(&str, u32, Vec<u8>)> = file
+            .metadata
+            .iter()
+            .filter(|(k, _)| k != drop)
+            .map(|(k, v)| {
+                let (ty, bytes) = encode(v);
+                (k.as_str(), ty, bytes)
+            })
+            .collect();
+        let tensors: Vec<(&str, Vec<u64>, GgmlType, Vec<u8>)> = file
+            .tensors
+            .iter()
+            .map(|t| {
+                (
+                    t.name.as_str(),
+                    t.dims.clone(),
+                    t.ty,
+                    file.bytes(t).to_vec(),
+                )
+            })
+            .collect();
+        let bytes = crate::gguf::file::tests::write(&meta, &tensors, file.alignment);
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("m.gguf");
+        std::fs::write(&out, bytes).unwrap();
+        let reopened = GgufFile::open(&out).unwrap();
+        (dir, reopened)
+    }
+
+    #[test]
+    fn every_key_the_math_reads_is_required_and_named_when_missing() {
+        for (name, arch) in [("tiny", "qwen35"), ("tiny-moe", "qwen35moe")] {
+            let (_dir, whole) = without(name, "");
+            config(&whole).unwrap();
+            let mut required = vec!["general.architecture".to_string()];
+            for suffix in [
+                "block_count",
+                "embedding_length",
+                "attention.head_count",
+                "attention.head_count_kv",
+                "attention.key_length",
+                "attention.value_length",
+                "ssm.time_step_rank",
+                "ssm.inner_size",
+                "ssm.group_count",
+                "ssm.state_size",
+                "ssm.conv_kernel",
+                "attention.layer_norm_rms_epsilon",
+                "context_length",
+                "rope.dimension_count",
+                "rope.freq_base",
+            ] {
+                required.push(format!("{arch}.{suffix}"));
+            }
+            let own: &[&str] = if arch == "qwen35moe" {
+                &[
+                    "expert_count",
+                    "expert_used_count",
+                    "expert_feed_forward_length",
+                    "expert_shared_feed_forward_length",
+                ]
+            } else {
+                &["feed_forward_length"]
+            };
+            required.extend(own.iter().map(|s| format!("{arch}.{s}")));
+            for key in &required {
+                let (_dir, file) = without(name, key);
+                let e = config(&file).unwrap_err().to_string();
+                assert!(e.contains(key.as_str()), "{name} without {key}: {e}");
+            }
+            // The layer kinds: the recurrent layers' list, else the interval; neither is an error naming both.
+            let (_dir, file) = without(name, &format!("{arch}.attention.recurrent_layers"));
+            assert_eq!(config(&file).unwrap(), config(&whole).unwrap());
+        }
+    }
+
+    proptest! {
+        /// `1 + w` rounded to f32 and then `- 1` gives back a `w'` whose `1 + w'` is the GGUF's value exactly: the
+        /// reference's norm scale is llama.cpp's, bit for bit.
+        #[test]
+        fn plus_one_round_trips_to_the_same_scale(w in -4.0f32..4.0) {
+            let g = w + 1.0;
+            let mut v = [g];
+            minus_one(&mut v);
+            prop_assert_eq!((v[0] + 1.0).to_bits(), g.to_bits());
+        }
+
+        /// The `A_log` found gives back `ssm_a` exactly under the reference's `-exp`.
+        #[test]
+        fn a_log_gives_back_the_decay(x in -6.0f32..3.0) {
+            let a = -x.exp();
+            let mut v = [a];
+            a_log(&mut v).unwrap();
+            prop_assert_eq!(-v[0].exp(), a);
+        }
+    }
+}
