@@ -44,7 +44,8 @@ fn layers(v: &serde_json::Value) -> Vec<f64> {
 fn llamacpp_dumps_diff_layer_by_layer() {
     let tmp = tempfile::tempdir().unwrap();
     let reference = tmp.path().join("ref.safetensors");
-    let model = testdata().join("models/tiny-tied");
+    // The reference on llama.cpp's own f32 GGUF (`--model FILE.gguf`): the same weights llama.cpp ran.
+    let model = testdata().join("gguf/llamacpp/tiny-tied.f32.gguf");
     let o = qwen35(&[
         "dump",
         "--model",
