@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 pub mod layout;
+pub mod llamacpp;
 mod run;
 pub mod stream;
 
@@ -117,10 +118,16 @@ impl Dump {
                 LAYER_BYTES.saturating_mul(layer.saturating_add(1)),
             )?;
         }
-        let tensors = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)
-            .with_context(|| format!("{}: reading tensors", path.display()))?
-            .into_iter()
-            .collect();
+        let tensors: BTreeMap<String, Tensor> =
+            candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)
+                .with_context(|| format!("{}: reading tensors", path.display()))?
+                .into_iter()
+                .collect();
+        // A dump written from llama.cpp's evaluation callback: its names mapped to the dump's, here and only here.
+        if llamacpp::is_llamacpp(&tensors) {
+            let (tensors, metadata) = llamacpp::convert(path, tensors, metadata)?;
+            return Ok(Dump { tensors, metadata });
+        }
         Ok(Dump { tensors, metadata })
     }
 

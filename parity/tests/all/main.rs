@@ -18,6 +18,7 @@ mod full_streams;
 mod graph_sets;
 mod harness;
 mod images;
+mod llamacpp_diff;
 mod low_precision;
 mod memory;
 mod moe_devices;
