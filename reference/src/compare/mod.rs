@@ -19,7 +19,8 @@ use std::fmt;
 /// How far `actual` is from `expected`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Diff {
-    /// Largest `|actual − expected|`.
+    /// Largest `|actual − expected|`; infinite when an element is NaN or infinite on either side (the error there
+    /// is unbounded: never the largest over the finite part alone, which would look fine).
     pub max_abs: f64,
     /// Largest `|expected|` (the scale errors are measured against).
     pub scale: f64,
@@ -34,23 +35,45 @@ pub struct Diff {
 }
 
 impl Diff {
-    /// `max_abs / scale` (`max_abs` itself when the expected tensor is all zeros).
+    /// Whether the comparison measured anything: some elements compared, every one finite on both sides.
+    pub fn defined(&self) -> bool {
+        self.count > 0 && self.non_finite == 0
+    }
+
+    /// `max_abs / scale` (`max_abs` itself when the expected tensor is all zeros); infinite when an element is
+    /// non-finite, and when nothing was compared.
     pub fn relative(&self) -> f64 {
-        if self.scale > 0.0 {
+        if !self.defined() {
+            f64::INFINITY
+        } else if self.scale > 0.0 {
             self.max_abs / self.scale
         } else {
             self.max_abs
         }
     }
 
-    /// Whether every element is finite and `max_abs <= atol + rtol * scale`.
+    /// Whether something was compared, every element is finite and `max_abs <= atol + rtol * scale`.
     pub fn within(&self, atol: f64, rtol: f64) -> bool {
-        self.non_finite == 0 && self.max_abs <= atol + rtol * self.scale
+        self.defined() && self.max_abs <= atol + rtol * self.scale
     }
 }
 
 impl fmt::Display for Diff {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.count == 0 {
+            return write!(f, "undefined: nothing compared (no elements)");
+        }
+        if self.non_finite > 0 {
+            return write!(
+                f,
+                "undefined: {} of {} elements non-finite, the first at {:?}: {} vs {}",
+                self.non_finite,
+                self.count,
+                self.worst_index,
+                self.worst_values.0,
+                self.worst_values.1
+            );
+        }
         write!(
             f,
             "max |diff| {:.3e} ({:.3e} of max |expected| {:.3e}) at {:?}: {} vs {}",
@@ -60,11 +83,7 @@ impl fmt::Display for Diff {
             self.worst_index,
             self.worst_values.0,
             self.worst_values.1,
-        )?;
-        if self.non_finite > 0 {
-            write!(f, "; {} non-finite elements", self.non_finite)?;
-        }
-        Ok(())
+        )
     }
 }
 
@@ -121,6 +140,9 @@ pub fn diff(actual: &Tensor, expected: &Tensor) -> Result<Diff> {
         out.worst_values = (a[i], e[i]);
         out.worst_index = unravel(i, actual.dims());
     }
+    if out.non_finite > 0 {
+        out.max_abs = f64::INFINITY;
+    }
     Ok(out)
 }
 
@@ -160,7 +182,18 @@ mod tests {
         let nan = Tensor::new(&[[1f32, f32::NAN], [2.0, 0.5]], &Device::Cpu).unwrap();
         let d = diff(&nan, &e).unwrap();
         assert_eq!(d.non_finite, 1);
-        assert!(!d.within(1.0, 1.0));
+        assert!(!d.within(1.0, 1.0) && !d.defined());
+        assert_eq!((d.max_abs, d.relative()), (f64::INFINITY, f64::INFINITY));
+        assert_eq!(d.worst_index, vec![0, 1]);
+        assert!(d.to_string().starts_with("undefined: 1 of 4"), "{d}");
+        // Nothing compared is no agreement either.
+        let empty = Tensor::zeros((0, 3), DType::F32, &Device::Cpu).unwrap();
+        let d = diff(&empty, &empty).unwrap();
+        assert!(!d.defined() && !d.within(1.0, 1.0), "{d}");
+        assert!(
+            d.to_string().starts_with("undefined: nothing compared"),
+            "{d}"
+        );
     }
 
     /// `[T = 2, H = 3]`: head 0 tiny, head 1 large, head 2 exactly zero.
@@ -232,8 +265,15 @@ mod tests {
         assert_eq!(d.worst(), Some(2));
         assert_eq!(d.slices[2].worst_index, vec![1, 2]);
         assert_eq!(d.whole.non_finite, 1);
-        assert_eq!(d.whole.max_abs, 0.5);
+        // Unbounded, never the finite part's 0.5.
+        assert_eq!(d.whole.max_abs, f64::INFINITY);
+        assert_eq!(d.whole.relative(), f64::INFINITY);
         assert!(!d.within(1.0));
+        let text = d.to_string();
+        assert!(
+            text.starts_with("undefined: 1 of 6 elements non-finite, the first in slice 2"),
+            "{text}"
+        );
         assert!(diff_slices(&a, &e, 2).is_err());
     }
 

@@ -103,6 +103,19 @@ impl fmt::Display for SliceDiff {
             return write!(f, "no {}s along axis {}", self.what, self.axis);
         };
         let d = &self.slices[i];
+        if self.whole.non_finite > 0 {
+            return write!(
+                f,
+                "undefined: {} of {} elements non-finite, the first in {} {i} of {n} (axis {}) at {:?}: {} vs {}",
+                self.whole.non_finite,
+                self.whole.count,
+                self.what,
+                self.axis,
+                d.worst_index,
+                d.worst_values.0,
+                d.worst_values.1
+            );
+        }
         write!(
             f,
             "worst {} {i} of {n} (axis {}): max |diff| {:.3e} ({:.3e} of ",
@@ -139,9 +152,6 @@ impl fmt::Display for SliceDiff {
                 self.floor(),
                 self.epsilon
             )?;
-        }
-        if self.whole.non_finite > 0 {
-            write!(f, "; {} non-finite elements", self.whole.non_finite)?;
         }
         Ok(())
     }
@@ -193,6 +203,10 @@ pub fn diff_slices(actual: &Tensor, expected: &Tensor, axis: usize) -> Result<Sl
         if let Some(i) = *w {
             d.worst_values = (a[i], e[i]);
             d.worst_index = unravel(i, &dims);
+        }
+        if d.non_finite > 0 {
+            // Unbounded at a NaN or infinity, never the finite part's largest error.
+            d.max_abs = f64::INFINITY;
         }
     }
     // The whole tensor: its worst element is the first slice's first non-finite one, else the largest error.
