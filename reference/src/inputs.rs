@@ -17,6 +17,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// The files read so far: canonical path, and the path as the loader was given it (for messages).
 static READ: Mutex<BTreeMap<PathBuf, PathBuf>> = Mutex::new(BTreeMap::new());
 
+/// The outputs this run will write, planned before any work ([`plan_output`]): canonical path, how the user named
+/// it (`--json r.json`), and whether the command writes it as a whole directory.
+static PLANNED: Mutex<Vec<(PathBuf, String, bool)>> = Mutex::new(Vec::new());
+
 /// Whether this process is one run (see [`watch`]).
 static WATCHING: AtomicBool = AtomicBool::new(false);
 
@@ -27,15 +31,62 @@ pub fn watch() {
     WATCHING.store(true, Ordering::SeqCst);
 }
 
-/// Records that the run reads `path` (a file or a directory); nothing unless the process [`watch`]es its inputs.
-fn record(path: &Path) {
+/// Records that the run reads `path` (a file or a directory); nothing unless the process [`watch`]es its inputs. An
+/// error when a planned output ([`plan_output`]) would overwrite it: the loader opening its file is the moment a run
+/// learns what it reads (a manifest's graphs, the model a manifest names, a device config from the environment),
+/// and it comes before the work, so the run stops there rather than when it writes.
+fn record(path: &Path) -> std::io::Result<()> {
     if !WATCHING.load(Ordering::SeqCst) {
-        return;
+        return Ok(());
     }
     let canonical = canonical(path);
+    if let Some(named) = planned_over(&canonical) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::AlreadyExists,
+            format!(
+                "the output {named} would overwrite it, and this run reads it: an output must not overwrite an \
+                 input (refused before any work)"
+            ),
+        ));
+    }
     if let Ok(mut read) = READ.lock() {
         read.entry(canonical).or_insert_with(|| path.to_path_buf());
     }
+    Ok(())
+}
+
+/// The planned output that would overwrite the input `canonical`: the same path, or a directory written whole that
+/// holds it.
+fn planned_over(canonical: &Path) -> Option<String> {
+    let planned = PLANNED.lock().ok()?;
+    planned
+        .iter()
+        .find(|(out, _, whole_dir)| out == canonical || (*whole_dir && canonical.starts_with(out)))
+        .map(|(_, named, _)| named.clone())
+}
+
+/// Plans an output of this run, before any work: from now on a loader that opens `path` (or, for a directory the
+/// command writes whole, a file in it) fails, naming the output as `named` (the flag and the path as given). An
+/// error when a file already read is that output. Nothing unless the process [`watch`]es its inputs.
+pub fn plan_output(path: &Path, named: &str, whole_dir: bool) -> std::io::Result<()> {
+    if !WATCHING.load(Ordering::SeqCst) {
+        return Ok(());
+    }
+    let out = canonical(path);
+    if let Some(input) = overwritten_by(path) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::AlreadyExists,
+            format!(
+                "{named}: it is {}, which this run reads: an output must not overwrite an input (refused before \
+                 any work)",
+                input.display()
+            ),
+        ));
+    }
+    if let Ok(mut planned) = PLANNED.lock() {
+        planned.push((out, named.to_string(), whole_dir));
+    }
+    Ok(())
 }
 
 /// An error unless `path` (followed through links) is a regular file.
@@ -80,14 +131,14 @@ fn kind_of_special(kind: &std::fs::FileType) -> &'static str {
 /// Records `path`, an input another library opens (a graph's `.xml` and `.bin` read by OpenVINO), refused unless
 /// a regular file.
 pub fn declare(path: &Path) -> std::io::Result<()> {
-    record(path);
+    record(path)?;
     regular(path)
 }
 
 /// Opens `path`, an input, for reading: recorded (see [`record`]) and refused unless a regular file.
 #[allow(clippy::disallowed_methods)] // the one place inputs are opened
 pub fn open(path: &Path) -> std::io::Result<std::fs::File> {
-    record(path);
+    record(path)?;
     regular(path)?;
     std::fs::File::open(path)
 }
@@ -173,7 +224,7 @@ mod tests {
         std::fs::write(&f, "x").unwrap();
         std::os::unix::fs::symlink(&f, tmp.path().join("link.png")).unwrap();
         watch();
-        record(&d.join("./in.png"));
+        record(&d.join("./in.png")).unwrap();
         for out in [
             f.clone(),
             tmp.path().join("link.png"),

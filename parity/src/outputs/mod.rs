@@ -127,6 +127,13 @@ impl Paths {
         for (out, kind) in &self.outputs {
             creatable(out, *kind)?;
         }
+        // From here on, a loader that opens one of these outputs as an input (a file a manifest names, the model it
+        // names, a device config from the environment) fails when it opens it, before the work.
+        for (out, kind) in &self.outputs {
+            if *kind != Kind::Dir && !is_device(&out.resolved) {
+                reference::inputs::plan_output(&out.path, &out.to_string(), *kind == Kind::NewDir)?;
+            }
+        }
         Ok(())
     }
 }
