@@ -75,6 +75,7 @@ pub fn element_type_name(t: openvino::ElementType) -> String {
 
 /// The ports of the IR `xml` (weights `bin`), read without compiling it.
 pub fn read_ports(xml: &Path, bin: &Path) -> Result<IrPorts> {
+    check_weights_file(xml, bin)?;
     runtime::load()?;
     let mut core = runtime::core()?;
     let name = xml.display().to_string();
@@ -113,4 +114,48 @@ pub fn read_ports(xml: &Path, bin: &Path) -> Result<IrPorts> {
         .map(|i| port(model.get_output_by_index(i).map_err(|e| err(&e))?))
         .collect::<Result<_>>()?;
     Ok(IrPorts { inputs, outputs })
+}
+
+/// Fails, naming the `.bin`, when it is shorter than the constants of `xml` say (an empty or truncated weights file,
+/// or another graph's): OpenVINO itself would blame the `.xml` in its own words. Every `Const` layer's `<data>`
+/// (Loop bodies included) reads `size` bytes at `offset` of the `.bin`; the largest end must lie within the file.
+pub fn check_weights_file(xml: &Path, bin: &Path) -> Result<()> {
+    let text = reference::inputs::read_to_string(xml).map_err(|e| Error::io(xml, e))?;
+    let doc = roxmltree::Document::parse(&text)
+        .map_err(|e| Error::Config(format!("{}: not valid XML: {e}", xml.display())))?;
+    let mut furthest: Option<(u64, String)> = None;
+    for layer in doc
+        .descendants()
+        .filter(|n| n.has_tag_name("layer") && n.attribute("type") == Some("Const"))
+    {
+        let Some(data) = layer.children().find(|c| c.has_tag_name("data")) else {
+            continue;
+        };
+        let number = |k: &str| data.attribute(k).and_then(|v| v.parse::<u64>().ok());
+        let (Some(offset), Some(size)) = (number("offset"), number("size")) else {
+            continue;
+        };
+        let end = offset.saturating_add(size);
+        if furthest.as_ref().is_none_or(|(e, _)| end > *e) {
+            let name = layer.attribute("name").unwrap_or("?").to_string();
+            furthest = Some((end, name));
+        }
+    }
+    let Some((end, name)) = furthest else {
+        return Ok(());
+    };
+    let len = std::fs::metadata(bin).map_err(|e| Error::io(bin, e))?.len();
+    if len < end {
+        return Err(Error::Config(format!(
+            "{}: the weights file is {len} bytes, but {}'s constant `{name}` reads up to byte {end}: the .bin is {} \
+             (or is another graph's)",
+            bin.display(),
+            xml.file_name().map_or_else(
+                || xml.display().to_string(),
+                |n| n.to_string_lossy().into_owned()
+            ),
+            if len == 0 { "empty" } else { "truncated" }
+        )));
+    }
+    Ok(())
 }

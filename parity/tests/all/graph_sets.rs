@@ -362,3 +362,54 @@ fn diff_compares_what_a_partial_dump_holds_and_names_a_planted_divergence() {
     );
     assert_eq!(v["devices"][0]["first_divergence"]["layer"][0], 2);
 }
+
+#[test]
+fn a_short_weights_file_is_named_not_its_graph() {
+    // Every set whose weights sit in its folder, its `.bin` emptied or cut at several points: the error names the
+    // `.bin` and how short it is, before OpenVINO reads it (which would blame the `.xml` in its own words).
+    let mut cases = 0;
+    for name in ["tiny-decoder", "tiny-layers", "tiny-stateless"] {
+        let bins: Vec<String> = std::fs::read_dir(set(name))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".bin"))
+            .collect();
+        assert!(!bins.is_empty(), "{name}");
+        for bin in bins {
+            let len = std::fs::metadata(set(name).join(&bin)).unwrap().len();
+            for keep in [0, 1, len / 3, len / 2] {
+                let tmp = tempfile::tempdir().unwrap();
+                let dir = tmp.path().join(name);
+                common::copy_dir(&set(name), &dir);
+                let f = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(dir.join(&bin))
+                    .unwrap();
+                f.set_len(keep).unwrap();
+                let model = testdata().join("models/tiny");
+                let o = qwen35(&[
+                    "compare-devices",
+                    "--model",
+                    model.to_str().unwrap(),
+                    "--ir",
+                    dir.to_str().unwrap(),
+                ]);
+                let err = stderr(&o);
+                assert_eq!(
+                    o.status.code(),
+                    Some(2),
+                    "{name}/{bin} cut to {keep}: {err}"
+                );
+                let says = if keep == 0 { "empty" } else { "truncated" };
+                assert!(
+                    err.contains(&bin)
+                        && err.contains(&format!("{keep} bytes"))
+                        && err.contains(says),
+                    "{name}/{bin} cut to {keep}: {err}"
+                );
+                cases += 1;
+            }
+        }
+    }
+    assert!(cases >= 12);
+}
