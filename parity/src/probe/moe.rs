@@ -19,7 +19,7 @@
 //! - its own input and routing: that, and the routing; over threshold (the others within), the routing is to blame.
 
 use super::{LayerDevice, LayerProbe, Mode, ReferenceTrace};
-use crate::metrics::{TensorError, nan_max, per_slice};
+use crate::metrics::{Measure, TensorError, per_slice};
 use crate::routing::{Reach, RoutingReport, from_taps_with};
 use anyhow::{Context, Result};
 use candle_core::Tensor;
@@ -41,15 +41,15 @@ pub struct FedRouting {
     pub mlp_own_input: Option<TensorError>,
     /// At the tokens whose experts the device's own routing flipped, the worst per-token MLP output NRMSE fed the
     /// reference's input and routing (`None`: no flip).
-    pub mlp_nrmse_flipped: Option<f64>,
+    pub mlp_nrmse_flipped: Option<Measure>,
     /// The same on the device's own input with the reference's routing.
-    pub own_input_nrmse_flipped: Option<f64>,
+    pub own_input_nrmse_flipped: Option<Measure>,
     /// Per token, the MLP output's NRMSE fed the reference's input and routing.
     #[serde(skip)]
-    per_token: Vec<f64>,
+    per_token: Vec<Measure>,
     /// Per token, fed the device's own input and the reference's routing.
     #[serde(skip)]
-    own_input_per_token: Vec<f64>,
+    own_input_per_token: Vec<Measure>,
 }
 
 /// What an MoE layer's MLP error comes from, by its block fed the reference's routing against the block on its own
@@ -104,7 +104,7 @@ pub fn fed_routing(
     let Some(fed) = run(&(trace.input(layer)? + at(names::MIXER_OUTPUT)?)?)? else {
         return Ok(None);
     };
-    let mlp_of = |out: &BTreeMap<String, Tensor>| -> Result<(TensorError, Vec<f64>)> {
+    let mlp_of = |out: &BTreeMap<String, Tensor>| -> Result<(TensorError, Vec<Measure>)> {
         let a = out
             .get(names::MLP_OUTPUT)
             .with_context(|| format!("layer {layer}: the MoE block gave no `mlp_output`"))?;
@@ -112,7 +112,7 @@ pub fn fed_routing(
             TensorError::of(a, reference)?,
             per_slice(a, reference, 0)?
                 .iter()
-                .map(|e| e.nrmse.get())
+                .map(|e| e.nrmse)
                 .collect(),
         ))
     };
@@ -222,9 +222,11 @@ pub fn attach(
         l.routing = routing.and_then(|r| r.layers.iter().find(|x| x.layer == l.layer).cloned());
         l.fed_routing = fed.remove(&l.layer).map(|mut f| {
             let flipped = flipped_tokens(routing, l.layer);
-            let at_flips = |per_token: &[f64]| {
-                (!flipped.is_empty() && !per_token.is_empty())
-                    .then(|| nan_max(flipped.iter().filter_map(|&t| per_token.get(t).copied())))
+            let at_flips = |per_token: &[Measure]| {
+                flipped
+                    .iter()
+                    .filter_map(|&t| per_token.get(t).copied())
+                    .reduce(Measure::worst)
             };
             f.mlp_nrmse_flipped = at_flips(&f.per_token);
             f.own_input_nrmse_flipped = at_flips(&f.own_input_per_token);

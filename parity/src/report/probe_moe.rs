@@ -3,6 +3,7 @@
 
 use super::probe::{ProbeReport, e2};
 use super::routing as routing_report;
+use crate::metrics::Measure;
 use crate::probe::LayerProbe;
 use crate::probe::moe::{Blame, FedRouting};
 use std::fmt::Write as _;
@@ -211,7 +212,7 @@ pub(super) fn markdown(s: &mut String, r: &ProbeReport) {
 }
 
 /// A figure in the tables' notation, `-` where there is none.
-fn opt(x: Option<f64>) -> String {
+fn opt(x: Option<Measure>) -> String {
     x.map_or_else(|| "-".into(), |x| format!("{x:.2e}"))
 }
 

@@ -12,7 +12,7 @@ const TERMINAL_LAYERS: usize = 12;
 const MARKDOWN_FLIPS: usize = 50;
 
 /// A number or `-`.
-fn num(x: Option<f64>) -> String {
+fn num<T: std::fmt::LowerExp>(x: Option<T>) -> String {
     x.map_or("-".into(), |x| format!("{x:.2e}"))
 }
 
@@ -42,11 +42,11 @@ pub fn summary_line(r: &RoutingReport) -> String {
         n => format!("; {n} of them in another order"),
     };
     format!(
-        "routing: {}/{} token-layer pairs chose the reference's experts ({:.1}%{order}); {} flip(s): {} near tie, \
+        "routing: {}/{} token-layer pairs chose the reference's experts ({:.1}{order}); {} flip(s): {} near tie, \
          {} confident, {} unclassified ({} after an earlier flip, {} with the router off)",
         r.same_set,
         r.pairs,
-        100.0 * r.set_agreement,
+        r.set_agreement.percent(),
         r.flip_count(),
         r.near_tie_flips,
         r.confident_flips,
@@ -235,10 +235,10 @@ pub fn body_lines(r: &RoutingReport) -> Vec<String> {
             "  {:>5} {:>14} {:>10} {:>8} {:>9} {:>12} {:>20} {:>13}  {} / {}",
             l.layer,
             format!(
-                "{}/{} {:.1}%",
+                "{}/{} {:.1}",
                 l.same_set,
                 l.tokens,
-                100.0 * l.set_agreement
+                l.set_agreement.percent()
             ),
             l.same_set - l.same_order,
             l.near_tie_flips,
@@ -304,11 +304,11 @@ pub fn markdown_body(s: &mut String, r: &RoutingReport) {
     for l in &r.layers {
         let _ = writeln!(
             s,
-            "| {} | {} | {} ({:.1}%) | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} ({:.1}) | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             l.layer,
             l.tokens,
             l.same_set,
-            100.0 * l.set_agreement,
+            l.set_agreement.percent(),
             l.same_order,
             l.near_tie_flips,
             l.confident_flips,

@@ -3,7 +3,7 @@
 
 use super::tally::{classify, share};
 use super::{At, ErrorSource, Flip, LayerRouting, LayerSides, Reach, Router, RoutingReport};
-use crate::metrics::{log_softmax, nan_max, percentile};
+use crate::metrics::{Measure, Why, log_softmax, nan_max, percentile};
 use anyhow::{Result, bail};
 
 /// The reference's `p_k − p_{k+1}` of a probability row.
@@ -82,7 +82,7 @@ pub fn compare_with(prompt: &str, layers: &[LayerSides], reach: &Reach) -> Resul
             bail!("layer {l}: {k} experts per token, where earlier layers chose {top_k}");
         }
         top_k = top_k.max(k);
-        let at = |v: &Option<Vec<f64>>, t: usize| v.as_ref().and_then(|v| v.get(t)).copied();
+        let at = |v: &Option<Vec<Measure>>, t: usize| v.as_ref().and_then(|v| v.get(t)).copied();
         let (mut same_set, mut same_order) = (0, 0);
         let mut deltas = Vec::new();
         let mut independent = Vec::new();
@@ -103,11 +103,13 @@ pub fn compare_with(prompt: &str, layers: &[LayerSides], reach: &Reach) -> Resul
                 .find(|&at| reach.reaches(at, t))
         };
         for (t, (a, b)) in r.chosen.iter().zip(&d.chosen).enumerate() {
+            // Undefined where either side's probabilities hold NaN or infinity, or their widths differ.
             let delta = match (probs(r, t), probs(d, t)) {
-                (Some(pr), Some(pd)) if pr.len() == pd.len() => {
-                    Some(nan_max(pr.iter().zip(pd).map(|(x, y)| (x - y).abs())))
-                }
-                (Some(_), Some(_)) => Some(f64::NAN),
+                (Some(pr), Some(pd)) if pr.len() == pd.len() => Some(Measure::of(
+                    nan_max(pr.iter().zip(pd).map(|(x, y)| (x - y).abs())),
+                    Why::of_slices(pd, pr),
+                )),
+                (Some(_), Some(_)) => Some(Measure::Undefined(Why::Empty)),
                 _ => None,
             };
             deltas.extend(delta);
@@ -143,13 +145,13 @@ pub fn compare_with(prompt: &str, layers: &[LayerSides], reach: &Reach) -> Resul
                 router_error: delta,
                 router_error_source: delta.map(|_| ErrorSource::Measured),
                 repeated,
-                class: classify(gap, delta, repeated),
+                class: classify(gap, delta.map(|d| d.get()), repeated),
                 mlp_nrmse: at(&sides.mlp_nrmse, t),
                 output_nrmse: at(&sides.output_nrmse, t),
                 input_nrmse: at(&sides.input_nrmse, t),
                 mixer_nrmse: at(&sides.mixer_nrmse, t),
                 upstream,
-                router_off: matches!((delta, median), (Some(d), Some(m)) if d > m),
+                router_off: matches!((delta.and_then(|d| d.defined()), median), (Some(d), Some(m)) if d > m),
             });
         }
         let tokens = r.chosen.len();
@@ -163,13 +165,13 @@ pub fn compare_with(prompt: &str, layers: &[LayerSides], reach: &Reach) -> Resul
             confident_flips: 0,
             unclassified_flips: 0,
             downstream_flips: 0,
-            router_error_max: (!deltas.is_empty()).then(|| nan_max(deltas)),
-            router_error_independent: (!independent.is_empty()).then(|| nan_max(independent)),
+            router_error_max: worst_of(deltas),
+            router_error_independent: worst_of(independent),
             margin_median: median,
             router_off_flips: 0,
             margins,
             mlp_nrmse_flipped: None,
-            mlp_nrmse_agreeing: (!agreeing.is_empty()).then(|| nan_max(agreeing)),
+            mlp_nrmse_agreeing: worst_of(agreeing),
         });
     }
     let mut report = RoutingReport {
@@ -177,7 +179,7 @@ pub fn compare_with(prompt: &str, layers: &[LayerSides], reach: &Reach) -> Resul
         pairs: 0,
         same_set: 0,
         same_order: 0,
-        set_agreement: f64::NAN,
+        set_agreement: Measure::Undefined(Why::Empty),
         near_tie_flips: 0,
         confident_flips: 0,
         unclassified_flips: 0,
@@ -191,6 +193,11 @@ pub fn compare_with(prompt: &str, layers: &[LayerSides], reach: &Reach) -> Resul
     };
     report.tally();
     Ok(report)
+}
+
+/// The largest of some measures ([`Measure::worst`]: undefined when one is); `None` when there are none.
+pub(super) fn worst_of(x: impl IntoIterator<Item = Measure>) -> Option<Measure> {
+    x.into_iter().reduce(Measure::worst)
 }
 
 /// The smallest of `x`, NaN when any is NaN or `x` is empty.

@@ -51,6 +51,7 @@ pub use flips::{compare, compare_with, probabilities};
 pub use tally::classify;
 pub use taps::{chosen_name, from_taps, from_taps_with};
 
+use crate::metrics::Measure;
 use serde::Serialize;
 
 /// One side's routing at one layer.
@@ -72,13 +73,13 @@ pub struct LayerSides {
     /// The routing under test.
     pub device: Router,
     /// `[T]`: the NRMSE of the layer's MLP output at each token, when both sides have it.
-    pub mlp_nrmse: Option<Vec<f64>>,
+    pub mlp_nrmse: Option<Vec<Measure>>,
     /// `[T]`: the NRMSE of the layer's output at each token.
-    pub output_nrmse: Option<Vec<f64>>,
+    pub output_nrmse: Option<Vec<Measure>>,
     /// `[T]`: the NRMSE of the layer's input at each token (the previous layer's output, or the embeddings).
-    pub input_nrmse: Option<Vec<f64>>,
+    pub input_nrmse: Option<Vec<Measure>>,
     /// `[T]`: the NRMSE of the layer's mixer output at each token (with the input, what the router reads).
-    pub mixer_nrmse: Option<Vec<f64>>,
+    pub mixer_nrmse: Option<Vec<Measure>>,
 }
 
 /// What a flip is, by the rule of the module docs.
@@ -147,9 +148,9 @@ pub struct Flip {
     /// `max p(out) − min p(in)` under the reference: what the device's choice overturned.
     pub gap: Option<f64>,
     /// `max_e |p_dev(e) − p_ref(e)|` at the token, when the device has its router logits.
-    pub measured_router_error: Option<f64>,
+    pub measured_router_error: Option<Measure>,
     /// The router error the flip was judged against (measured, stated, or their sum).
-    pub router_error: Option<f64>,
+    pub router_error: Option<Measure>,
     /// Where `router_error` comes from.
     pub router_error_source: Option<ErrorSource>,
     /// The device chose one expert more than once.
@@ -157,13 +158,13 @@ pub struct Flip {
     /// Near tie, confident or unclassified.
     pub class: FlipClass,
     /// The NRMSE of the layer's MLP output at the token.
-    pub mlp_nrmse: Option<f64>,
+    pub mlp_nrmse: Option<Measure>,
     /// The NRMSE of the layer's output at the token.
-    pub output_nrmse: Option<f64>,
+    pub output_nrmse: Option<Measure>,
     /// The NRMSE of the layer's input at the token.
-    pub input_nrmse: Option<f64>,
+    pub input_nrmse: Option<Measure>,
     /// The NRMSE of the layer's mixer output at the token (the router reads the norm of input plus mixer output).
-    pub mixer_nrmse: Option<f64>,
+    pub mixer_nrmse: Option<Measure>,
     /// The first earlier flip that reaches this one (an earlier layer, this token or one before, as [`Reach`]
     /// says); `None`: this one is independent.
     pub upstream: Option<At>,
@@ -190,8 +191,8 @@ pub struct LayerRouting {
     pub same_set: usize,
     /// Tokens with the same experts in the same order.
     pub same_order: usize,
-    /// `same_set / tokens`.
-    pub set_agreement: f64,
+    /// `same_set / tokens` (undefined over no token).
+    pub set_agreement: Measure,
     /// Flips that are near ties.
     pub near_tie_flips: usize,
     /// Confident flips.
@@ -201,10 +202,10 @@ pub struct LayerRouting {
     /// Flips an earlier flip reaches.
     pub downstream_flips: usize,
     /// The largest measured router error over the layer's tokens (`None`: the device has no router logits).
-    pub router_error_max: Option<f64>,
+    pub router_error_max: Option<Measure>,
     /// The largest measured router error over the tokens no earlier flip reaches: the router's own error, before
     /// any routing divergence feeds it.
-    pub router_error_independent: Option<f64>,
+    pub router_error_independent: Option<Measure>,
     /// The reference's median `p_k − p_{k+1}` over the layer's tokens: how close its choices typically are.
     pub margin_median: Option<f64>,
     /// Flips whose measured router error exceeds the median margin ([`Flip::router_off`]).
@@ -213,9 +214,9 @@ pub struct LayerRouting {
     #[serde(skip)]
     margins: Vec<f64>,
     /// The worst MLP output NRMSE at a flipped token.
-    pub mlp_nrmse_flipped: Option<f64>,
+    pub mlp_nrmse_flipped: Option<Measure>,
     /// The worst MLP output NRMSE at a token with the reference's set.
-    pub mlp_nrmse_agreeing: Option<f64>,
+    pub mlp_nrmse_agreeing: Option<Measure>,
 }
 
 /// The routing of every layer of one or more prompts, device against reference.
@@ -229,8 +230,8 @@ pub struct RoutingReport {
     pub same_set: usize,
     /// Pairs with the reference's experts in its order.
     pub same_order: usize,
-    /// `same_set / pairs`.
-    pub set_agreement: f64,
+    /// `same_set / pairs` (undefined over no pair).
+    pub set_agreement: Measure,
     /// Flips that are near ties.
     pub near_tie_flips: usize,
     /// Confident flips.

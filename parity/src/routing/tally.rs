@@ -1,8 +1,9 @@
 //! The verdicts and counts of a routing report: a flip's class by the rule of the module docs, the report judged
 //! again against a stated router error, several prompts' reports merged, some layers kept, and every count redone.
 
+use super::flips::worst_of;
 use super::{ErrorSource, Flip, FlipClass, LayerRouting, RoutingReport};
-use crate::metrics::{nan_max, percentile};
+use crate::metrics::{Measure, Why, percentile};
 
 /// The class of a flip whose overturned gap is `gap`, judged against the router error `delta`: near tie when
 /// `gap ≤ 2·delta`, confident otherwise (a NaN on either side included); unclassified when either is unknown.
@@ -17,12 +18,12 @@ pub fn classify(gap: Option<f64>, delta: Option<f64>, repeated: bool) -> FlipCla
     }
 }
 
-/// `n / of`, NaN when nothing was counted.
-pub(super) fn share(n: usize, of: usize) -> f64 {
+/// `n / of`, undefined when nothing was counted.
+pub(super) fn share(n: usize, of: usize) -> Measure {
     if of == 0 {
-        f64::NAN
+        Measure::Undefined(Why::Empty)
     } else {
-        n as f64 / of as f64
+        Measure::Defined(n as f64 / of as f64)
     }
 }
 
@@ -34,12 +35,15 @@ impl RoutingReport {
         self.stated_router_error = stated;
         for f in &mut self.flips {
             (f.router_error, f.router_error_source) = match (f.measured_router_error, stated) {
-                (Some(d), Some(s)) => (Some(d + s), Some(ErrorSource::MeasuredPlusStated)),
+                (Some(d), Some(s)) => (
+                    Some(d.map(|d| d + s)),
+                    Some(ErrorSource::MeasuredPlusStated),
+                ),
                 (Some(d), None) => (Some(d), Some(ErrorSource::Measured)),
-                (None, Some(s)) => (Some(s), Some(ErrorSource::Stated)),
+                (None, Some(s)) => (Some(Measure::of(s, None)), Some(ErrorSource::Stated)),
                 (None, None) => (None, None),
             };
-            f.class = classify(f.gap, f.router_error, f.repeated);
+            f.class = classify(f.gap, f.router_error.map(|e| e.get()), f.repeated);
         }
         self.tally();
     }
@@ -82,8 +86,7 @@ impl RoutingReport {
             l.confident_flips = count(FlipClass::Confident);
             l.unclassified_flips = count(FlipClass::Unclassified);
             l.downstream_flips = mine.iter().filter(|f| f.downstream()).count();
-            let worst: Vec<f64> = mine.iter().filter_map(|f| f.mlp_nrmse).collect();
-            l.mlp_nrmse_flipped = (!worst.is_empty()).then(|| nan_max(worst));
+            l.mlp_nrmse_flipped = worst_of(mine.iter().filter_map(|f| f.mlp_nrmse));
             l.set_agreement = share(l.same_set, l.tokens);
             l.margin_median = (!l.margins.is_empty()).then(|| percentile(&l.margins, 0.5));
             l.router_off_flips = mine.iter().filter(|f| f.router_off).count();
@@ -129,10 +132,7 @@ impl RoutingReport {
     }
 }
 
-/// The larger of two optional values, both ≥ 0 (NaN wins, as in [`nan_max`]).
-fn max_of(a: Option<f64>, b: Option<f64>) -> Option<f64> {
-    match (a, b) {
-        (Some(a), Some(b)) => Some(nan_max([a, b])),
-        (a, b) => a.or(b),
-    }
+/// The larger of two optional measures (undefined when either is: [`Measure::worst`]).
+fn max_of(a: Option<Measure>, b: Option<Measure>) -> Option<Measure> {
+    worst_of(a.into_iter().chain(b))
 }

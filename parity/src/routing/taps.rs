@@ -3,7 +3,7 @@
 //! `mlp_output`, `output`, `mixer_output` and the layer's input.
 
 use super::{LayerSides, Reach, Router, RoutingReport, compare_with, probabilities};
-use crate::metrics::{per_slice, values};
+use crate::metrics::{Measure, per_slice, values};
 use anyhow::{Context, Result, bail};
 use candle_core::Tensor;
 use reference::taps::names;
@@ -65,12 +65,12 @@ fn per_token(
     name: &str,
     reference: &BTreeMap<String, Tensor>,
     device: &BTreeMap<String, Tensor>,
-) -> Result<Option<Vec<f64>>> {
+) -> Result<Option<Vec<Measure>>> {
     let (Some(d), Some(r)) = (device.get(name), reference.get(name)) else {
         return Ok(None);
     };
     let errors = per_slice(d, r, 0).with_context(|| format!("`{name}`"))?;
-    Ok(Some(errors.iter().map(|e| e.nrmse.get()).collect()))
+    Ok(Some(errors.iter().map(|e| e.nrmse).collect()))
 }
 
 /// The routing of layers `0..layers` of one prompt from both sides' taps (`reference` first), over the layers where

@@ -35,10 +35,13 @@ fn identical_routing_agrees_everywhere() {
     assert_eq!(report.pairs, 4);
     assert_eq!(report.same_set, 4);
     assert_eq!(report.same_order, 4);
-    assert_eq!(report.set_agreement, 1.0);
+    assert_eq!(report.set_agreement.get(), 1.0);
     assert_eq!(report.flip_count(), 0);
     assert_eq!(report.first_flip, None);
-    assert_eq!(report.layers[1].router_error_max, Some(0.0));
+    assert_eq!(
+        report.layers[1].router_error_max.map(|m| m.get()),
+        Some(0.0)
+    );
     assert_eq!(report.top_k, 3);
 }
 
@@ -51,7 +54,7 @@ fn an_order_only_difference_is_no_flip() {
     assert_eq!(report.same_order, 0);
     assert_eq!(report.order_only(), 1);
     assert_eq!(report.flip_count(), 0);
-    assert_eq!(report.set_agreement, 1.0);
+    assert_eq!(report.set_agreement.get(), 1.0);
 }
 
 #[test]
@@ -64,7 +67,7 @@ fn a_swap_within_twice_the_router_error_is_a_near_tie() {
     let reference = router(&[&[0, 1, 2], &[0, 1, 2]], Some(&[P, R]));
     let device = router(&[&[0, 1, 3], &[0, 1, 2]], Some(&[q, R]));
     let mut sides = layer(2, reference, device);
-    sides.mlp_nrmse = Some(vec![3e-2, 1e-4]);
+    sides.mlp_nrmse = Some(vec![Measure::Defined(3e-2), Measure::Defined(1e-4)]);
     let report = compare("p", &[sides]).unwrap();
     assert_eq!(report.flip_count(), 1);
     let f = &report.flips[0];
@@ -75,7 +78,10 @@ fn a_swap_within_twice_the_router_error_is_a_near_tie() {
     );
     assert!((f.reference_margin.unwrap() - 4e-5).abs() < 1e-12, "{f:?}");
     assert!((f.gap.unwrap() - 4e-5).abs() < 1e-12, "{f:?}");
-    assert!((f.router_error.unwrap() - 5e-5).abs() < 1e-12, "{f:?}");
+    assert!(
+        (f.router_error.unwrap().get() - 5e-5).abs() < 1e-12,
+        "{f:?}"
+    );
     assert_eq!(f.router_error_source, Some(ErrorSource::Measured));
     assert_eq!(f.class, FlipClass::NearTie);
     assert_eq!(report.near_tie_flips, 1);
@@ -86,15 +92,21 @@ fn a_swap_within_twice_the_router_error_is_a_near_tie() {
     );
     assert_eq!(report.first_confident, None);
     // The flip's cost against the token that agreed.
-    assert_eq!(report.layers[0].mlp_nrmse_flipped, Some(3e-2));
-    assert_eq!(report.layers[0].mlp_nrmse_agreeing, Some(1e-4));
+    assert_eq!(
+        report.layers[0].mlp_nrmse_flipped.map(|m| m.get()),
+        Some(3e-2)
+    );
+    assert_eq!(
+        report.layers[0].mlp_nrmse_agreeing.map(|m| m.get()),
+        Some(1e-4)
+    );
     // The median margin of 4e-5 and 0.05; the router's own error is the larger of its two, 5e-5, well within it.
     let median = report.layers[0].margin_median.unwrap();
     assert!((median - (4e-5 + 0.05) / 2.0).abs() < 1e-12, "{median}");
-    assert!((report.layers[0].router_error_independent.unwrap() - 5e-5).abs() < 1e-12);
+    assert!((report.layers[0].router_error_independent.unwrap().get() - 5e-5).abs() < 1e-12);
     assert!(!f.router_off);
     assert_eq!(report.layers[0].router_off_flips, 0);
-    assert_eq!(report.set_agreement, 0.5);
+    assert_eq!(report.set_agreement.get(), 0.5);
 }
 
 #[test]
@@ -108,7 +120,7 @@ fn a_swap_the_router_error_cannot_explain_is_confident() {
     assert!((f.gap.unwrap() - 0.35).abs() < 1e-12, "{f:?}");
     // The margin is the reference's alone: it says nothing of which experts were swapped.
     assert!((f.reference_margin.unwrap() - 4e-5).abs() < 1e-12, "{f:?}");
-    assert_eq!(f.router_error, Some(0.0));
+    assert_eq!(f.router_error.map(|m| m.get()), Some(0.0));
     assert_eq!(report.confident_flips, 1);
     assert_eq!(report.first_confident.as_ref().map(|f| f.layer), Some(1));
 }
@@ -187,7 +199,7 @@ fn without_the_devices_router_logits_a_stated_bound_classifies() {
     );
     measured.classify(Some(0.05));
     assert_eq!(measured.flips[0].class, FlipClass::Confident);
-    assert_eq!(measured.flips[0].router_error, Some(0.05));
+    assert_eq!(measured.flips[0].router_error.map(|m| m.get()), Some(0.05));
     measured.classify(None);
     assert_eq!(
         measured.flips[0].router_error_source,
@@ -253,7 +265,7 @@ fn a_flip_after_an_earlier_one_at_or_before_its_token_is_downstream() {
                 probabilities: probs.clone(),
             },
         );
-        s.input_nrmse = Some((0..6).map(|t| t as f64 * 1e-3).collect());
+        s.input_nrmse = Some((0..6).map(|t| Measure::Defined(t as f64 * 1e-3)).collect());
         s
     };
     let report = compare("p", &[sides(0, d0), sides(1, d1)]).unwrap();
@@ -272,10 +284,13 @@ fn a_flip_after_an_earlier_one_at_or_before_its_token_is_downstream() {
     );
     assert_eq!(report.downstream_flips, 1);
     assert_eq!(report.layers[1].downstream_flips, 1);
-    assert_eq!(report.flips[2].input_nrmse, Some(4e-3));
+    assert_eq!(report.flips[2].input_nrmse.map(|m| m.get()), Some(4e-3));
     // The router's own error at layer 1 is measured on tokens 0 and 1 only (layer 0's flip at token 2 reaches the
     // rest): there the device's probabilities are the reference's.
-    assert_eq!(report.layers[1].router_error_independent, Some(0.0));
+    assert_eq!(
+        report.layers[1].router_error_independent.map(|m| m.get()),
+        Some(0.0)
+    );
     let first = report.first_flip.unwrap();
     assert_eq!((first.layer, first.token), (0, 2));
     // These are confident: the router error is 0 while the gap is 4e-5.
@@ -402,4 +417,52 @@ fn taps_give_the_report_and_bad_taps_are_named() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("layers.0.mlp.experts_chosen"), "{err}");
+}
+
+#[test]
+fn routing_figures_over_nan_or_nothing_are_undefined_never_numbers() {
+    // The device's router probabilities NaN at token 0 (a flip there) and its MLP output NaN at that token: every
+    // figure taken over them is undefined, `null` in the JSON, `undefined (…)` in the text; a layer of no tokens
+    // has no agreement.
+    let mut q = P;
+    q[0] = f64::NAN;
+    let reference = router(&[&[0, 1, 2], &[0, 1, 2]], Some(&[P, P]));
+    let device = router(&[&[4, 1, 2], &[0, 1, 2]], Some(&[q, P]));
+    let mut sides = layer(0, reference, device);
+    sides.mlp_nrmse = Some(vec![Measure::of(f64::NAN, None), Measure::Defined(1e-4)]);
+    let empty = layer(1, router(&[], None), router(&[], None));
+    let report = compare("p", &[sides, empty]).unwrap();
+    let f = &report.flips[0];
+    assert!(!f.measured_router_error.unwrap().is_defined(), "{f:?}");
+    assert!(!f.mlp_nrmse.unwrap().is_defined(), "{f:?}");
+    let l0 = &report.layers[0];
+    for m in [
+        l0.router_error_max,
+        l0.router_error_independent,
+        l0.mlp_nrmse_flipped,
+    ] {
+        assert!(!m.unwrap().is_defined(), "{l0:?}");
+    }
+    assert_eq!(l0.mlp_nrmse_agreeing.map(|m| m.get()), Some(1e-4));
+    assert!(!report.layers[1].set_agreement.is_defined());
+    let json = serde_json::to_value(&report).unwrap();
+    for key in [
+        "router_error_max",
+        "router_error_independent",
+        "mlp_nrmse_flipped",
+    ] {
+        assert!(
+            json["layers"][0][key].is_null(),
+            "{key}: {}",
+            json["layers"][0]
+        );
+    }
+    assert!(json["layers"][1]["set_agreement"].is_null());
+    assert!(json["flips"][0]["measured_router_error"].is_null());
+    let text = crate::report::routing::flip_line(f, Some(l0));
+    assert!(
+        text.contains("router error undefined (1 NaN on the device side)")
+            && text.contains("NRMSE there undefined"),
+        "{text}"
+    );
 }

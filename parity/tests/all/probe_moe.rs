@@ -211,7 +211,7 @@ fn probe_report(store: &WeightStore, fault: Option<Fault>) -> ProbeReport {
 fn blames(store: &WeightStore, fault: Option<Fault>) -> Vec<(Option<Blame>, f64, bool)> {
     let report = probe_report(store, fault);
     assert_eq!(
-        report.routing.as_ref().unwrap().set_agreement,
+        report.routing.as_ref().unwrap().set_agreement.get(),
         1.0,
         "the router is untouched"
     );
