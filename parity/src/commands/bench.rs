@@ -134,8 +134,7 @@ pub fn exec(args: BenchArgs) -> Result<Outcome> {
     };
     let sampler = Sampler::start(Duration::from_millis(10));
     let start = Instant::now();
-    let (dir, config, store) = args.model.open()?;
-    args.form.check_model(&dir, &config)?;
+    let (dir, config, store) = args.model.open_for(&args.form)?;
     check_positions(
         args.prompt_tokens,
         args.decode_tokens.saturating_add(1),
@@ -295,8 +294,7 @@ fn bench_vision(args: &BenchArgs, grid: &str) -> Result<Outcome> {
             Some(args.device.graph.settings(device, &args.form)?)
         }
     };
-    let (dir, config, store) = args.model.open()?;
-    args.form.check_model(&dir, &config)?;
+    let (dir, _, store) = args.model.open_for(&args.form)?;
     let vc = crate::images::vision_config(&dir)?;
     let g = reference::vision::Grid { t: 1, h, w };
     g.check(vc.spatial_merge_size)

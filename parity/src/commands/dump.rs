@@ -119,8 +119,7 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
         }
         .open()?,
         None => {
-            let (dir, config, store) = args.model.open()?;
-            args.form.check_model(&dir, &config)?;
+            let (dir, config, store) = args.model.open_for(&args.form)?;
             (dir, config, store)
         }
     };

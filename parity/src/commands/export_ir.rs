@@ -130,8 +130,7 @@ pub fn exec(args: ExportArgs) -> Result<Outcome> {
             args.image_grid[i]
         );
     }
-    let (dir, config, store) = args.model.open()?;
-    args.form.check_model(&dir, &config)?;
+    let (dir, config, store) = args.model.open_for(&args.form)?;
     let vc = if grids.is_empty() {
         None
     } else {

@@ -39,8 +39,7 @@ impl Target {
                 Target::Set(Box::new(s))
             }
             None => {
-                let (dir, config, store) = model.open()?;
-                form.check_model(&dir, &config)?;
+                let (dir, config, store) = model.open_for(form)?;
                 Target::Own(Box::new((dir, config, store)))
             }
         })

@@ -167,8 +167,9 @@ impl FormArgs {
     }
 
     /// Fails when `--moe-form` is given with a model that has no experts (`dir`'s `config`), naming both: the one
-    /// check of the flag against the model, made by every command that takes it once it has read the config.
-    pub fn check_model(&self, dir: &Path, config: &Config) -> Result<()> {
+    /// check of the flag against the model, made where a command opens the model for its forms
+    /// ([`super::ModelArgs::open_for`]).
+    pub(super) fn check_model(&self, dir: &Path, config: &Config) -> Result<()> {
         if self.moe_form.is_some() && config.moe.is_none() {
             bail!(
                 "--moe-form applies to MoE models; the model {} is dense (its config.json names no experts)",

@@ -59,6 +59,14 @@ impl ModelArgs {
         Ok((dir, config, store))
     }
 
+    /// [`ModelArgs::open`] for a command whose graphs take `form`: the one step that reads the config and checks the
+    /// form's flags against it (`--moe-form` on a dense model is refused, naming both), before any work.
+    pub fn open_for(&self, form: &super::FormArgs) -> Result<(PathBuf, Config, WeightStore)> {
+        let (dir, config, store) = self.open()?;
+        form.check_model(&dir, &config)?;
+        Ok((dir, config, store))
+    }
+
     /// [`ModelArgs::open`], and the reference model on those weights.
     pub fn load(&self) -> Result<(PathBuf, Config, WeightStore, Model)> {
         let (dir, config, store) = self.open()?;
