@@ -15,6 +15,7 @@ mod external_ir;
 mod faults;
 mod fp16_story;
 mod full_streams;
+mod gguf_faults;
 mod graph_sets;
 mod harness;
 mod images;
