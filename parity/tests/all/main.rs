@@ -16,6 +16,7 @@ mod faults;
 mod fp16_story;
 mod full_streams;
 mod gguf_faults;
+mod gguf_quant_cost;
 mod graph_sets;
 mod harness;
 mod images;
