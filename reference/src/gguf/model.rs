@@ -561,6 +561,7 @@ pub(crate) fn checkpoint_tensors_with(
     Ok(out)
 }
 
+#[doc(hidden)]
 pub mod fault;
 pub mod layout;
 
