@@ -5,9 +5,9 @@
 
 use super::Outcome;
 use super::args::{ReportArgs, ThresholdArgs};
-use crate::compare::{DeviceReport, Row, Side, compare_runs};
+use crate::compare::{DeviceReport, Row, Side, Thresholds, compare_runs};
 use crate::dump::Dump;
-use crate::metrics::TensorError;
+use crate::metrics::{TensorError, exceeds};
 use crate::outputs::Paths;
 use crate::report::{CompareReport, Inputs, Machine};
 use crate::routing::chosen_name;
@@ -240,6 +240,27 @@ fn belongs(d: &Dump, p: &Path, config: &Config, dir: &Path, vocab: usize) -> Res
     Ok(())
 }
 
+/// The first of `rows` in the order the decoder computes them that leaves tolerance (see
+/// [`crate::compare::FirstDivergence::tensor`]), with the measure that does.
+fn first_tensor_over(rows: &[Row], t: &Thresholds) -> Option<(String, f64)> {
+    let mut ordered: Vec<&Row> = rows.iter().collect();
+    ordered.sort_by(|a, b| {
+        (names::computation_order(&a.name), &a.name)
+            .cmp(&(names::computation_order(&b.name), &b.name))
+    });
+    ordered.into_iter().find_map(|r| {
+        let is_state = StateKind::ALL.iter().any(|s| r.name.ends_with(s.key()));
+        let (measure, max) = if r.name == names::LOGITS {
+            (r.error.nmse.get(), t.max_logits_nmse)
+        } else if is_state {
+            (r.error.nrmse.get(), t.max_state_nrmse)
+        } else {
+            (r.error.nrmse.get(), t.max_layer_nrmse)
+        };
+        (exceeds(measure, max) || !r.error.finite()).then(|| (r.name.clone(), measure))
+    })
+}
+
 /// Runs `qwen35 diff`.
 pub fn exec(args: DiffArgs) -> Result<Outcome> {
     Paths::new()
@@ -381,6 +402,7 @@ pub fn exec(args: DiffArgs) -> Result<Outcome> {
             });
         }
     }
+    device.first_divergence.tensor = first_tensor_over(&device.tensors, &device.thresholds);
     device.only_in_actual = only_a;
     device.only_in_reference = only_b;
     let report = CompareReport {

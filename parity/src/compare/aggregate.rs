@@ -96,6 +96,12 @@ pub struct FirstDivergence {
     pub position: Option<(usize, usize)>,
     /// The prompt and the index of the first free-running token that differs.
     pub token: Option<(String, usize)>,
+    /// `diff` only: the first tensor both dumps hold, in the order the decoder computes it
+    /// ([`reference::taps::names::computation_order`]), that leaves tolerance, with the measure that does: a hidden
+    /// state's NRMSE over the layer threshold, a state's over the state threshold, the logits' NMSE over theirs (a
+    /// NaN or an infinity always does). Where a fault first shows.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tensor: Option<(String, f64)>,
 }
 
 /// Where a device's non-finite values first appear.
@@ -293,6 +299,7 @@ impl DeviceReport {
                 layer: layer_over,
                 position: position_over,
                 token,
+                tensor: None,
             },
             routing,
             prompt_tokens_per_s: prompt_tokens as f64 / prompt_s.max(1e-9),

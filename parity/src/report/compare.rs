@@ -15,7 +15,7 @@
 //! `output`, `mixer`, `mlp`, `nrmse_by_position`}]), `states` ([{`name`, `layer`, `error`}]), `not_available`
 //! (present only when the backend exposes no hidden state nor state, e.g. an external IR: why `layers`, `states` and
 //! `final_norm` are empty), `tapped_vs_deployed`, `first_divergence` {`layer`, `position`,
-//! `token`}, `first_non_finite` (null, or {`prompt`, `tensors`, `first`: {`name`, `nan`, `inf`, `count`, `shape`,
+//! `token`, and in `diff` `tensor`: [name, measure], the first tensor in computation order out of tolerance}, `first_non_finite` (null, or {`prompt`, `tensors`, `first`: {`name`, `nan`, `inf`, `count`, `shape`,
 //! `first` (the index of the first non-finite element)}}: where the device's NaN or infinity first appears, in the
 //! order the decoder computes), `routing` (an MoE model whose chosen experts both sides expose, merged over the
 //! prompts; absent otherwise: `top_k`, `pairs`, `same_set`, `same_order`, `set_agreement`, `near_tie_flips`,

@@ -72,6 +72,10 @@ pub fn first_divergence_line(d: &DeviceReport) -> String {
     let layer = f.layer.map_or("no layer over threshold".into(), |(l, e)| {
         format!("first layer over threshold: {l} (NRMSE {e:.2e})")
     });
+    let layer = match &f.tensor {
+        Some((name, e)) => format!("{layer}; first tensor over threshold: {name} ({e:.2e})"),
+        None => layer,
+    };
     if d.layers.is_empty() {
         let token = f
             .token

@@ -15,6 +15,8 @@ mod external_ir;
 mod faults;
 mod fp16_story;
 mod full_streams;
+mod gguf_faults;
+mod gguf_quant_cost;
 mod graph_sets;
 mod harness;
 mod images;

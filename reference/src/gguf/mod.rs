@@ -75,9 +75,33 @@ pub fn checkpoint_image(path: &Path) -> Result<(Config, Vec<u8>)> {
     let file = file::GgufFile::open(path)?;
     let config = model::config(&file)?;
     let tensors = model::checkpoint_tensors(&file, &config)?;
+    Ok((config, safetensors_image(&tensors)))
+}
+
+/// Test-only: writes the GGUF at `path` into the directory `dir` as the checkpoint the weight store would serve
+/// (`config.json` and `model.safetensors`: [`checkpoint_image`]'s), with `fault` planted in the mapping (see
+/// [`model::fault`]). No command reaches it; `parity/tests/all/gguf_faults.rs` runs what it writes.
+#[doc(hidden)]
+pub fn write_checkpoint(path: &Path, fault: Option<model::fault::Fault>, dir: &Path) -> Result<()> {
+    let file = file::GgufFile::open(path)?;
+    let json = model::config_json(&file, fault)?;
+    let config = model::parse_config(&file, json.clone())?;
+    let tensors = model::checkpoint_tensors_with(&file, &config, fault)?;
+    let write = |name: &str, bytes: &[u8]| {
+        let out = dir.join(name);
+        std::fs::write(&out, bytes).map_err(|e| Error::io(&out, e))
+    };
+    let text = serde_json::to_string_pretty(&serde_json::Value::Object(json))
+        .map_err(|e| Error::Input(format!("config.json of {}: {e}", path.display())))?;
+    write("config.json", text.as_bytes())?;
+    write("model.safetensors", &safetensors_image(&tensors))
+}
+
+/// `tensors` as a safetensors file, f32.
+fn safetensors_image(tensors: &[model::CheckpointTensor]) -> Vec<u8> {
     let mut header = serde_json::Map::new();
     let mut offset = 0usize;
-    for t in &tensors {
+    for t in tensors {
         let len = t.values.len() * 4;
         header.insert(
             t.name.clone(),
@@ -90,10 +114,10 @@ pub fn checkpoint_image(path: &Path) -> Result<(Config, Vec<u8>)> {
     let mut out = Vec::with_capacity(8 + text.len() + offset);
     out.extend_from_slice(&(text.len() as u64).to_le_bytes());
     out.extend_from_slice(&text);
-    for t in &tensors {
+    for t in tensors {
         for v in &t.values {
             out.extend_from_slice(&v.to_le_bytes());
         }
     }
-    Ok((config, out))
+    out
 }

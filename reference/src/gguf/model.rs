@@ -137,6 +137,20 @@ impl Meta<'_> {
 /// The decoder's config from the file's metadata: every value the math reads, a missing key an error naming it.
 /// The config is checked as a `config.json` is (its errors then name the checkpoint key the value became).
 pub fn config(file: &GgufFile) -> Result<Config> {
+    parse_config(file, config_json(file, None)?)
+}
+
+/// The config a `config_json` map holds, checked as a `config.json` is.
+pub(crate) fn parse_config(file: &GgufFile, c: Map<String, serde_json::Value>) -> Result<Config> {
+    let text = serde_json::Value::Object(c).to_string();
+    Config::from_json_str(&text, &file.path().display().to_string())
+}
+
+/// The `config.json` the file's metadata makes ([`config`] checks and reads it), `fault` planted in it.
+pub(crate) fn config_json(
+    file: &GgufFile,
+    fault: Option<fault::Fault>,
+) -> Result<Map<String, serde_json::Value>> {
     let (arch, moe) = architecture(file)?;
     let m = Meta { file, arch };
     let mut c = Map::new();
@@ -340,8 +354,10 @@ pub fn config(file: &GgufFile) -> Result<Config> {
         }
     }
     c.insert("eos_token_id".into(), json!(eos));
-    let text = serde_json::Value::Object(c).to_string();
-    Config::from_json_str(&text, &file.path().display().to_string())
+    if let Some(f) = fault {
+        f.config(file, &mut c)?;
+    }
+    Ok(c)
 }
 
 fn tensor<'a>(file: &'a GgufFile, name: &str) -> Result<&'a TensorInfo> {
@@ -489,6 +505,15 @@ fn values(file: &GgufFile, info: &TensorInfo) -> Result<Vec<f32>> {
 /// Every tensor of the file under its checkpoint name, shape and layout (see the module's table), checked against
 /// `config`'s dimensions.
 pub fn checkpoint_tensors(file: &GgufFile, config: &Config) -> Result<Vec<CheckpointTensor>> {
+    checkpoint_tensors_with(file, config, None)
+}
+
+/// [`checkpoint_tensors`] with `fault` planted in the mapping.
+pub(crate) fn checkpoint_tensors_with(
+    file: &GgufFile,
+    config: &Config,
+    fault: Option<fault::Fault>,
+) -> Result<Vec<CheckpointTensor>> {
     let heads = layout::Heads {
         hk: config.linear_num_key_heads,
         hv: config.linear_num_value_heads,
@@ -505,6 +530,7 @@ pub fn checkpoint_tensors(file: &GgufFile, config: &Config) -> Result<Vec<Checkp
             Target::Skip => {}
             Target::One(name, layout) => {
                 let mut values = values(file, info)?;
+                let layout = fault.map_or(layout, |f| f.layout(layout));
                 let shape = layout::undo(layout, &mut values, &shape, heads).map_err(err)?;
                 out.push(CheckpointTensor {
                     name,
@@ -529,9 +555,14 @@ pub fn checkpoint_tensors(file: &GgufFile, config: &Config) -> Result<Vec<Checkp
             }
         }
     }
+    if let Some(f) = fault {
+        f.tensors(&mut out, config);
+    }
     Ok(out)
 }
 
+#[doc(hidden)]
+pub mod fault;
 pub mod layout;
 
 #[cfg(test)]
