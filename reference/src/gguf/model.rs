@@ -533,6 +533,7 @@ pub fn checkpoint_tensors(file: &GgufFile, config: &Config) -> Result<Vec<Checkp
 }
 
 pub mod layout;
+pub mod packed;
 
 #[cfg(test)]
 mod tests {
