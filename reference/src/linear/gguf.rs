@@ -32,9 +32,12 @@ use std::sync::Arc;
 /// The most values decoded at once on the prompt path (16 MiB of f32).
 const PROMPT_BLOCK_ELEMENTS: usize = 4 << 20;
 
-/// A `[rows, cols]` weight matrix held as a GGUF tensor's ggml blocks in the mapped file.
+/// A `[rows, cols]` weight matrix held as a GGUF tensor's ggml blocks in the mapped file (cheap to clone: shared).
 #[derive(Clone)]
-pub struct GgufMatrix {
+pub struct GgufMatrix(Arc<Blocks>);
+
+/// What a [`GgufMatrix`] shares.
+struct Blocks {
     map: SharedMap,
     offset: usize,
     ty: GgmlType,
@@ -42,19 +45,19 @@ pub struct GgufMatrix {
     cols: usize,
     row_bytes: usize,
     /// Row `r` of the matrix is stored row `row_order[r]` (`None`: in order).
-    row_order: Option<Arc<[usize]>>,
+    row_order: Option<Vec<usize>>,
     /// Column `c` of the matrix is column `col_order[c]` of the decoded stored row (`None`: in order).
-    col_order: Option<Arc<[usize]>>,
+    col_order: Option<Vec<usize>>,
 }
 
 impl std::fmt::Debug for GgufMatrix {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GgufMatrix")
-            .field("ty", &self.ty)
-            .field("rows", &self.rows)
-            .field("cols", &self.cols)
-            .field("row_order", &self.row_order.is_some())
-            .field("col_order", &self.col_order.is_some())
+            .field("ty", &self.0.ty)
+            .field("rows", &self.0.rows)
+            .field("cols", &self.0.cols)
+            .field("row_order", &self.0.row_order.is_some())
+            .field("col_order", &self.0.col_order.is_some())
             .finish()
     }
 }
@@ -112,52 +115,52 @@ impl GgufMatrix {
         }
         check_order(row_order.as_deref(), rows, "row")?;
         check_order(col_order.as_deref(), cols, "column")?;
-        Ok(GgufMatrix {
+        Ok(GgufMatrix(Arc::new(Blocks {
             map: map.clone(),
             offset,
             ty,
             rows,
             cols,
             row_bytes,
-            row_order: row_order.map(Arc::from),
-            col_order: col_order.map(Arc::from),
-        })
+            row_order,
+            col_order,
+        })))
     }
 
     /// Output features (rows).
     pub fn rows(&self) -> usize {
-        self.rows
+        self.0.rows
     }
 
     /// Input features (columns).
     pub fn cols(&self) -> usize {
-        self.cols
+        self.0.cols
     }
 
     /// The ggml type its blocks are stored as.
     pub fn ggml_type(&self) -> GgmlType {
-        self.ty
+        self.0.ty
     }
 
     /// Its bytes in the file.
     pub fn byte_len(&self) -> usize {
-        self.rows * self.row_bytes
+        self.0.rows * self.0.row_bytes
     }
 
     fn range(&self) -> Range<usize> {
-        self.offset..self.offset + self.byte_len()
+        self.0.offset..self.0.offset + self.byte_len()
     }
 
     /// Hands back this process's pages of the matrix's bytes ([`SharedMap::release`]).
     pub fn release_pages(&self) {
-        self.map.release(self.range());
+        self.0.map.release(self.range());
     }
 
     /// The stored bytes of row `r` (after the row order).
     fn stored_row(&self, r: usize) -> &[u8] {
-        let s = self.row_order.as_ref().map_or(r, |o| o[r]);
-        let start = self.offset + s * self.row_bytes;
-        &self.map.bytes()[start..start + self.row_bytes]
+        let s = self.0.row_order.as_ref().map_or(r, |o| o[r]);
+        let start = self.0.offset + s * self.0.row_bytes;
+        &self.0.map.bytes()[start..start + self.0.row_bytes]
     }
 
     /// Row `r` decoded into `dst` (`cols` values); `scratch` holds the stored row when columns are reordered.
@@ -165,11 +168,11 @@ impl GgufMatrix {
         let bytes = self.stored_row(r);
         // The type, the row's length in whole blocks and `dst`'s length were checked when the matrix was made.
         let checked = "a row checked when the matrix was made";
-        match &self.col_order {
-            None => crate::gguf::decode::dequantize(self.ty, bytes, dst).expect(checked),
+        match &self.0.col_order {
+            None => crate::gguf::decode::dequantize(self.0.ty, bytes, dst).expect(checked),
             Some(order) => {
-                scratch.resize(self.cols, 0.0);
-                crate::gguf::decode::dequantize(self.ty, bytes, scratch).expect(checked);
+                scratch.resize(self.0.cols, 0.0);
+                crate::gguf::decode::dequantize(self.0.ty, bytes, scratch).expect(checked);
                 for (d, &c) in dst.iter_mut().zip(order.iter()) {
                     *d = scratch[c];
                 }
@@ -195,26 +198,26 @@ impl GgufMatrix {
     /// `x Wᵀ` for `x` `[T, cols]` f32 → `[T, rows]`: the bits of [`super::MappedMatrix::forward`] on the decoded
     /// matrix stored as f32 (see the module docs).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let t = check_input(x, self.rows, self.cols, "a GGUF")?;
+        let t = check_input(x, self.0.rows, self.0.cols, "a GGUF")?;
         let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
         if t <= MATVEC_MAX_TOKENS {
             let y = self.matvec(&xs, t);
-            return Ok(Tensor::from_vec(y, (t, self.rows), &Device::Cpu)?);
+            return Ok(Tensor::from_vec(y, (t, self.0.rows), &Device::Cpu)?);
         }
         if PromptKernel::detect() == PromptKernel::Avx512 {
             let y = self.prompt_product(&xs, t);
-            return Ok(Tensor::from_vec(y, (t, self.rows), &Device::Cpu)?);
+            return Ok(Tensor::from_vec(y, (t, self.0.rows), &Device::Cpu)?);
         }
-        let block = (BLOCK_ELEMENTS / self.cols.max(1)).max(1);
-        blocked_gemm(x, self.rows, self.cols, block, |s, out| {
+        let block = (BLOCK_ELEMENTS / self.0.cols.max(1)).max(1);
+        blocked_gemm(x, self.0.rows, self.0.cols, block, |s, out| {
             widen_rows(self, s, out)
         })
     }
 
     /// `y = x Wᵀ` for `t` tokens, each row decoded then summed by [`super::matvec`]'s kernel on f32 (its bits).
     pub fn matvec(&self, x: &[f32], t: usize) -> Vec<f32> {
-        assert_eq!(x.len(), t * self.cols, "matvec: x must be [t, cols]");
-        let (rows, cols) = (self.rows, self.cols);
+        assert_eq!(x.len(), t * self.0.cols, "matvec: x must be [t, cols]");
+        let (rows, cols) = (self.0.rows, self.0.cols);
         if rows == 0 || t == 0 {
             return vec![0f32; rows * t];
         }
@@ -255,7 +258,7 @@ impl GgufMatrix {
     /// The prompt kernel's product (AVX-512F): blocks of rows decoded into one buffer and multiplied, each block's
     /// outputs written into their columns of `y` `[t, rows]`.
     fn prompt_product(&self, x: &[f32], t: usize) -> Vec<f32> {
-        let (rows, cols) = (self.rows, self.cols);
+        let (rows, cols) = (self.0.rows, self.0.cols);
         let block = (PROMPT_BLOCK_ELEMENTS / cols.max(1)).max(1);
         let mut y = vec![0f32; t * rows];
         let mut buf = vec![0f32; block.min(rows) * cols];
@@ -283,7 +286,7 @@ impl GgufMatrix {
 
 impl WidenRows for GgufMatrix {
     fn shape(&self) -> (usize, usize) {
-        (self.rows, self.cols)
+        (self.0.rows, self.0.cols)
     }
 
     fn widen_row(&self, r: usize, dst: &mut [f32]) {

@@ -45,6 +45,9 @@ pub struct Split {
     pub types: Vec<(String, GgmlType)>,
 }
 
+/// An order of indices (`None`: as they are).
+type Order = Option<Vec<usize>>;
+
 /// Whether `layout` on a `shape` tensor moves whole rows or the columns within rows only (values unchanged).
 fn packable(layout: Layout, shape: &[usize]) -> bool {
     shape.len() == 2
@@ -65,7 +68,7 @@ fn order_of(
     n: usize,
     rows: bool,
     heads: Heads,
-) -> std::result::Result<Option<Vec<usize>>, String> {
+) -> std::result::Result<Order, String> {
     if n > 1 << 24 {
         return Err(format!(
             "{n} indices are too many to reorder through f32 values"
@@ -85,7 +88,7 @@ fn orders(
     rows: usize,
     cols: usize,
     heads: Heads,
-) -> std::result::Result<(Option<Vec<usize>>, Option<Vec<usize>>), String> {
+) -> std::result::Result<(Order, Order), String> {
     match layout {
         Layout::Plain => Ok((None, None)),
         // `undo` checks the dimension it reorders against the heads, as it does on the values.
