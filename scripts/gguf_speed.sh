@@ -35,8 +35,8 @@ EOF
 
 # 2. llama.cpp's converter (bf16, no MTP head) and quantizer (Q4_K_M), as scripts/make_gguf_fixtures.py runs them
 #    (the same pre-tokenizer work-around).
-if [ ! -f "$WORK/9b-bf16.gguf" ] && [ ! -f "$WORK/9b-q4_k_m.gguf" ]; then
-    "$PY" - "$LLAMA" "$WORK/synth" --outtype bf16 --no-mtp --outfile "$WORK/9b-bf16.gguf" <<'EOF'
+if [ ! -f "$WORK/qwen35-9b-shape.bf16.gguf" ] && [ ! -f "$WORK/qwen35-9b-shape.Q4_K_M.gguf" ]; then
+    "$PY" - "$LLAMA" "$WORK/synth" --outtype bf16 --no-mtp --outfile "$WORK/qwen35-9b-shape.bf16.gguf" <<'EOF'
 import runpy, sys
 tree = sys.argv[1]
 sys.path.insert(0, tree)
@@ -46,10 +46,11 @@ sys.argv = [tree + "/convert_hf_to_gguf.py"] + sys.argv[2:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 EOF
 fi
-if [ ! -f "$WORK/9b-q4_k_m.gguf" ]; then
-    "$LLAMA/build/bin/llama-quantize" "$WORK/9b-bf16.gguf" "$WORK/9b-q4_k_m.gguf" Q4_K_M 2
+# (llama-quantize reads an output name starting with a digit as the type's number: keep names as they are here.)
+if [ ! -f "$WORK/qwen35-9b-shape.Q4_K_M.gguf" ]; then
+    "$LLAMA/build/bin/llama-quantize" "$WORK/qwen35-9b-shape.bf16.gguf" "$WORK/qwen35-9b-shape.Q4_K_M.gguf" Q4_K_M 2
 fi
-FILE="$WORK/9b-q4_k_m.gguf"
+FILE="$WORK/qwen35-9b-shape.Q4_K_M.gguf"
 
 # 3. The machine, then the time to read the file: cold when the page cache can be dropped, else said to be warm.
 lscpu | grep -E 'Model name|^CPU\(s\)'

@@ -6,8 +6,8 @@
 //! ```
 //!
 //! Prints, for one and for two threads: each type's tensors, values, bytes and decode throughput (values/s, every
-//! tensor decoded whole, rows split across the threads), and the whole file's. `--matrix`: the largest matrix of
-//! the file's most common quantized type multiplied packed ([`Linear::Gguf`]) and as its decoded f32 copy
+//! tensor decoded whole, rows split across the threads), and the whole file's. `--matrix`: the largest layer
+//! matrix of the file's most common quantized type multiplied packed ([`Linear::Gguf`]) and as its decoded f32 copy
 //! ([`MappedMatrix`] on the f32 bytes: the expanded path), 1 token and 64 tokens. `--model`: the reference loaded on
 //! the file (matrices packed), a prompt of 64 tokens and decode steps of one token, timed, and what it holds.
 //! Times are wall-clock seconds (the best of three runs); on a shared machine say so.
@@ -103,7 +103,7 @@ fn report_matrix(path: &Path) -> Res<()> {
     let info = file
         .tensors
         .iter()
-        .filter(|t| t.dims.len() == 2 && t.ty == ty)
+        .filter(|t| t.dims.len() == 2 && t.ty == ty && t.name.starts_with("blk."))
         .max_by_key(|t| t.numel())
         .expect("a matrix of the most common type")
         .clone();
