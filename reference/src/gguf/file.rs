@@ -196,6 +196,11 @@ impl GgufFile {
     pub fn bytes(&self, info: &TensorInfo) -> &[u8] {
         &self.mmap[info.start as usize..(info.start + info.len) as usize]
     }
+
+    /// The file's map, for weights read in place (each tensor at its [`TensorInfo::start`]).
+    pub fn into_mmap(self) -> Mmap {
+        self.mmap
+    }
 }
 
 fn index<'a>(names: impl Iterator<Item = &'a String>) -> HashMap<String, usize> {

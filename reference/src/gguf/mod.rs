@@ -1,8 +1,9 @@
 //! GGUF checkpoints, as llama.cpp writes them: [`types`] names every ggml tensor type with its block size; [`file`]
 //! reads the container; [`model`] maps a Qwen3.5 GGUF's metadata and tensors onto the reference's config and the
 //! checkpoint's tensor names and layouts; [`tokenizer`] builds the tokenizer its vocabulary and merges describe.
-//! [`find`] says whether a `--model` path is a GGUF, [`model_config`] and [`checkpoint_image`] are what the config
-//! reader and the weight store open in its place, so every command taking `--model` runs a GGUF.
+//! [`find`] says whether a `--model` path is a GGUF, [`model_config`] and [`packed_image`] (its matrices kept packed
+//! in the mapped file) or [`checkpoint_image`] (every tensor decoded) are what the config reader and the weight
+//! store open in its place, so every command taking `--model` runs a GGUF.
 
 pub mod decode;
 pub mod file;
@@ -70,7 +71,8 @@ pub fn model_config(path: &Path) -> Result<Config> {
 }
 
 /// A GGUF as the safetensors checkpoint it was converted from (f32, the checkpoint's names, shapes and layouts: see
-/// [`model`]), serialised, with its config: what the weight store maps in place of the checkpoint's file.
+/// [`model`]), serialised, with its config: what the weight store maps in place of the checkpoint's file when it
+/// decodes every tensor (f64 and compressed runs, and [`crate::weights::WeightStore::open_expanded`]).
 pub fn checkpoint_image(path: &Path) -> Result<(Config, Vec<u8>)> {
     let file = file::GgufFile::open(path)?;
     let config = model::config(&file)?;
@@ -97,7 +99,38 @@ pub fn write_checkpoint(path: &Path, fault: Option<model::fault::Fault>, dir: &P
     write("model.safetensors", &safetensors_image(&tensors))
 }
 
-/// `tensors` as a safetensors file, f32.
+
+/// A GGUF with its weight matrices kept packed ([`model::packed::split`]): the config, the split, the decoded
+/// tensors serialised as [`checkpoint_image`] serialises them, and the file's map the packed matrices point into.
+pub fn packed_image(path: &Path) -> Result<PackedImage> {
+    let file = file::GgufFile::open(path)?;
+    let config = model::config(&file)?;
+    let split = model::packed::split(&file, &config)?;
+    let image = safetensors_image(&split.decoded);
+    Ok(PackedImage {
+        config,
+        packed: split.packed,
+        types: split.types,
+        image,
+        map: file.into_mmap(),
+    })
+}
+
+/// What [`packed_image`] returns.
+pub struct PackedImage {
+    /// The decoder's config.
+    pub config: Config,
+    /// The matrices kept packed.
+    pub packed: Vec<model::packed::PackedTensor>,
+    /// Every checkpoint tensor's GGUF type.
+    pub types: Vec<(String, GgmlType)>,
+    /// The decoded tensors as a safetensors file.
+    pub image: Vec<u8>,
+    /// The GGUF's map.
+    pub map: memmap2::Mmap,
+}
+
+/// Tensors serialised as a safetensors file (f32, in order).
 fn safetensors_image(tensors: &[model::CheckpointTensor]) -> Vec<u8> {
     let mut header = serde_json::Map::new();
     let mut offset = 0usize;

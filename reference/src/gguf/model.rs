@@ -564,6 +564,7 @@ pub(crate) fn checkpoint_tensors_with(
 #[doc(hidden)]
 pub mod fault;
 pub mod layout;
+pub mod packed;
 
 #[cfg(test)]
 mod tests {

@@ -106,7 +106,7 @@ pub(super) const GROUP: usize = 2;
 pub(super) const LANES: usize = 32;
 
 /// `ys[j] = Σ_i xs[j, i] · row[i]` for up to [`GROUP`] tokens `j`.
-fn dot_rows(row: &[u8], elem: Elem, xs: &[f32], n: usize, ys: &mut [f32], simd: bool) {
+pub(super) fn dot_rows(row: &[u8], elem: Elem, xs: &[f32], n: usize, ys: &mut [f32], simd: bool) {
     #[cfg(target_arch = "x86_64")]
     if simd {
         // SAFETY: `simd` is true only when the CPU has AVX2, FMA (and F16C for f16), checked by `simd_available`.

@@ -33,6 +33,7 @@ use memmap2::Mmap;
 use std::sync::Arc;
 
 mod gemm_kernel;
+mod gguf;
 mod kernel;
 mod on_read;
 mod packed;
@@ -40,6 +41,7 @@ mod quant_kernel;
 mod rows;
 
 pub use gemm_kernel::PromptKernel;
+pub use gguf::GgufMatrix;
 pub use kernel::matvec;
 use kernel::widen;
 pub use on_read::QuantizedOnRead;
@@ -155,6 +157,11 @@ impl SharedMap {
     pub fn release_all(&self) {
         self.release(0..self.bytes().len());
     }
+
+    /// Whether the bytes are a file's map (pages the kernel can take back), not an owned buffer.
+    pub fn is_file_map(&self) -> bool {
+        self.1.is_some()
+    }
 }
 
 impl std::fmt::Debug for SharedMap {
@@ -210,6 +217,11 @@ impl MappedMatrix {
     /// The storage type.
     pub fn elem(&self) -> Elem {
         self.elem
+    }
+
+    /// Whether its bytes lie in a file's map ([`SharedMap::is_file_map`]).
+    pub fn in_file_map(&self) -> bool {
+        self.map.is_file_map()
     }
 
     /// Where its bytes lie in the buffer.
@@ -304,7 +316,8 @@ fn check_input(x: &Tensor, rows: usize, cols: usize, what: &str) -> Result<usize
     Ok(t)
 }
 
-/// A linear layer's weight `[out, in]`: mapped as stored, packed codes and scales, or a tensor of the run's dtype.
+/// A linear layer's weight `[out, in]`: mapped as stored, packed codes and scales, a GGUF's ggml blocks, or a tensor
+/// of the run's dtype.
 #[derive(Debug, Clone)]
 pub enum Linear {
     /// Read in place (f32 runs): the checkpoint's bf16, f16 or f32 weights, or an owned buffer of f16-rounded ones.
@@ -316,6 +329,9 @@ pub enum Linear {
     /// Read in place and quantised a row at a time when read (the embedding of a compressed f32 run): the packed
     /// matrix's values without its codes held.
     OnRead(QuantizedOnRead),
+    /// A GGUF tensor's ggml blocks in the mapped file, rows decoded as they are read (f32 runs of a GGUF): the
+    /// products of the decoded matrix stored as f32, bit for bit.
+    Gguf(GgufMatrix),
 }
 
 impl Linear {
@@ -326,6 +342,7 @@ impl Linear {
             Linear::Packed(m) => m.forward(x),
             Linear::Dense(w) => crate::ops::linear(x, w),
             Linear::OnRead(m) => m.packed()?.forward(x),
+            Linear::Gguf(m) => m.forward(x),
         }
     }
 
@@ -339,6 +356,7 @@ impl Linear {
                 Ok(w.index_select(&ids, 0)?)
             }
             Linear::OnRead(m) => m.gather(ids),
+            Linear::Gguf(m) => m.gather(ids),
         }
     }
 
@@ -348,6 +366,7 @@ impl Linear {
         match self {
             Linear::Mapped(m) => m.release_pages(),
             Linear::OnRead(m) => m.release_pages(),
+            Linear::Gguf(m) => m.release_pages(),
             Linear::Packed(_) | Linear::Dense(_) => {}
         }
     }
@@ -359,6 +378,16 @@ impl Linear {
             Linear::Packed(m) => m.to_tensor(),
             Linear::Dense(w) => Ok(w.clone()),
             Linear::OnRead(m) => m.packed()?.to_tensor(),
+            Linear::Gguf(m) => m.to_tensor(),
+        }
+    }
+
+    /// The ggml type the weight is stored as when it is a GGUF tensor kept packed ([`Linear::Gguf`]); `None` for
+    /// every other kind (a checkpoint's weights, and a GGUF's in an f64 or compressed run, decoded at load).
+    pub fn ggml_type(&self) -> Option<crate::gguf::GgmlType> {
+        match self {
+            Linear::Gguf(m) => Some(m.ggml_type()),
+            Linear::Mapped(_) | Linear::Packed(_) | Linear::Dense(_) | Linear::OnRead(_) => None,
         }
     }
 }

@@ -11,6 +11,10 @@
 //! f16-rounded one as f16 ([`Linear::Mapped`] on an owned buffer), each built a block of rows at a time straight
 //! from the mapped checkpoint bytes, so no f32 copy of a whole matrix is ever made; the checkpoint pages each block
 //! was read from are then handed back ([`SharedMap::release`]).
+//!
+//! A GGUF file ([`crate::gguf`]) in an f32 run of its own values keeps its weight matrices as their ggml blocks in
+//! the mapped file ([`Linear::Gguf`], rows decoded as they are read, the products bit for bit those of the decoded
+//! f32 matrix) and decodes only the small tensors into memory; f64 and compressed runs decode it whole (see `gguf`).
 
 use crate::error::{Error, Result};
 use crate::linear::{Elem, Linear, MappedMatrix, SharedMap};
@@ -24,7 +28,11 @@ use std::path::{Path, PathBuf};
 
 mod compressed;
 mod experts;
+mod gguf;
+mod raw;
 mod vision;
+
+use raw::{Raw, decode};
 
 struct ShardFile {
     path: PathBuf,
@@ -47,23 +55,6 @@ impl ShardFile {
         Ok(ShardFile {
             path: path.to_path_buf(),
             mmap: SharedMap::from_mmap(mmap),
-            header_len,
-            metadata,
-        })
-    }
-
-    /// A GGUF file served as the checkpoint it was converted from: its tensors under the checkpoint's names, shapes
-    /// and layouts, in f32, held in memory (see [`crate::gguf::checkpoint_image`]).
-    fn from_gguf(path: &Path) -> Result<Self> {
-        let (_, image) = crate::gguf::checkpoint_image(path)?;
-        let (header_len, metadata) =
-            safetensors::SafeTensors::read_metadata(&image[..]).map_err(|e| Error::File {
-                file: path.display().to_string(),
-                message: format!("its tensors as a checkpoint are not valid safetensors: {e}"),
-            })?;
-        Ok(ShardFile {
-            path: path.to_path_buf(),
-            mmap: SharedMap::from_vec(image),
             header_len,
             metadata,
         })
@@ -104,6 +95,8 @@ pub struct WeightStore {
     dtype: DType,
     format: WeightFormat,
     device: Device,
+    /// A GGUF's matrices kept packed (f32 runs of a GGUF, see [`gguf`]).
+    gguf: Option<gguf::GgufWeights>,
 }
 
 /// Decoder name prefixes, text-only export first.
@@ -120,6 +113,11 @@ impl WeightStore {
     /// [`WeightStore::load`] and [`WeightStore::linear`] return the dequantised (or f16-rounded) values, exact in f32
     /// and widened exactly for F64 runs.
     pub fn open_with_format(dir: &Path, dtype: DType, format: WeightFormat) -> Result<Self> {
+        Self::open_inner(dir, dtype, format, true)
+    }
+
+    /// Opens the store; a GGUF's matrices are kept packed when `pack` and the run allows it.
+    fn open_inner(dir: &Path, dtype: DType, format: WeightFormat, pack: bool) -> Result<Self> {
         format.validate()?;
         if !matches!(dtype, DType::F32 | DType::F64) {
             return Err(Error::Input(format!(
@@ -130,12 +128,14 @@ impl WeightStore {
         let single = dir.join("model.safetensors");
         let mut files = Vec::new();
         let mut index = HashMap::new();
-        if let Some(gguf) = crate::gguf::find(dir)? {
-            let file = ShardFile::from_gguf(&gguf)?;
+        let mut packed = None;
+        if let Some(path) = crate::gguf::find(dir)? {
+            let (file, weights) = gguf::open(&path, pack && gguf::keeps_packed(dtype, format))?;
             for name in file.metadata.tensors().keys() {
                 index.insert(name.clone(), 0);
             }
             files.push(file);
+            packed = weights;
         } else if index_path.exists() {
             let text = crate::inputs::read_to_string(&index_path)
                 .map_err(|e| Error::io(&index_path, e))?;
@@ -221,7 +221,10 @@ impl WeightStore {
         let present: Vec<&str> = PREFIXES
             .iter()
             .copied()
-            .filter(|p| index.contains_key(&format!("{p}embed_tokens.weight")))
+            .filter(|p| {
+                let name = format!("{p}embed_tokens.weight");
+                index.contains_key(&name) || packed.as_ref().is_some_and(|g| g.has(&name))
+            })
             .collect();
         let prefix = match present.as_slice() {
             [p] => *p,
@@ -252,6 +255,7 @@ impl WeightStore {
             dtype,
             format,
             device: Device::Cpu,
+            gguf: packed,
         })
     }
 
@@ -283,6 +287,9 @@ impl WeightStore {
     /// A decoder tensor, checked against the shape its spec gives and converted to the store's dtype; quantised
     /// then dequantised, or rounded to f16, when the store's format selects it.
     pub fn load(&self, spec: &TensorSpec) -> Result<Tensor> {
+        if let Some(m) = self.gguf_matrix(spec)? {
+            return self.tensor_of(m.rows_f32(0, m.rows()), &spec.shape);
+        }
         let full_name = self.full_name(spec);
         let raw = self.raw(&full_name, &spec.shape, &spec.param.shape_keys())?;
         match self.storage(spec) {
@@ -305,6 +312,9 @@ impl WeightStore {
     /// (see [`crate::linear`]). Otherwise (f64 runs) the tensor [`WeightStore::load`] returns. The values are the same
     /// on every path.
     pub fn linear(&self, spec: &TensorSpec) -> Result<Linear> {
+        if let Some(l) = self.gguf_linear(spec)? {
+            return Ok(l);
+        }
         if let Some(m) = self.mapped(spec)? {
             return Ok(Linear::Mapped(m));
         }
@@ -324,6 +334,9 @@ impl WeightStore {
 
     /// The matrix as stored, when [`WeightStore::linear`] reads it in place.
     fn mapped(&self, spec: &TensorSpec) -> Result<Option<MappedMatrix>> {
+        if self.gguf_matrix(spec)?.is_some() {
+            return Ok(None);
+        }
         let full_name = self.full_name(spec);
         let raw = self.raw(&full_name, &spec.shape, &spec.param.shape_keys())?;
         let elem = match raw.dtype {
@@ -373,6 +386,9 @@ impl WeightStore {
         if let Some(size) = self.read_in_place_bytes(spec)? {
             return Ok(rows * cols * size as u64);
         }
+        if let Some(m) = self.gguf_matrix(spec)? {
+            return Ok(m.byte_len() as u64);
+        }
         let run = if self.dtype == DType::F64 { 8 } else { 4 };
         Ok(match (self.dtype, self.storage(spec)) {
             (DType::F32, Storage::Int4Sym { group }) => {
@@ -387,9 +403,13 @@ impl WeightStore {
     /// it (read in place: pages of the mapped checkpoint, which the kernel can take back; packed or rounded: owned),
     /// any other tensor as [`WeightStore::load`] converts it (owned).
     pub fn held(&self, spec: &TensorSpec) -> Result<Held> {
+        if let Some(h) = self.gguf_held(spec)? {
+            return Ok(h);
+        }
         if spec.shape.len() == 2 {
             let bytes = self.linear_bytes(spec)?;
-            return Ok(if self.mapped(spec)?.is_some() {
+            // A GGUF decoded into memory is mapped from an owned buffer: owned.
+            return Ok(if self.mapped(spec)?.is_some_and(|m| m.in_file_map()) {
                 Held {
                     owned: 0,
                     mapped: bytes,
@@ -440,7 +460,12 @@ impl WeightStore {
 
     /// The maps of the checkpoint's files, shared: a model hands their pages back as it is done with them.
     pub fn maps(&self) -> Vec<SharedMap> {
-        self.files.iter().map(|f| f.mmap.clone()).collect()
+        let gguf = self.gguf.as_ref().map(|g| g.map().clone());
+        self.files
+            .iter()
+            .map(|f| f.mmap.clone())
+            .chain(gguf)
+            .collect()
     }
 
     /// The checkpoint files this store maps (one per shard).
@@ -548,83 +573,5 @@ impl WeightStore {
         } else {
             self.dir.display().to_string()
         }
-    }
-}
-
-/// Decodes little-endian elements of `N` bytes each (exact widening conversions only).
-fn decode<const N: usize, T>(bytes: &[u8], f: impl Fn([u8; N]) -> T) -> Vec<T> {
-    bytes
-        .chunks_exact(N)
-        .map(|c| {
-            let mut a = [0u8; N];
-            a.copy_from_slice(c);
-            f(a)
-        })
-        .collect()
-}
-
-/// One tensor's bytes in its shard, shape and size already checked.
-struct Raw<'a> {
-    file: &'a ShardFile,
-    name: &'a str,
-    dtype: StDtype,
-    bytes: &'a [u8],
-}
-
-impl Raw<'_> {
-    fn err(&self, message: String) -> Error {
-        Error::Weights {
-            file: self.file.path.display().to_string(),
-            key: self.name.to_string(),
-            message,
-        }
-    }
-
-    /// Rows `rows` of a tensor of `total` rows (a range already checked against `total`).
-    fn rows(&self, rows: std::ops::Range<usize>, total: usize) -> Raw<'_> {
-        let row_bytes = self.bytes.len() / total.max(1);
-        Raw {
-            bytes: &self.bytes[rows.start * row_bytes..rows.end * row_bytes],
-            file: self.file,
-            name: self.name,
-            dtype: self.dtype,
-        }
-    }
-
-    /// Hands back the resident pages of these bytes in the shard's map (read once, converted: see
-    /// [`SharedMap::release`]).
-    fn release(&self) {
-        let start = self.bytes.as_ptr() as usize - self.file.mmap.bytes().as_ptr() as usize;
-        self.file.mmap.release(start..start + self.bytes.len());
-    }
-
-    fn unsupported(&self, dtype: StDtype) -> Error {
-        self.err(format!(
-            "dtype {dtype:?} is not a supported weight type (bf16, f16, f32, f64)"
-        ))
-    }
-
-    /// The values in f32, as the compressor sees them: exact from bf16, f16 and f32, rounded to nearest from f64.
-    fn values_f32(&self) -> Result<Vec<f32>> {
-        let b = self.bytes;
-        Ok(match self.dtype {
-            StDtype::F32 => decode::<4, f32>(b, f32::from_le_bytes),
-            StDtype::F64 => decode::<8, f32>(b, |x| f64::from_le_bytes(x) as f32),
-            StDtype::BF16 => decode::<2, f32>(b, |x| half::bf16::from_le_bytes(x).to_f32()),
-            StDtype::F16 => decode::<2, f32>(b, |x| half::f16::from_le_bytes(x).to_f32()),
-            other => return Err(self.unsupported(other)),
-        })
-    }
-
-    /// The values in f64 (exact from every supported dtype).
-    fn values_f64(&self) -> Result<Vec<f64>> {
-        let b = self.bytes;
-        Ok(match self.dtype {
-            StDtype::F32 => decode::<4, f64>(b, |x| f32::from_le_bytes(x) as f64),
-            StDtype::F64 => decode::<8, f64>(b, f64::from_le_bytes),
-            StDtype::BF16 => decode::<2, f64>(b, |x| half::bf16::from_le_bytes(x).to_f64()),
-            StDtype::F16 => decode::<2, f64>(b, |x| half::f16::from_le_bytes(x).to_f64()),
-            other => return Err(self.unsupported(other)),
-        })
     }
 }

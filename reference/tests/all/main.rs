@@ -8,6 +8,7 @@ mod deltanet_kernel;
 mod fp16_output;
 mod gguf;
 mod gguf_decode;
+mod gguf_packed;
 mod goldens;
 mod long_prompt;
 mod manifest;

@@ -1,0 +1,348 @@
+//! [`GgufMatrix`]: a weight matrix of a GGUF file kept as its ggml blocks in the mapped file, rows decoded to f32
+//! only while a product or a lookup reads them.
+//!
+//! A row of a GGUF matrix is a whole number of blocks ([`GgmlType::row_bytes`]), so row `r` decodes on its own
+//! ([`crate::gguf::decode::dequantize`], bit for bit as ggml). The converter's layout changes that move whole rows
+//! (the value heads' order) are a row order kept beside the bytes, and the one that moves columns (`ssm_out`) a
+//! column order applied to each decoded row: the decoded row is the checkpoint's row, exactly the values the
+//! expanded f32 image holds. The products then run the f32 kernels on those values in their order:
+//!
+//! - few tokens ([`super::MATVEC_MAX_TOKENS`]): each task decodes one row at a time and sums it with
+//!   [`super::matvec`]'s kernel on f32, so each output has the bits [`super::matvec`] gives on the f32 matrix;
+//! - more tokens: blocks of rows are decoded and multiplied by the prompt kernel ([`super::PromptKernel::Avx512`],
+//!   [`super::matvec`]'s order, each output independent of the other rows) or, without AVX-512F, by the blocked
+//!   GEMM with the blocks [`super::MappedMatrix::forward`] uses on an f32 matrix, so the sums are the same.
+//!
+//! Memory: the file's bytes (mapped) and, during a call, a row per task (decode) or one block of rows (prompt).
+
+use super::gemm_kernel::{Isa, Panels, PromptKernel};
+use super::kernel::{GROUP, LANES, dot_rows, simd_available, widen};
+use super::{
+    BLOCK_ELEMENTS, Elem, MATVEC_MAX_TOKENS, SharedMap, WidenRows, blocked_gemm, check_input,
+    gather, rows_f32, to_tensor, widen_rows,
+};
+use crate::error::{Error, Result};
+use crate::gguf::GgmlType;
+use candle_core::{Device, Tensor};
+use rayon::prelude::*;
+use std::borrow::Cow;
+use std::ops::Range;
+use std::sync::Arc;
+
+/// The most values decoded at once on the prompt path (16 MiB of f32).
+const PROMPT_BLOCK_ELEMENTS: usize = 4 << 20;
+
+/// A `[rows, cols]` weight matrix held as a GGUF tensor's ggml blocks in the mapped file (cheap to clone: shared).
+#[derive(Clone)]
+pub struct GgufMatrix(Arc<Blocks>);
+
+/// What a [`GgufMatrix`] shares.
+struct Blocks {
+    map: SharedMap,
+    offset: usize,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+    /// Row `r` of the matrix is stored row `row_order[r]` (`None`: in order).
+    row_order: Option<Vec<usize>>,
+    /// Column `c` of the matrix is column `col_order[c]` of the decoded stored row (`None`: in order).
+    col_order: Option<Vec<usize>>,
+}
+
+impl std::fmt::Debug for GgufMatrix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufMatrix")
+            .field("ty", &self.0.ty)
+            .field("rows", &self.0.rows)
+            .field("cols", &self.0.cols)
+            .field("row_order", &self.0.row_order.is_some())
+            .field("col_order", &self.0.col_order.is_some())
+            .finish()
+    }
+}
+
+/// Checks that `order` (when given) is a permutation of `0..n`; `what` names it in the error.
+fn check_order(order: Option<&[usize]>, n: usize, what: &str) -> Result<()> {
+    let Some(order) = order else { return Ok(()) };
+    let mut seen = vec![false; n];
+    if order.len() != n {
+        return Err(Error::Input(format!(
+            "a {what} order of {} entries for {n} {what}s",
+            order.len()
+        )));
+    }
+    for &i in order {
+        if i >= n || std::mem::replace(&mut seen[i], true) {
+            return Err(Error::Input(format!(
+                "the {what} order is not a permutation of 0..{n} (entry {i})"
+            )));
+        }
+    }
+    Ok(())
+}
+
+impl GgufMatrix {
+    /// The `[rows, cols]` matrix of `ty` blocks at `offset` in `map` (rows stored one after another), its rows and
+    /// columns taken in the orders given. Fails when a row is not a whole number of blocks, when `ty` has no f32
+    /// decoding (integer types), when the bytes overrun the map, or when an order is not a permutation.
+    pub fn new(
+        map: &SharedMap,
+        offset: usize,
+        ty: GgmlType,
+        (rows, cols): (usize, usize),
+        row_order: Option<Vec<usize>>,
+        col_order: Option<Vec<usize>>,
+    ) -> Result<Self> {
+        if matches!(
+            ty,
+            GgmlType::I8 | GgmlType::I16 | GgmlType::I32 | GgmlType::I64
+        ) {
+            return Err(Error::Input(format!(
+                "{ty}: an integer tensor type has no f32 decoding, not a weight's"
+            )));
+        }
+        let row_bytes = usize::try_from(ty.row_bytes(cols as u64).map_err(Error::Input)?)
+            .map_err(|_| Error::Input(format!("a row of {cols} {ty} values is too large")))?;
+        let end = rows
+            .checked_mul(row_bytes)
+            .and_then(|n| n.checked_add(offset));
+        if end.is_none_or(|end| end > map.bytes().len()) {
+            return Err(Error::Input(format!(
+                "matrix [{rows}, {cols}] of {ty} at byte {offset} overruns its buffer of {} bytes",
+                map.bytes().len()
+            )));
+        }
+        check_order(row_order.as_deref(), rows, "row")?;
+        check_order(col_order.as_deref(), cols, "column")?;
+        Ok(GgufMatrix(Arc::new(Blocks {
+            map: map.clone(),
+            offset,
+            ty,
+            rows,
+            cols,
+            row_bytes,
+            row_order,
+            col_order,
+        })))
+    }
+
+    /// Output features (rows).
+    pub fn rows(&self) -> usize {
+        self.0.rows
+    }
+
+    /// Input features (columns).
+    pub fn cols(&self) -> usize {
+        self.0.cols
+    }
+
+    /// The ggml type its blocks are stored as.
+    pub fn ggml_type(&self) -> GgmlType {
+        self.0.ty
+    }
+
+    /// Its bytes in the file.
+    pub fn byte_len(&self) -> usize {
+        self.0.rows * self.0.row_bytes
+    }
+
+    fn range(&self) -> Range<usize> {
+        self.0.offset..self.0.offset + self.byte_len()
+    }
+
+    /// Hands back this process's pages of the matrix's bytes ([`SharedMap::release`]).
+    pub fn release_pages(&self) {
+        self.0.map.release(self.range());
+    }
+
+    /// The stored bytes of row `r` (after the row order).
+    fn stored_row(&self, r: usize) -> &[u8] {
+        let s = self.0.row_order.as_ref().map_or(r, |o| o[r]);
+        let start = self.0.offset + s * self.0.row_bytes;
+        &self.0.map.bytes()[start..start + self.0.row_bytes]
+    }
+
+    /// Row `r` decoded into `dst` (`cols` values); `scratch` holds the stored row when columns are reordered.
+    fn decode_row(&self, r: usize, dst: &mut [f32], scratch: &mut Vec<f32>) {
+        let bytes = self.stored_row(r);
+        // The type, the row's length in whole blocks and `dst`'s length were checked when the matrix was made.
+        let checked = "a row checked when the matrix was made";
+        match &self.0.col_order {
+            None => crate::gguf::decode::dequantize(self.0.ty, bytes, dst).expect(checked),
+            Some(order) => {
+                scratch.resize(self.0.cols, 0.0);
+                crate::gguf::decode::dequantize(self.0.ty, bytes, scratch).expect(checked);
+                for (d, &c) in dst.iter_mut().zip(order.iter()) {
+                    *d = scratch[c];
+                }
+            }
+        }
+    }
+
+    /// Rows `start..start + count` decoded to f32, row-major.
+    pub fn rows_f32(&self, start: usize, count: usize) -> Vec<f32> {
+        rows_f32(self, start, count)
+    }
+
+    /// The whole matrix decoded, an f32 tensor `[rows, cols]` (a full copy: 4 bytes per weight).
+    pub fn to_tensor(&self) -> Result<Tensor> {
+        to_tensor(self)
+    }
+
+    /// The rows `ids` (an embedding lookup), decoded, as an f32 tensor `[ids.len(), cols]`.
+    pub fn gather(&self, ids: &[u32]) -> Result<Tensor> {
+        gather(self, ids)
+    }
+
+    /// `x Wᵀ` for `x` `[T, cols]` f32 → `[T, rows]`: the bits of [`super::MappedMatrix::forward`] on the decoded
+    /// matrix stored as f32 (see the module docs).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let t = check_input(x, self.0.rows, self.0.cols, "a GGUF")?;
+        let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
+        if t <= MATVEC_MAX_TOKENS {
+            let y = self.matvec(&xs, t);
+            return Ok(Tensor::from_vec(y, (t, self.0.rows), &Device::Cpu)?);
+        }
+        if PromptKernel::detect() == PromptKernel::Avx512 {
+            let y = self.prompt_product(&xs, t);
+            return Ok(Tensor::from_vec(y, (t, self.0.rows), &Device::Cpu)?);
+        }
+        let block = (BLOCK_ELEMENTS / self.0.cols.max(1)).max(1);
+        blocked_gemm(x, self.0.rows, self.0.cols, block, |s, out| {
+            widen_rows(self, s, out)
+        })
+    }
+
+    /// `y = x Wᵀ` for `t` tokens, each row decoded then summed by [`super::matvec`]'s kernel on f32 (its bits).
+    pub fn matvec(&self, x: &[f32], t: usize) -> Vec<f32> {
+        assert_eq!(x.len(), t * self.0.cols, "matvec: x must be [t, cols]");
+        let (rows, cols) = (self.0.rows, self.0.cols);
+        if rows == 0 || t == 0 {
+            return vec![0f32; rows * t];
+        }
+        let simd = simd_available(Elem::F32);
+        // As `matvec` splits rows (which thread computes a row, never how): ~16 tasks a thread, 256 KiB of f32 each.
+        let threads = rayon::current_num_threads().max(1);
+        let rows_per_task = rows
+            .div_ceil(16 * threads)
+            .max((256 << 10) / (4 * cols).max(1))
+            .max(1);
+        let mut yt = vec![0f32; rows * t];
+        yt.par_chunks_mut(rows_per_task * t)
+            .enumerate()
+            .for_each(|(task, out)| {
+                let mut row = vec![0f32; cols];
+                let mut scratch = Vec::new();
+                for (k, y) in out.chunks_mut(t).enumerate() {
+                    self.decode_row(task * rows_per_task + k, &mut row, &mut scratch);
+                    let bytes = f32_bytes(&row);
+                    for (g, ys) in y.chunks_mut(GROUP).enumerate() {
+                        let xs = &x[g * GROUP * cols..(g * GROUP + ys.len()) * cols];
+                        dot_rows(&bytes, Elem::F32, xs, cols, ys, simd);
+                    }
+                }
+            });
+        if t == 1 {
+            return yt;
+        }
+        let mut y = vec![0f32; rows * t];
+        for r in 0..rows {
+            for j in 0..t {
+                y[j * rows + r] = yt[r * t + j];
+            }
+        }
+        y
+    }
+
+    /// The prompt kernel's product (AVX-512F): blocks of rows decoded into one buffer and multiplied, each block's
+    /// outputs written into their columns of `y` `[t, rows]`.
+    fn prompt_product(&self, x: &[f32], t: usize) -> Vec<f32> {
+        let (rows, cols) = (self.0.rows, self.0.cols);
+        let block = (PROMPT_BLOCK_ELEMENTS / cols.max(1)).max(1);
+        let mut y = vec![0f32; t * rows];
+        let mut buf = vec![0f32; block.min(rows) * cols];
+        let mut start = 0;
+        while start < rows {
+            let count = block.min(rows - start);
+            let w = &mut buf[..count * cols];
+            widen_rows(self, start, w);
+            let decoded = F32Rows {
+                values: w,
+                rows: count,
+                cols,
+            };
+            let part = super::gemm_kernel::product(&decoded, x, t)
+                .expect("the prompt kernel runs on this CPU (detected by the caller)");
+            for j in 0..t {
+                y[j * rows + start..j * rows + start + count]
+                    .copy_from_slice(&part[j * count..(j + 1) * count]);
+            }
+            start += count;
+        }
+        y
+    }
+}
+
+impl WidenRows for GgufMatrix {
+    fn shape(&self) -> (usize, usize) {
+        (self.0.rows, self.0.cols)
+    }
+
+    fn widen_row(&self, r: usize, dst: &mut [f32]) {
+        let mut scratch = Vec::new();
+        self.decode_row(r, dst, &mut scratch);
+    }
+}
+
+/// f32 values as their little-endian bytes (what [`Elem::F32`] reads): a view on a little-endian CPU.
+fn f32_bytes(values: &[f32]) -> Cow<'_, [u8]> {
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: any initialised f32 is 4 initialised bytes; u8 has no alignment requirement; the length covers
+        // exactly the slice's bytes, borrowed for the slice's lifetime.
+        Cow::Borrowed(unsafe {
+            std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
+        })
+    }
+    #[cfg(not(target_endian = "little"))]
+    {
+        Cow::Owned(values.iter().flat_map(|v| v.to_le_bytes()).collect())
+    }
+}
+
+/// A block of decoded rows, row-major f32, as the prompt kernel reads a stored f32 matrix.
+struct F32Rows<'a> {
+    values: &'a [f32],
+    rows: usize,
+    cols: usize,
+}
+
+impl F32Rows<'_> {
+    fn row(&self, r: usize) -> Cow<'_, [u8]> {
+        f32_bytes(&self.values[r * self.cols..(r + 1) * self.cols])
+    }
+}
+
+impl Panels for F32Rows<'_> {
+    fn shape(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+
+    unsafe fn widen<I: Isa>(
+        &self,
+        r: usize,
+        steps: Range<usize>,
+        dst: &mut [f32],
+        stride: usize,
+        second: usize,
+    ) {
+        // SAFETY: the caller's guarantee.
+        unsafe { I::widen_stored(&self.row(r), Elem::F32, steps, dst, stride, second) };
+    }
+
+    fn tail(&self, r: usize, tail: &mut [f32]) {
+        let main = self.cols / LANES * LANES;
+        widen(&self.row(r)[main * 4..], Elem::F32, tail);
+    }
+}
