@@ -119,8 +119,11 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
         }
         .open()?,
         None => {
-            let (dir, config, store) = args.model.open()?;
+            let (dir, config, mut store) = args.model.open()?;
             args.form.check_model(&dir, &config)?;
+            if let Plan::Reference(_) = plan {
+                args.form.apply_arithmetic(&mut store)?;
+            }
             (dir, config, store)
         }
     };

@@ -1,9 +1,10 @@
 //! GGUF checkpoints, as llama.cpp writes them: [`types`] names every ggml tensor type with its block size; [`file`]
-//! reads the container; [`model`] maps a Qwen3.5 GGUF's metadata and tensors onto the reference's config and the
+//! reads the container; [`arith`] models llama.cpp's CPU arithmetic on a GGUF's weights; [`model`] maps a Qwen3.5 GGUF's metadata and tensors onto the reference's config and the
 //! checkpoint's tensor names and layouts; [`tokenizer`] builds the tokenizer its vocabulary and merges describe.
 //! [`find`] says whether a `--model` path is a GGUF, [`model_config`] and [`checkpoint_image`] are what the config
 //! reader and the weight store open in its place, so every command taking `--model` runs a GGUF.
 
+pub mod arith;
 pub mod decode;
 pub mod file;
 pub mod types;

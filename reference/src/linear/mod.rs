@@ -28,6 +28,7 @@
 //! rounding), the portable path does not; each path is deterministic.
 
 use crate::error::{Error, Result};
+use crate::gguf::arith::InputRounding;
 use candle_core::{DType, Device, Tensor};
 use memmap2::Mmap;
 use std::sync::Arc;
@@ -37,6 +38,7 @@ mod kernel;
 mod on_read;
 mod packed;
 mod quant_kernel;
+mod rounded;
 mod rows;
 
 pub use gemm_kernel::PromptKernel;
@@ -316,6 +318,10 @@ pub enum Linear {
     /// Read in place and quantised a row at a time when read (the embedding of a compressed f32 run): the packed
     /// matrix's values without its codes held.
     OnRead(QuantizedOnRead),
+    /// A weight whose input is first rounded as llama.cpp's CPU converts it for this weight's ggml type (its
+    /// `vec_dot_type`, [`crate::gguf::arith`]): the inner weight's product with the rounded activations. Lookups
+    /// ([`Linear::gather`]) read the inner weight unchanged.
+    RoundedInput(InputRounding, Box<Linear>),
 }
 
 impl Linear {
@@ -326,6 +332,15 @@ impl Linear {
             Linear::Packed(m) => m.forward(x),
             Linear::Dense(w) => crate::ops::linear(x, w),
             Linear::OnRead(m) => m.packed()?.forward(x),
+            Linear::RoundedInput(r, inner) => rounded::forward(r, inner, x),
+        }
+    }
+
+    /// The weight itself, under any input rounding ([`Linear::RoundedInput`]).
+    pub fn weight(&self) -> &Linear {
+        match self {
+            Linear::RoundedInput(_, inner) => inner.weight(),
+            other => other,
         }
     }
 
@@ -339,6 +354,7 @@ impl Linear {
                 Ok(w.index_select(&ids, 0)?)
             }
             Linear::OnRead(m) => m.gather(ids),
+            Linear::RoundedInput(_, inner) => inner.gather(ids),
         }
     }
 
@@ -348,6 +364,7 @@ impl Linear {
         match self {
             Linear::Mapped(m) => m.release_pages(),
             Linear::OnRead(m) => m.release_pages(),
+            Linear::RoundedInput(_, inner) => inner.release_pages(),
             Linear::Packed(_) | Linear::Dense(_) => {}
         }
     }
@@ -359,6 +376,7 @@ impl Linear {
             Linear::Packed(m) => m.to_tensor(),
             Linear::Dense(w) => Ok(w.clone()),
             Linear::OnRead(m) => m.packed()?.to_tensor(),
+            Linear::RoundedInput(_, inner) => inner.to_tensor(),
         }
     }
 }

@@ -13,6 +13,7 @@
 //! was read from are then handed back ([`SharedMap::release`]).
 
 use crate::error::{Error, Result};
+use crate::gguf::arith::{Arithmetic, InputRounding};
 use crate::linear::{Elem, Linear, MappedMatrix, SharedMap};
 use crate::quant::{Storage, WeightFormat, round_f16};
 use crate::schema::TensorSpec;
@@ -22,6 +23,7 @@ use safetensors::tensor::{Dtype as StDtype, Metadata, TensorInfo};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
+mod arith;
 mod compressed;
 mod experts;
 mod vision;
@@ -104,6 +106,11 @@ pub struct WeightStore {
     dtype: DType,
     format: WeightFormat,
     device: Device,
+    /// How the reference computes on these weights ([`WeightStore::set_arithmetic`]).
+    arithmetic: Arithmetic,
+    /// Under [`Arithmetic::LlamaCpp`]: how each GGUF weight's input is rounded, by checkpoint name (or why it cannot
+    /// be modelled).
+    input_roundings: HashMap<String, std::result::Result<InputRounding, String>>,
 }
 
 /// Decoder name prefixes, text-only export first.
@@ -252,6 +259,8 @@ impl WeightStore {
             dtype,
             format,
             device: Device::Cpu,
+            arithmetic: Arithmetic::Reference,
+            input_roundings: HashMap::new(),
         })
     }
 
@@ -305,6 +314,12 @@ impl WeightStore {
     /// (see [`crate::linear`]). Otherwise (f64 runs) the tensor [`WeightStore::load`] returns. The values are the same
     /// on every path.
     pub fn linear(&self, spec: &TensorSpec) -> Result<Linear> {
+        let weight = self.stored_linear(spec)?;
+        self.rounded_input(spec, weight)
+    }
+
+    /// [`WeightStore::linear`] without the arithmetic's input rounding.
+    fn stored_linear(&self, spec: &TensorSpec) -> Result<Linear> {
         if let Some(m) = self.mapped(spec)? {
             return Ok(Linear::Mapped(m));
         }
