@@ -154,7 +154,7 @@ impl FormArgs {
         };
         store
             .set_arithmetic(arithmetic)
-            .map_err(|e| anyhow::anyhow!("--arithmetic {}: {e}", arithmetic.name()))
+            .map_err(|e| anyhow::anyhow!("--{e}"))
     }
 
     /// `--output-scale`, or `default`, validated.
