@@ -3,6 +3,8 @@
 
 use crate::config::Config;
 use crate::error::Result;
+use crate::gguf::arith::Arithmetic;
+use crate::gguf::arith::attention::{Shape, flash_attention_f16};
 use crate::linear::Linear;
 use crate::masks;
 use crate::ops::{rms_norm, sigmoid, softmax_last_dim};
@@ -10,8 +12,6 @@ use crate::rope::RotaryTables;
 use crate::schema::{Param, Schema};
 use crate::taps::{Taps, names};
 use crate::weights::WeightStore;
-use crate::gguf::arith::Arithmetic;
-use crate::gguf::arith::attention::{Shape, flash_attention_f16};
 use candle_core::{DType, Tensor};
 
 /// The key/value cache of one attention layer: `[Hkv, P, D]` each, keys after norm and RoPE.

@@ -110,7 +110,10 @@ fn logits(path: &Path) -> Vec<Vec<f32>> {
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         .collect();
-    values.chunks_exact(t.shape()[1]).map(<[f32]>::to_vec).collect()
+    values
+        .chunks_exact(t.shape()[1])
+        .map(<[f32]>::to_vec)
+        .collect()
 }
 
 /// The index of the largest value.

@@ -79,14 +79,9 @@ impl VecDotType {
             T::F32 => VecDotType::F32,
             T::F16 => VecDotType::F16,
             T::BF16 => VecDotType::Bf16,
-            T::Q4_0
-            | T::Q5_0
-            | T::Q8_0
-            | T::IQ4_NL
-            | T::MXFP4
-            | T::NVFP4
-            | T::Q1_0
-            | T::Q2_0 => VecDotType::Q8_0,
+            T::Q4_0 | T::Q5_0 | T::Q8_0 | T::IQ4_NL | T::MXFP4 | T::NVFP4 | T::Q1_0 | T::Q2_0 => {
+                VecDotType::Q8_0
+            }
             T::Q4_1 | T::Q5_1 => VecDotType::Q8_1,
             T::Q2_K
             | T::Q3_K
@@ -158,9 +153,10 @@ fn amax(block: &[f32]) -> f32 {
     block.iter().fold(0f32, |m, x| m.max(x.abs()))
 }
 
-/// `round(v)` to the nearest integer, ties to even, saturated to i8 (SSE's round-to-nearest then `packs`).
+/// `round(v)` to the nearest integer, ties to even, saturated to i8 (SSE's round-to-nearest then `packs`); an
+/// integer code, so never -0 (`+ 0.0` turns -0 into +0 and leaves every other value).
 fn code(v: f32) -> f32 {
-    v.round_ties_even().clamp(-128.0, 127.0)
+    v.round_ties_even().clamp(-128.0, 127.0) + 0.0
 }
 
 /// One Q8_0 (or Q8_1) block as ggml's x86 `quantize_row_q8_0` quantizes it, dequantized: `f16(amax / 127) · q` with
@@ -175,15 +171,22 @@ fn q8_0_block(block: &mut [f32]) {
 }
 
 /// One Q8_K block as ggml's `quantize_row_q8_K_ref` (the x86 `quantize_row_q8_K`) quantizes it, dequantized:
-/// `d · q` in f32 with `iscale = 127 / amax` (ggml takes the sign of the largest element, which negates `d` and `q`
-/// together and leaves the product's bits), `q = round_half_even(iscale · x)` at most 127, `d = 1 / iscale`.
+/// `d · q` in f32 with `iscale = −127 / max` (`max` the first element of the largest magnitude, with its sign),
+/// `q = round_half_even(iscale · x)` at most 127, `d = 1 / iscale` (a zero code takes the sign of `d`).
 fn q8_k_block(block: &mut [f32]) {
-    let m = amax(block);
-    if m == 0.0 {
+    let mut max = 0f32;
+    let mut amax = 0f32;
+    for &x in block.iter() {
+        if x.abs() > amax {
+            amax = x.abs();
+            max = x;
+        }
+    }
+    if amax == 0.0 {
         block.iter_mut().for_each(|x| *x = 0.0);
         return;
     }
-    let iscale = 127.0 / m;
+    let iscale = -127.0 / max;
     let d = 1.0 / iscale;
     for x in block.iter_mut() {
         *x = d * code(iscale * *x).min(127.0);
@@ -328,8 +331,10 @@ mod tests {
     }
 
     #[test]
-    fn q8_k_scale_is_kept_in_f32_and_the_sign_of_the_maximum_does_not_matter() {
-        let mut row: Vec<f32> = (0..256).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
+    fn q8_k_scale_is_kept_in_f32_and_negating_a_row_negates_its_values() {
+        let mut row: Vec<f32> = (0..256)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
         let mut neg: Vec<f32> = row.iter().map(|x| -x).collect();
         let x = row.clone();
         VecDotType::Q8K.round_trip(&mut row).unwrap();
@@ -341,7 +346,10 @@ mod tests {
             assert_eq!(y, (1.0 / iscale) * (iscale * x[i]).round_ties_even(), "{i}");
         }
         // The largest element maps to exactly ±127 codes.
-        assert_eq!(row.iter().fold(0f32, |a, b| a.max(b.abs())), 127.0 * (1.0 / iscale));
+        assert_eq!(
+            row.iter().fold(0f32, |a, b| a.max(b.abs())),
+            127.0 * (1.0 / iscale)
+        );
     }
 
     #[test]

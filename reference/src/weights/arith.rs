@@ -36,10 +36,7 @@ impl WeightStore {
                 ));
             }
             if self.dtype != DType::F32 {
-                return refuse(format!(
-                    "llama.cpp computes in f32, not {:?}",
-                    self.dtype
-                ));
+                return refuse(format!("llama.cpp computes in f32, not {:?}", self.dtype));
             }
             let config = crate::gguf::model_config(&gguf)?;
             self.input_roundings = crate::gguf::arith::input_roundings(&gguf, &config)?;

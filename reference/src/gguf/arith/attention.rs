@@ -170,7 +170,11 @@ mod tests {
                 let scores: Vec<f64> = (0..=past + t)
                     .map(|j| {
                         let kr = &k[(kv * s.keys + j) * d..][..d];
-                        qr.iter().zip(kr).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() * scale as f64
+                        qr.iter()
+                            .zip(kr)
+                            .map(|(&a, &b)| a as f64 * b as f64)
+                            .sum::<f64>()
+                            * scale as f64
                     })
                     .collect();
                 let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -215,6 +219,9 @@ mod tests {
         let mut v2 = v.clone();
         v2[(5 - 1) * 16 + 16 * 5] = 100.0;
         let again = flash_attention_f16(&q, &k, &v2, shape, 0.25);
-        assert_eq!(again[3 * 3 * 16..3 * 3 * 16 + 16], got[3 * 3 * 16..3 * 3 * 16 + 16]);
+        assert_eq!(
+            again[3 * 3 * 16..3 * 3 * 16 + 16],
+            got[3 * 3 * 16..3 * 3 * 16 + 16]
+        );
     }
 }

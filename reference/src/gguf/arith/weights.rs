@@ -50,7 +50,10 @@ pub fn input_roundings(
             Ok(Target::Experts { layer, proj }) => match rounding(&file, info, None, heads) {
                 Ok(per_expert) => {
                     for (e, r) in per_expert.into_iter().enumerate() {
-                        out.insert(format!("model.layers.{layer}.mlp.experts.{e}.{proj}.weight"), Ok(r));
+                        out.insert(
+                            format!("model.layers.{layer}.mlp.experts.{e}.{proj}.weight"),
+                            Ok(r),
+                        );
                     }
                 }
                 Err(e) => {
