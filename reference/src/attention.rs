@@ -3,6 +3,8 @@
 
 use crate::config::Config;
 use crate::error::Result;
+use crate::gguf::arith::Arithmetic;
+use crate::gguf::arith::attention::{Shape, flash_attention_f16};
 use crate::linear::Linear;
 use crate::masks;
 use crate::ops::{rms_norm, sigmoid, softmax_last_dim};
@@ -10,7 +12,7 @@ use crate::rope::RotaryTables;
 use crate::schema::{Param, Schema};
 use crate::taps::{Taps, names};
 use crate::weights::WeightStore;
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 /// The key/value cache of one attention layer: `[Hkv, P, D]` each, keys after norm and RoPE.
 #[derive(Debug, Clone, Default)]
@@ -46,6 +48,8 @@ pub struct Attention {
     kv_heads: usize,
     head_dim: usize,
     eps: f64,
+    /// [`Arithmetic::LlamaCpp`]: K and V cached in f16, llama.cpp's flash attention ([`flash_attention_f16`]).
+    arithmetic: Arithmetic,
 }
 
 impl Attention {
@@ -65,6 +69,7 @@ impl Attention {
             kv_heads: c.num_key_value_heads,
             head_dim: c.head_dim,
             eps: c.rms_norm_eps,
+            arithmetic: w.arithmetic(),
         })
     }
 
@@ -100,8 +105,14 @@ impl Attention {
         taps.record(|| tap_name(names::GATE), &gate)?;
 
         let q = q.transpose(0, 1)?.contiguous()?; // [H, T, D]
-        let k = k.transpose(0, 1)?.contiguous()?; // [Hkv, T, D]
-        let v = v.transpose(0, 1)?.contiguous()?;
+        let mut k = k.transpose(0, 1)?.contiguous()?; // [Hkv, T, D]
+        let mut v = v.transpose(0, 1)?.contiguous()?;
+        let llama_cpp = self.arithmetic == Arithmetic::LlamaCpp;
+        if llama_cpp {
+            // llama.cpp's cache holds K and V in f16.
+            k = k.to_dtype(DType::F16)?.to_dtype(DType::F32)?;
+            v = v.to_dtype(DType::F16)?.to_dtype(DType::F32)?;
+        }
         let past = cache.len();
         let keys = match &cache.keys {
             Some(prev) => Tensor::cat(&[prev, &k], 1)?,
@@ -112,21 +123,44 @@ impl Attention {
             None => v,
         };
 
+        if llama_cpp {
+            let shape = Shape {
+                heads: nh,
+                kv_heads: nkv,
+                tokens: t,
+                keys: past + t,
+                head_dim: d,
+            };
+            let out = flash_attention_f16(
+                &q.flatten_all()?.to_vec1()?,
+                &keys.flatten_all()?.to_vec1()?,
+                &values.flatten_all()?.to_vec1()?,
+                shape,
+                (d as f32).sqrt().recip(),
+            );
+            let out = Tensor::from_vec(out, (nh, t, d), x.device())?;
+            cache.keys = Some(keys);
+            cache.values = Some(values);
+            return self.finish(out, &gate, taps, &tap_name(""));
+        }
         // Query head h uses kv head h / (H / Hkv): group the query heads of each kv head together.
         let group = nh / nkv;
         let q = q.reshape((nkv, group * t, d))?;
         let scores = (q.matmul(&keys.t()?)? * (d as f64).powf(-0.5))?; // [Hkv, G·T, S]
         let mask = causal_bias(t, past, group, scores.dtype(), scores.device())?; // [G·T, S]
         let probs = softmax_last_dim(&scores.broadcast_add(&mask)?)?;
-        let out = probs.matmul(&values)?; // [Hkv, G·T, D]
-        let out = out
-            .reshape((nh, t, d))?
-            .transpose(0, 1)?
-            .reshape((t, nh * d))?;
-        let gated = (out * sigmoid(&gate)?)?;
-        taps.record(|| tap_name(names::GATED_OUTPUT), &gated)?;
+        let out = probs.matmul(&values)?.reshape((nh, t, d))?; // [H, T, D]
         cache.keys = Some(keys);
         cache.values = Some(values);
+        self.finish(out, &gate, taps, &tap_name(""))
+    }
+
+    /// The gate and `o_proj` on the attention's output `[H, T, D]`.
+    fn finish(&self, out: Tensor, gate: &Tensor, taps: &mut Taps, scope: &str) -> Result<Tensor> {
+        let (nh, t, d) = out.dims3()?;
+        let out = out.transpose(0, 1)?.reshape((t, nh * d))?;
+        let gated = (out * sigmoid(gate)?)?;
+        taps.record(|| format!("{scope}{}", names::GATED_OUTPUT), &gated)?;
         self.o_proj.forward(&gated)
     }
 }

@@ -89,7 +89,7 @@ impl InPlace {
                 if matrix
                     && always_read(config, spec.param)
                     && store.held(&spec)?.mapped > 0
-                    && let Linear::Mapped(m) = store.linear(&spec)?
+                    && let Linear::Mapped(m) = store.linear(&spec)?.weight().clone()
                 {
                     out.push(m);
                 }

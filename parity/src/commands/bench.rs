@@ -134,7 +134,10 @@ pub fn exec(args: BenchArgs) -> Result<Outcome> {
     };
     let sampler = Sampler::start(Duration::from_millis(10));
     let start = Instant::now();
-    let (dir, config, store) = args.model.open_for(&args.form)?;
+    let (dir, config, mut store) = args.model.open_for(&args.form)?;
+    if let Plan::Reference(_) = plan {
+        args.form.apply_arithmetic(&mut store)?;
+    }
     check_positions(
         args.prompt_tokens,
         args.decode_tokens.saturating_add(1),

@@ -119,7 +119,10 @@ pub fn exec(args: DumpArgs) -> Result<Outcome> {
         }
         .open()?,
         None => {
-            let (dir, config, store) = args.model.open_for(&args.form)?;
+            let (dir, config, mut store) = args.model.open_for(&args.form)?;
+            if let Plan::Reference(_) = plan {
+                args.form.apply_arithmetic(&mut store)?;
+            }
             (dir, config, store)
         }
     };

@@ -42,7 +42,8 @@ pub struct RunArgs {
 /// Runs `qwen35 run`.
 pub fn exec(args: RunArgs) -> Result<Outcome> {
     let opts = args.form.run_options()?;
-    let (dir, config, store) = args.model.open()?;
+    let (dir, config, mut store) = args.model.open()?;
+    args.form.apply_arithmetic(&mut store)?;
     let tok = ChatTokenizer::load(&dir)?;
     let given = args
         .token_ids

@@ -1,10 +1,11 @@
 //! GGUF checkpoints, as llama.cpp writes them: [`types`] names every ggml tensor type with its block size; [`file`]
-//! reads the container; [`model`] maps a Qwen3.5 GGUF's metadata and tensors onto the reference's config and the
+//! reads the container; [`arith`] models llama.cpp's CPU arithmetic on a GGUF's weights; [`model`] maps a Qwen3.5 GGUF's metadata and tensors onto the reference's config and the
 //! checkpoint's tensor names and layouts; [`tokenizer`] builds the tokenizer its vocabulary and merges describe.
 //! [`find`] says whether a `--model` path is a GGUF, [`model_config`] and [`packed_image`] (its matrices kept packed
 //! in the mapped file) or [`checkpoint_image`] (every tensor decoded) are what the config reader and the weight
 //! store open in its place, so every command taking `--model` runs a GGUF.
 
+pub mod arith;
 pub mod decode;
 pub mod file;
 pub mod types;
@@ -98,7 +99,6 @@ pub fn write_checkpoint(path: &Path, fault: Option<model::fault::Fault>, dir: &P
     write("config.json", text.as_bytes())?;
     write("model.safetensors", &safetensors_image(&tensors))
 }
-
 
 /// A GGUF with its weight matrices kept packed ([`model::packed::split`]): the config, the split, the decoded
 /// tensors serialised as [`checkpoint_image`] serialises them, and the file's map the packed matrices point into.

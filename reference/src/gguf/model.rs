@@ -386,7 +386,7 @@ pub struct CheckpointTensor {
 
 /// What a GGUF tensor is in the checkpoint.
 #[derive(Debug, Clone, PartialEq)]
-enum Target {
+pub(crate) enum Target {
     /// One tensor, `layout` undone.
     One(String, Layout),
     /// The stacked experts `[E, out, in]`, split into `model.layers.{i}.mlp.experts.{e}.{proj}.weight`.
@@ -417,7 +417,7 @@ pub enum Layout {
 }
 
 /// The checkpoint name and layout of a GGUF tensor of a `layers`-layer decoder, or an error naming it.
-fn target(name: &str, layers: usize) -> std::result::Result<Target, String> {
+pub(crate) fn target(name: &str, layers: usize) -> std::result::Result<Target, String> {
     let global = |n: &str, layout| Ok(Target::One(n.to_string(), layout));
     match name {
         "token_embd.weight" => return global("model.embed_tokens.weight", Layout::Plain),

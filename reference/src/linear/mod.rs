@@ -28,6 +28,7 @@
 //! rounding), the portable path does not; each path is deterministic.
 
 use crate::error::{Error, Result};
+use crate::gguf::arith::InputRounding;
 use candle_core::{DType, Device, Tensor};
 use memmap2::Mmap;
 use std::sync::Arc;
@@ -38,6 +39,7 @@ mod kernel;
 mod on_read;
 mod packed;
 mod quant_kernel;
+mod rounded;
 mod rows;
 
 pub use gemm_kernel::PromptKernel;
@@ -332,6 +334,10 @@ pub enum Linear {
     /// A GGUF tensor's ggml blocks in the mapped file, rows decoded as they are read (f32 runs of a GGUF): the
     /// products of the decoded matrix stored as f32, bit for bit.
     Gguf(GgufMatrix),
+    /// A weight whose input is first rounded as llama.cpp's CPU converts it for this weight's ggml type (its
+    /// `vec_dot_type`, [`crate::gguf::arith`]): the inner weight's product with the rounded activations. Lookups
+    /// ([`Linear::gather`]) read the inner weight unchanged.
+    RoundedInput(InputRounding, Box<Linear>),
 }
 
 impl Linear {
@@ -343,6 +349,15 @@ impl Linear {
             Linear::Dense(w) => crate::ops::linear(x, w),
             Linear::OnRead(m) => m.packed()?.forward(x),
             Linear::Gguf(m) => m.forward(x),
+            Linear::RoundedInput(r, inner) => rounded::forward(r, inner, x),
+        }
+    }
+
+    /// The weight itself, under any input rounding ([`Linear::RoundedInput`]).
+    pub fn weight(&self) -> &Linear {
+        match self {
+            Linear::RoundedInput(_, inner) => inner.weight(),
+            other => other,
         }
     }
 
@@ -357,6 +372,7 @@ impl Linear {
             }
             Linear::OnRead(m) => m.gather(ids),
             Linear::Gguf(m) => m.gather(ids),
+            Linear::RoundedInput(_, inner) => inner.gather(ids),
         }
     }
 
@@ -367,6 +383,7 @@ impl Linear {
             Linear::Mapped(m) => m.release_pages(),
             Linear::OnRead(m) => m.release_pages(),
             Linear::Gguf(m) => m.release_pages(),
+            Linear::RoundedInput(_, inner) => inner.release_pages(),
             Linear::Packed(_) | Linear::Dense(_) => {}
         }
     }
@@ -379,6 +396,7 @@ impl Linear {
             Linear::Dense(w) => Ok(w.clone()),
             Linear::OnRead(m) => m.packed()?.to_tensor(),
             Linear::Gguf(m) => m.to_tensor(),
+            Linear::RoundedInput(_, inner) => inner.to_tensor(),
         }
     }
 
@@ -387,6 +405,7 @@ impl Linear {
     pub fn ggml_type(&self) -> Option<crate::gguf::GgmlType> {
         match self {
             Linear::Gguf(m) => Some(m.ggml_type()),
+            Linear::RoundedInput(_, inner) => inner.ggml_type(),
             Linear::Mapped(_) | Linear::Packed(_) | Linear::Dense(_) | Linear::OnRead(_) => None,
         }
     }

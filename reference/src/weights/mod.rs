@@ -17,6 +17,7 @@
 //! f32 matrix) and decodes only the small tensors into memory; f64 and compressed runs decode it whole (see `gguf`).
 
 use crate::error::{Error, Result};
+use crate::gguf::arith::{Arithmetic, InputRounding};
 use crate::linear::{Elem, Linear, MappedMatrix, SharedMap};
 use crate::quant::{Storage, WeightFormat, round_f16};
 use crate::schema::TensorSpec;
@@ -26,6 +27,7 @@ use safetensors::tensor::{Dtype as StDtype, Metadata, TensorInfo};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
+mod arith;
 mod compressed;
 mod experts;
 mod gguf;
@@ -97,6 +99,11 @@ pub struct WeightStore {
     device: Device,
     /// A GGUF's matrices kept packed (f32 runs of a GGUF, see [`gguf`]).
     gguf: Option<gguf::GgufWeights>,
+    /// How the reference computes on these weights ([`WeightStore::set_arithmetic`]).
+    arithmetic: Arithmetic,
+    /// Under [`Arithmetic::LlamaCpp`]: how each GGUF weight's input is rounded, by checkpoint name (or why it cannot
+    /// be modelled).
+    input_roundings: HashMap<String, std::result::Result<InputRounding, String>>,
 }
 
 /// Decoder name prefixes, text-only export first.
@@ -256,6 +263,8 @@ impl WeightStore {
             format,
             device: Device::Cpu,
             gguf: packed,
+            arithmetic: Arithmetic::Reference,
+            input_roundings: HashMap::new(),
         })
     }
 
@@ -312,6 +321,12 @@ impl WeightStore {
     /// (see [`crate::linear`]). Otherwise (f64 runs) the tensor [`WeightStore::load`] returns. The values are the same
     /// on every path.
     pub fn linear(&self, spec: &TensorSpec) -> Result<Linear> {
+        let weight = self.stored_linear(spec)?;
+        self.rounded_input(spec, weight)
+    }
+
+    /// [`WeightStore::linear`] without the arithmetic's input rounding.
+    fn stored_linear(&self, spec: &TensorSpec) -> Result<Linear> {
         if let Some(l) = self.gguf_linear(spec)? {
             return Ok(l);
         }

@@ -1,5 +1,5 @@
 //! How the reference and the graphs compute (`--deltanet-form`, `--chunk`, `--inverse`, `--decode-form`,
-//! `--prefill-block`, `--output-scale`, `--moe-form`): the reference's run options, or the graphs' forms, each
+//! `--prefill-block`, `--output-scale`, `--moe-form`, `--arithmetic`): the reference's run options, or the graphs' forms, each
 //! refusing the options that do not apply.
 
 use anyhow::{Result, bail};
@@ -7,7 +7,9 @@ use clap::{Args, ValueEnum};
 use npu::graphs::{DeltaNetGraphForm, MoeGraphForm};
 use reference::config::Config;
 use reference::deltanet::{DEFAULT_CHUNK, Form, Inverse};
+use reference::gguf::arith::Arithmetic;
 use reference::model::RunOptions;
+use reference::weights::WeightStore;
 use std::path::Path;
 
 /// Delta-rule form of prompt (multi-token) forward calls.
@@ -82,6 +84,20 @@ pub struct FormArgs {
     /// auto: gathered when the experts number at least 16 times the chosen, masked otherwise.
     #[arg(long, value_enum)]
     pub moe_form: Option<MoeFormArg>,
+    /// Reference only, GGUF models: `llama-cpp` models llama.cpp's CPU arithmetic on the file's ggml types (each
+    /// product's activations rounded through the weight's vec_dot type, an f16 KV cache, flash attention with an
+    /// f16 accumulator: docs/llamacpp.md); default `reference` (f32 products, f32 cache).
+    #[arg(long, value_enum)]
+    pub arithmetic: Option<ArithmeticArg>,
+}
+
+/// How the reference computes on a GGUF's weights (`--arithmetic`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ArithmeticArg {
+    /// The reference's own f32 arithmetic.
+    Reference,
+    /// llama.cpp's CPU back end.
+    LlamaCpp,
 }
 
 impl FormArgs {
@@ -129,6 +145,18 @@ impl FormArgs {
         })
     }
 
+    /// Sets `--arithmetic` on the reference's weights: `llama-cpp` is refused, naming the flag, unless `store` holds a
+    /// GGUF file's weights in their own types in f32.
+    pub fn apply_arithmetic(&self, store: &mut WeightStore) -> Result<()> {
+        let arithmetic = match self.arithmetic {
+            None | Some(ArithmeticArg::Reference) => Arithmetic::Reference,
+            Some(ArithmeticArg::LlamaCpp) => Arithmetic::LlamaCpp,
+        };
+        store
+            .set_arithmetic(arithmetic)
+            .map_err(|e| anyhow::anyhow!("--{e}"))
+    }
+
     /// `--output-scale`, or `default`, validated.
     pub fn output_scale(&self, default: f64) -> Result<f64> {
         let s = self.output_scale.unwrap_or(default);
@@ -140,6 +168,12 @@ impl FormArgs {
     /// The DeltaNet form of OpenVINO graphs (`--deltanet-form` matrix, chunked or loop; chunked uses `--inverse`,
     /// block doubling by default). Reference-only options are refused.
     pub fn graph_form(&self) -> Result<DeltaNetGraphForm> {
+        if self.arithmetic.is_some() {
+            bail!(
+                "--arithmetic applies to the reference (it models llama.cpp's CPU there); OpenVINO graphs compute \
+                 as their --precision says"
+            );
+        }
         if self.prefill_block.is_some() {
             bail!(
                 "--prefill-block applies to the reference; OpenVINO prompts run in blocks of --block"
