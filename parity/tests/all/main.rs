@@ -21,6 +21,7 @@ mod graph_sets;
 mod harness;
 mod images;
 mod llamacpp_diff;
+mod loader_outputs;
 mod low_precision;
 mod memory;
 mod moe_devices;
