@@ -3,44 +3,21 @@
 //! run's dump against the checkpoint's names the layer and the tensor where the fault first shows; the KV heads,
 //! which shape the attention's tensors, are refused at load, naming the layer's `k_proj`.
 
-use crate::common::{qwen35, stderr, testdata};
+use crate::common::{gguf, stderr, testdata};
 use reference::gguf::model::fault::Fault;
 use std::path::{Path, PathBuf};
 
-/// The first 8 token ids of tiny's golden prompt.
-const TOKENS: &str = "508,82,88,282,68,76,198,56";
-
 /// The reference's dump of `model` (a checkpoint directory or a GGUF file) into `out`: the exit code and stderr.
 fn dump(model: &Path, out: &Path) -> (Option<i32>, String) {
-    let o = qwen35(&[
-        "dump",
-        "--model",
-        model.to_str().unwrap(),
-        "--token-ids",
-        TOKENS,
-        "--generate",
-        "1",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+    let o = gguf::dump(model, out, &[]);
     (o.status.code(), stderr(&o))
 }
 
 /// `diff` of `actual` against `reference` with the default (f32) thresholds: the exit code and the JSON report's
 /// device.
 fn diff(actual: &Path, reference: &Path) -> (Option<i32>, serde_json::Value) {
-    let json = actual.with_extension("json");
-    let o = qwen35(&[
-        "diff",
-        actual.to_str().unwrap(),
-        reference.to_str().unwrap(),
-        "--json",
-        json.to_str().unwrap(),
-    ]);
-    assert!(json.exists(), "no report; {}", stderr(&o));
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    (o.status.code(), v["devices"][0].clone())
+    let (code, v) = gguf::diff_report(actual, reference, &actual.with_extension("json"), &[]);
+    (code, v["devices"][0].clone())
 }
 
 /// The tiny model's GGUF written as a checkpoint directory, `fault` planted, under `dir/name`.

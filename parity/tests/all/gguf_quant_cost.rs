@@ -2,24 +2,11 @@
 //! against the reference run on the checkpoint they were converted from, compared by `qwen35 diff` (layer output
 //! NRMSE, logits NMSE, KL, same top-1; docs/llamacpp.md holds the figures).
 
-use crate::common::{qwen35, stderr, testdata};
+use crate::common::{gguf, stderr, testdata};
 use std::path::{Path, PathBuf};
 
-/// The first 8 token ids of the models' golden prompt, as `fixtures.json` records them.
-const TOKENS: &str = "508,82,88,282,68,76,198,56";
-
 fn dump(model: &Path, out: &Path) {
-    let o = qwen35(&[
-        "dump",
-        "--model",
-        model.to_str().unwrap(),
-        "--token-ids",
-        TOKENS,
-        "--generate",
-        "1",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+    let o = gguf::dump(model, out, &[]);
     assert!(o.status.success(), "{}: {}", model.display(), stderr(&o));
 }
 
@@ -28,18 +15,8 @@ fn dump(model: &Path, out: &Path) {
 fn cost(dir: &Path, file: &str, checkpoint: &Path) -> (Option<i32>, serde_json::Value) {
     let out = dir.join(format!("{file}.safetensors"));
     dump(&testdata().join(format!("gguf/llamacpp/{file}.gguf")), &out);
-    let json = dir.join(format!("{file}.json"));
-    let o = qwen35(&[
-        "diff",
-        out.to_str().unwrap(),
-        checkpoint.to_str().unwrap(),
-        "--json",
-        json.to_str().unwrap(),
-    ]);
-    assert!(json.exists(), "{file}: no report; {}", stderr(&o));
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    (o.status.code(), v["devices"][0].clone())
+    let (code, v) = gguf::diff_report(&out, checkpoint, &dir.join(format!("{file}.json")), &[]);
+    (code, v["devices"][0].clone())
 }
 
 fn layers(d: &serde_json::Value) -> Vec<f64> {

@@ -2,32 +2,20 @@
 //! `scripts/llama_dump.cpp`) against the reference's dump of the same 8 tokens on the same model: llama.cpp's names
 //! are mapped on read (`parity/src/dump/llamacpp.rs`), layer by layer.
 
-use crate::common::{qwen35, stderr, testdata};
+use crate::common::gguf::{self, diff_report};
+use crate::common::{stderr, testdata};
 use std::path::Path;
-
-/// The first 8 token ids of tiny-tied's golden prompt, as `fixtures.json` records them.
-const TOKENS: &str = "508,82,88,282,68,76,198,56";
 
 /// `diff` of llama.cpp's `file` against `reference`: the exit code and the JSON report.
 fn diff(dir: &Path, file: &str, reference: &Path) -> (Option<i32>, serde_json::Value) {
-    let json = dir.join(format!("{file}.json"));
-    let actual = testdata().join("gguf/llamacpp").join(file);
-    let o = qwen35(&[
-        "diff",
-        actual.to_str().unwrap(),
-        reference.to_str().unwrap(),
+    diff_report(
+        &testdata().join("gguf/llamacpp").join(file),
+        reference,
+        &dir.join(format!("{file}.json")),
         // llama.cpp's context keeps K and V in f16 (its default): the logits carry that rounding (measured NMSE
         // 3.2e-7, mean KL 3.6e-6), above the f32 defaults made for two f32 runs. The layers keep the f32 default.
-        "--max-nmse",
-        "1e-6",
-        "--max-kl",
-        "1e-5",
-        "--json",
-        json.to_str().unwrap(),
-    ]);
-    assert!(json.exists(), "{file}: no report; {}", stderr(&o));
-    let v = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    (o.status.code(), v)
+        &["--max-nmse", "1e-6", "--max-kl", "1e-5"],
+    )
 }
 
 /// The output NRMSE of every layer of a report.
@@ -46,17 +34,7 @@ fn llamacpp_dumps_diff_layer_by_layer() {
     let reference = tmp.path().join("ref.safetensors");
     // The reference on llama.cpp's own f32 GGUF (`--model FILE.gguf`): the same weights llama.cpp ran.
     let model = testdata().join("gguf/llamacpp/tiny-tied.f32.gguf");
-    let o = qwen35(&[
-        "dump",
-        "--model",
-        model.to_str().unwrap(),
-        "--token-ids",
-        TOKENS,
-        "--generate",
-        "1",
-        "--out",
-        reference.to_str().unwrap(),
-    ]);
+    let o = gguf::dump(&model, &reference, &[]);
     assert!(o.status.success(), "{}", stderr(&o));
 
     // f32 weights: every layer within the f32 layer tolerance (1e-4); layer 0 (linear attention, no KV cache) at
@@ -83,19 +61,7 @@ fn llamacpp_dumps_diff_layer_by_layer() {
 fn reference_dump(dir: &Path, fixture: &str, arithmetic: &str) -> std::path::PathBuf {
     let out = dir.join(format!("{fixture}.{arithmetic}.safetensors"));
     let model = testdata().join(format!("gguf/llamacpp/{fixture}.gguf"));
-    let o = qwen35(&[
-        "dump",
-        "--model",
-        model.to_str().unwrap(),
-        "--token-ids",
-        TOKENS,
-        "--generate",
-        "1",
-        "--arithmetic",
-        arithmetic,
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+    let o = gguf::dump(&model, &out, &["--arithmetic", arithmetic]);
     assert!(o.status.success(), "{fixture} {arithmetic}: {}", stderr(&o));
     out
 }
@@ -192,19 +158,7 @@ fn llama_cpp_arithmetic_is_refused_for_a_safetensors_checkpoint() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("x.safetensors");
     let model = testdata().join("models/tiny-tied");
-    let o = qwen35(&[
-        "dump",
-        "--model",
-        model.to_str().unwrap(),
-        "--token-ids",
-        TOKENS,
-        "--generate",
-        "1",
-        "--arithmetic",
-        "llama-cpp",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+    let o = gguf::dump(&model, &out, &["--arithmetic", "llama-cpp"]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     let e = stderr(&o);
     assert!(

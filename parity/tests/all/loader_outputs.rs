@@ -4,18 +4,8 @@
 
 use crate::common;
 
-use common::{stderr, testdata};
+use common::{entries, stderr, testdata};
 use std::path::Path;
-
-/// The names in `dir`, sorted.
-fn entries(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
-}
 
 #[test]
 fn an_output_onto_a_file_only_a_loader_reads_is_refused_when_it_is_opened() {

@@ -4,7 +4,7 @@
 
 use crate::common;
 
-use common::{expect_error, qwen35, stderr, testdata};
+use common::{entries, expect_error, qwen35, stderr, testdata};
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -14,16 +14,6 @@ fn tiny_copy(dir: &Path) -> std::path::PathBuf {
     let m = dir.join("m");
     common::copy_dir(&testdata().join("models/tiny"), &m);
     m
-}
-
-/// The names in `dir`, sorted.
-fn entries(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! Helpers shared by the binary's test files.
 #![allow(dead_code)]
 
+pub mod gguf;
 pub mod vl;
 
 use std::path::{Path, PathBuf};
@@ -262,4 +263,14 @@ pub fn copy_dir(src: &Path, dst: &Path) {
         let entry = entry.unwrap();
         std::fs::copy(entry.path(), dst.join(entry.file_name())).unwrap();
     }
+}
+
+/// The names in `dir`, sorted (hidden files included).
+pub fn entries(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
 }
