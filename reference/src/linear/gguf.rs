@@ -243,16 +243,7 @@ impl GgufMatrix {
                     }
                 }
             });
-        if t == 1 {
-            return yt;
-        }
-        let mut y = vec![0f32; rows * t];
-        for r in 0..rows {
-            for j in 0..t {
-                y[j * rows + r] = yt[r * t + j];
-            }
-        }
-        y
+        super::kernel::token_major(yt, rows, t)
     }
 
     /// The prompt kernel's product (AVX-512F): blocks of rows decoded into one buffer and multiplied, each block's

@@ -70,16 +70,7 @@ pub fn matvec(w: &MappedMatrix, x: &[f32], t: usize) -> Vec<f32> {
                 }
             }
         });
-    if t == 1 {
-        return yt;
-    }
-    let mut y = vec![0f32; rows * t];
-    for r in 0..rows {
-        for j in 0..t {
-            y[j * rows + r] = yt[r * t + j];
-        }
-    }
-    y
+    token_major(yt, rows, t)
 }
 
 /// Whether the SIMD kernel can run for this storage type on this CPU.
@@ -250,4 +241,18 @@ pub(super) mod x86 {
             ys[j] = sum;
         }
     }
+}
+
+/// `yt`, the products row-major by output row (`[rows, t]`), as the `[t, rows]` a linear layer returns.
+pub(super) fn token_major(yt: Vec<f32>, rows: usize, t: usize) -> Vec<f32> {
+    if t == 1 {
+        return yt;
+    }
+    let mut y = vec![0f32; rows * t];
+    for r in 0..rows {
+        for j in 0..t {
+            y[j * rows + r] = yt[r * t + j];
+        }
+    }
+    y
 }
