@@ -203,6 +203,8 @@ pub struct Builder<'a> {
     weights: &'a WeightStore,
     opts: GraphOptions,
     stream_values: usize,
+    /// Paces the hand-back of the checkpoint's pages read ([`crate::pages::Pacer`]).
+    pages: crate::pages::Pacer,
 }
 
 /// Values per block of rows when a quantized matrix is streamed to a shared `.bin` unless asked otherwise (16 M:
@@ -223,6 +225,7 @@ impl<'a> Builder<'a> {
             weights,
             opts,
             stream_values: STREAM_BLOCK_VALUES,
+            pages: crate::pages::Pacer::default(),
         })
     }
 
@@ -284,16 +287,23 @@ impl<'a> Builder<'a> {
     ///
     /// In a graph on a [`crate::ir::SharedBin`] every checkpoint constant is keyed by the tensor's name, so graphs
     /// sharing the file share its weights; quantized matrices are compressed and written a block of rows at a time
-    /// (the same bytes as compressing them whole), and the checkpoint pages read are handed back after each one
-    /// ([`crate::pages`]), so neither the f32 values nor the codes of a large tensor are ever whole in memory.
+    /// (the same bytes as compressing them whole), and the checkpoint pages read are handed back every 64 MiB
+    /// ([`crate::pages::Pacer`]), so neither the f32 values nor the codes of a large tensor are ever whole in memory.
     fn matrix(&self, graph: &mut Graph, spec: &TensorSpec) -> Result<Value> {
         let value = self.matrix_value(graph, spec)?;
-        // The checkpoint's pages just read (a whole tensor, in a graph held in memory) are handed back: a graph
-        // built from many tensors never holds their bf16 resident.
+        // The checkpoint's pages just read (a whole tensor, in a graph held in memory) are counted and handed back
+        // as they add up: a graph built from many tensors never holds their bf16 resident.
         if graph.shared_bin().is_none() {
-            crate::pages::release(&self.weights.paths());
+            self.pages_read(spec.shape.iter().product());
         }
         Ok(value)
+    }
+
+    /// Notes `values` more read from the checkpoint (counted at 4 bytes, the widest a checkpoint stores them), its
+    /// pages handed back once enough have been read ([`crate::pages::Pacer`]).
+    pub(super) fn pages_read(&self, values: usize) {
+        self.pages
+            .read(values.saturating_mul(4), &self.weights.paths());
     }
 
     /// [`Builder::matrix`]'s value.
@@ -370,7 +380,7 @@ impl<'a> Builder<'a> {
                                 sink(&q.packed_codes())?;
                                 scales.extend_from_slice(q.scales());
                             }
-                            crate::pages::release(&self.weights.paths());
+                            self.pages_read(batch.len() * block * cols);
                         }
                         Ok(())
                     },

@@ -324,13 +324,13 @@ impl Builder<'_> {
         let shape = [experts, rows, cols];
         let streamed = graph.shared_bin().is_some();
         let key = |part: &str| streamed.then(|| format!("{}#stack{experts}#{part}", first.name));
-        // Each expert's bytes in turn, the checkpoint's pages read handed back after each.
+        // Each expert's bytes in turn, the checkpoint's pages read handed back as they add up.
         let each = |bytes_of: &dyn Fn(&TensorSpec) -> Result<Vec<u8>>,
                     sink: &mut dyn FnMut(&[u8]) -> Result<()>|
          -> Result<()> {
             for spec in &specs {
                 sink(&bytes_of(spec)?)?;
-                crate::pages::release(&self.weights.paths());
+                self.pages_read(spec.shape.iter().product());
             }
             Ok(())
         };

@@ -73,28 +73,29 @@ impl RgbImage {
     }
 
     /// One resampling pass with `fast_image_resize`'s Catmull-Rom convolution (Pillow's bicubic, `a = −0.5`).
+    /// The typed resize of three-byte pixels: the untyped one would compile every pixel type's kernels into this
+    /// crate, half of its machine code.
     fn resample(&self, width: usize, height: usize) -> Result<Self> {
-        use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer, images};
+        use fast_image_resize::images::{TypedImage, TypedImageRef};
+        use fast_image_resize::{FilterType, ResizeAlg, ResizeOptions, Resizer, pixels::U8x3};
         if (width, height) == (self.width, self.height) {
             return Ok(self.clone());
         }
         let fail = |e: String| Error::Input(format!("resizing an image to {width}x{height}: {e}"));
-        let src = images::Image::from_vec_u8(
-            self.width as u32,
-            self.height as u32,
-            self.pixels.clone(),
-            PixelType::U8x3,
-        )
-        .map_err(|e| fail(e.to_string()))?;
-        let mut dst = images::Image::new(width as u32, height as u32, PixelType::U8x3);
+        let src =
+            TypedImageRef::<U8x3>::from_buffer(self.width as u32, self.height as u32, &self.pixels)
+                .map_err(|e| fail(e.to_string()))?;
+        let mut pixels = vec![0u8; width * height * 3];
+        let mut dst = TypedImage::<U8x3>::from_buffer(width as u32, height as u32, &mut pixels)
+            .map_err(|e| fail(e.to_string()))?;
         let opts = ResizeOptions::new().resize_alg(ResizeAlg::Convolution(FilterType::CatmullRom));
         Resizer::new()
-            .resize(&src, &mut dst, &opts)
+            .resize_typed(&src, &mut dst, &opts)
             .map_err(|e| fail(e.to_string()))?;
         Ok(RgbImage {
             width,
             height,
-            pixels: dst.into_vec(),
+            pixels,
         })
     }
 }
