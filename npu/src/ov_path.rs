@@ -92,7 +92,7 @@ impl PathSession {
         crate::runtime::load()?;
         let start = std::time::Instant::now();
         let requested = requested_properties(device, opts);
-        let settings = compile_settings(&requested, opts)?;
+        let settings = compile_settings(device, &requested, opts)?;
         let _lock = lock_cache(opts)?;
         let keys: Vec<CString> = settings
             .iter()

@@ -125,7 +125,7 @@ pub fn compile_ir(
         .map_err(|e| ov_err("reading", &e))?;
     let dev = DeviceType::from(device);
     let requested = requested_properties(device, opts);
-    let settings = compile_settings(&requested, opts)?;
+    let settings = compile_settings(device, &requested, opts)?;
     let _lock = lock_cache(opts)?;
     for (k, v) in &settings {
         core.set_property(&dev, &RwPropertyKey::Other(k.clone().into()), v)
@@ -169,17 +169,39 @@ pub fn compile_ir(
     })
 }
 
-/// What is set on the device before compiling: the `requested` properties and the model cache (its directory made).
+/// What is set on `device` before compiling: the `requested` properties and the model cache (its directory made):
+/// the folder of [`cache_folder`] inside the cache directory.
 pub(crate) fn compile_settings(
+    device: &str,
     requested: &BTreeMap<String, String>,
     opts: &CompileOptions,
 ) -> Result<Vec<(String, String)>> {
     let mut settings: Vec<(String, String)> = requested.clone().into_iter().collect();
     if let Some(dir) = &opts.cache_dir {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        let dir = dir.join(cache_folder(device, requested));
+        std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
         settings.push((CACHE_DIR.to_string(), dir.to_string_lossy().into_owned()));
     }
     Ok(settings)
+}
+
+/// The folder of a model cache that holds the graphs compiled for `device` with `requested` properties, e.g.
+/// `CPU-5d0c…`: OpenVINO keys a cached graph by the graph and the device, not by the properties set on the device
+/// beforehand, so a shared folder served the graphs compiled at f32 to a run that asked for f16 (all 16 loaded
+/// from the cache, figures those of f32) and would serve any device setting's graphs to another's.
+pub(crate) fn cache_folder(device: &str, requested: &BTreeMap<String, String>) -> String {
+    let identity: String = std::iter::once(device.to_string())
+        .chain(requested.iter().map(|(k, v)| format!("{k}={v}")))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let name: String = device
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    format!(
+        "{name}-{:016x}",
+        crate::engine::ir_cache::fnv1a(identity.as_bytes())
+    )
 }
 
 /// An exclusive lock on a model cache directory, held while a graph is compiled into it (released on drop): OpenVINO
@@ -299,5 +321,41 @@ impl Drop for ScratchDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
         reference::temps::forget(&self.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_device_and_property_set_has_a_cache_folder_of_its_own() {
+        let props = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        let f32 = props(&[("INFERENCE_PRECISION_HINT", "f32")]);
+        let f16 = props(&[("INFERENCE_PRECISION_HINT", "f16")]);
+        let more = props(&[("INFERENCE_PRECISION_HINT", "f32"), ("NUM_STREAMS", "1")]);
+        let a = cache_folder("CPU", &f32);
+        assert_eq!(a, cache_folder("CPU", &f32), "not stable");
+        assert!(a.starts_with("CPU-"), "{a}");
+        let others = [
+            cache_folder("CPU", &f16),
+            cache_folder("CPU", &more),
+            cache_folder("NPU", &f32),
+            cache_folder("GPU.1", &f32),
+        ];
+        for o in &others {
+            assert_ne!(&a, o);
+            assert!(
+                o.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_'),
+                "{o}"
+            );
+        }
+        assert!(cache_folder("HETERO:NPU,CPU", &f32).starts_with("HETERO_NPU_CPU-"));
     }
 }

@@ -223,8 +223,9 @@ fn file_stamp(path: &Path) -> Result<String> {
     Ok(format!("{} {} {modified}", canonical.display(), meta.len()))
 }
 
-/// 64-bit FNV-1a: the entry's name (the `identity` file inside it is what is compared).
-fn fnv1a(bytes: &[u8]) -> u64 {
+/// 64-bit FNV-1a: the entry's name (the `identity` file inside it is what is compared), and a model cache's folder
+/// name ([`crate::devices::compile`]).
+pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
         (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
     })

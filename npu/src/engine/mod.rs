@@ -5,7 +5,7 @@
 
 mod chain;
 mod decoder;
-mod ir_cache;
+pub(crate) mod ir_cache;
 pub use ir_cache::KEEP as IR_CACHE_KEEP;
 mod layer;
 mod moe_block;

@@ -390,6 +390,22 @@ fn a_second_validate_loads_every_graph_from_the_model_cache() {
     assert_eq!(code, Some(0), "failed: {:?}", failed(&second));
     let second = flags(&second);
     assert!(second.iter().all(|&f| f == Some(true)), "{second:?}");
+    // Another precision on the same cache is compiled afresh, never served the f32 graphs (OpenVINO keys a cached
+    // graph by the graph and the device alone; each set of properties has a folder of its own).
+    let mut f16 = args.clone();
+    f16.extend(["--precision", "f16"]);
+    let (code, third) = validate(tmp.path(), "third", &f16);
+    assert!(
+        matches!(code, Some(0 | 1)),
+        "{code:?}: {:?}",
+        failed(&third)
+    );
+    assert_eq!(flags(&third)[0], Some(false), "{:?}", flags(&third));
+    let folders: Vec<String> = common::entries(&cache)
+        .into_iter()
+        .filter(|e| e.starts_with("CPU-"))
+        .collect();
+    assert_eq!(folders.len(), 2, "{folders:?}");
 }
 
 /// `validate --image` on the tiny model with a vision tower (the small runs, one committed image): the images check
