@@ -121,6 +121,18 @@ impl PathSession {
         // outlive it, the out-pointers are fields of `session`, whose `Drop` frees whatever was created.
         unsafe {
             check("creating the core", sys::ov_core_create(&mut session.core)).map_err(fail)?;
+            // The device's plugin loaded before its properties are set, as `compile_ir`'s `require` loads it: the
+            // CPU plugin resolves an INFERENCE_PRECISION_HINT of f16 it cannot compute to f32 when set before it
+            // is loaded and to bf16 after, so the same request gave f32 decoders here and bf16 graphs there.
+            let mut name: *mut c_char = std::ptr::null_mut();
+            let status = sys::ov_core_get_property(
+                session.core,
+                c_device.as_ptr(),
+                c"FULL_DEVICE_NAME".as_ptr(),
+                &mut name,
+            );
+            take_string(name);
+            check("loading the device", status).map_err(fail)?;
             for ((k, v), (key, value)) in keys.iter().zip(&values).zip(&settings) {
                 check(
                     "compiling",

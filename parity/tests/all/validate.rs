@@ -401,6 +401,16 @@ fn a_second_validate_loads_every_graph_from_the_model_cache() {
         failed(&third)
     );
     assert_eq!(flags(&third)[0], Some(false), "{:?}", flags(&third));
+    // Every graph computes in the one precision the device gives for f16, the decoders compiled from their cached
+    // IR's paths as the per-layer graphs compiled from memory (on a CPU without f16 the first were f32, the second
+    // bf16: the plugin resolved the hint by whether it was loaded when the hint was set).
+    let precisions: std::collections::BTreeSet<&str> = third["device"]["graphs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| g["precision"].as_str().unwrap_or("unknown"))
+        .collect();
+    assert_eq!(precisions.len(), 1, "{precisions:?}");
     let folders: Vec<String> = common::entries(&cache)
         .into_iter()
         .filter(|e| e.starts_with("CPU-"))
