@@ -26,4 +26,5 @@ pub mod prompts;
 pub mod ranges;
 pub mod report;
 pub mod routing;
+pub mod thresholds;
 pub mod validate;

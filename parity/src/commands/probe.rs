@@ -41,11 +41,11 @@ pub struct ProbeArgs {
     /// Layers to probe, comma separated (default: all). Chained mode runs every layer up to the last one listed.
     #[arg(long, value_delimiter = ',', value_name = "0,1,2")]
     layers: Vec<usize>,
-    /// Largest NRMSE of a layer's outputs and intermediates (default 1e-4 at f32, 5e-2 at f16/bf16).
-    #[arg(long, value_name = "X")]
+    /// Largest NRMSE of a layer's outputs and intermediates (default: [`crate::thresholds`]).
+    #[arg(long, value_name = "X", help = crate::thresholds::help("Largest NRMSE of a layer's outputs and intermediates", |d| d.layer_nrmse))]
     max_nrmse: Option<f64>,
-    /// Largest NRMSE of a state, after the prompt and after every block (default 1e-4 at f32, 5e-2 at f16/bf16).
-    #[arg(long, value_name = "X")]
+    /// Largest NRMSE of a state, after the prompt and after every block (default: [`crate::thresholds`]).
+    #[arg(long, value_name = "X", help = crate::thresholds::help("Largest NRMSE of a state, after the prompt and after every block", |d| d.state_nrmse))]
     max_state_nrmse: Option<f64>,
     /// Take each layer's thresholds from a baseline device instead (FP16SIM: the error an fp16 device is expected to
     /// show there): a layer passes within --factor times the baseline's error on that layer (never tighter than the

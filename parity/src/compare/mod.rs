@@ -49,29 +49,17 @@ pub struct Thresholds {
 }
 
 impl Thresholds {
-    /// The defaults for a device that computed in `precision` (as read back): tight for f32, at the levels a working
-    /// fp16 port shows for f16 and bf16 (hidden states within a few percent, the same greedy tokens).
+    /// The defaults for a device that computed in `precision` (as read back): [`crate::thresholds`]'s.
     pub fn for_precision(precision: &Precision) -> Self {
-        if precision.is_full() {
-            Thresholds {
-                max_logits_nmse: 1e-8,
-                max_mean_kl: 1e-6,
-                min_top1: 1.0,
-                max_confident_flips: 0,
-                max_layer_nrmse: 1e-4,
-                max_state_nrmse: 1e-4,
-                router_tolerance: None,
-            }
-        } else {
-            Thresholds {
-                max_logits_nmse: 1e-2,
-                max_mean_kl: 5e-2,
-                min_top1: 0.9,
-                max_confident_flips: 0,
-                max_layer_nrmse: 5e-2,
-                max_state_nrmse: 5e-2,
-                router_tolerance: None,
-            }
+        let d = crate::thresholds::for_precision(precision);
+        Thresholds {
+            max_logits_nmse: d.logits_nmse,
+            max_mean_kl: d.mean_kl,
+            min_top1: d.min_top1,
+            max_confident_flips: d.confident_flips,
+            max_layer_nrmse: d.layer_nrmse,
+            max_state_nrmse: d.state_nrmse,
+            router_tolerance: None,
         }
     }
 }

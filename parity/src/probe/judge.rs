@@ -17,18 +17,12 @@ pub struct ProbeThresholds {
 }
 
 impl ProbeThresholds {
-    /// The defaults for a device that computed in `precision`: tight at f32, the fp16 port's level otherwise.
+    /// The defaults for a device that computed in `precision`: [`crate::thresholds`]'s layer and state NRMSE.
     pub fn for_precision(precision: &Precision) -> Self {
-        if precision.is_full() {
-            ProbeThresholds {
-                max_nrmse: 1e-4,
-                max_state_nrmse: 1e-4,
-            }
-        } else {
-            ProbeThresholds {
-                max_nrmse: 5e-2,
-                max_state_nrmse: 5e-2,
-            }
+        let d = crate::thresholds::for_precision(precision);
+        ProbeThresholds {
+            max_nrmse: d.layer_nrmse,
+            max_state_nrmse: d.state_nrmse,
         }
     }
 }

@@ -4,30 +4,31 @@
 use crate::compare::ThresholdOverrides;
 use crate::probe::Mode;
 use crate::report::Outputs;
+use crate::thresholds;
 use anyhow::Result;
 use clap::ValueEnum;
 use std::path::PathBuf;
 
-/// Thresholds: each overrides the default for the precision that ran (see `Thresholds::for_precision`).
+/// Thresholds: each overrides the default for the precision that ran ([`crate::thresholds`]).
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct ThresholdArgs {
-    /// Largest NMSE of the teacher-forced logits (default 1e-8 at f32, 1e-2 at f16/bf16).
-    #[arg(long, value_name = "X")]
+    /// Largest NMSE of the teacher-forced logits (default: [`thresholds`]).
+    #[arg(long, value_name = "X", help = thresholds::help("Largest NMSE of the teacher-forced logits", |d| d.logits_nmse))]
     pub max_nmse: Option<f64>,
-    /// Largest mean KL(P_ref ‖ P_device) in nats (default 1e-6 at f32, 5e-2 at f16/bf16).
-    #[arg(long, value_name = "X")]
+    /// Largest mean KL(P_ref ‖ P_device) in nats (default: [`thresholds`]).
+    #[arg(long, value_name = "X", help = thresholds::help("Largest mean KL(P_ref ‖ P_device) in nats", |d| d.mean_kl))]
     pub max_kl: Option<f64>,
-    /// Smallest share of teacher-forced positions with the same top token (default 1 at f32, 0.9 at f16/bf16).
-    #[arg(long, value_name = "X")]
+    /// Smallest share of teacher-forced positions with the same top token (default: [`thresholds`]).
+    #[arg(long, value_name = "X", help = thresholds::help("Smallest share of teacher-forced positions with the same top token", |d| d.min_top1))]
     pub min_token_agreement: Option<f64>,
-    /// Most teacher-forced disagreements at confident positions (default 0).
-    #[arg(long, value_name = "N")]
+    /// Most teacher-forced disagreements at confident positions (default: [`thresholds`]).
+    #[arg(long, value_name = "N", help = thresholds::help("Most teacher-forced disagreements at confident positions", |d| d.confident_flips as f64))]
     pub max_confident_flips: Option<usize>,
-    /// Largest NRMSE of a layer's output, over the run and at any position (default 1e-4 at f32, 5e-2 at f16/bf16).
-    #[arg(long, value_name = "X")]
+    /// Largest NRMSE of a layer's output, over the run and at any position (default: [`thresholds`]).
+    #[arg(long, value_name = "X", help = thresholds::help("Largest NRMSE of a layer's output, over the run and at any position", |d| d.layer_nrmse))]
     pub max_layer_nrmse: Option<f64>,
-    /// Largest NRMSE of a state after the prompt (default 1e-4 at f32, 5e-2 at f16/bf16).
-    #[arg(long, value_name = "X")]
+    /// Largest NRMSE of a state after the prompt (default: [`thresholds`]).
+    #[arg(long, value_name = "X", help = thresholds::help("Largest NRMSE of a state after the prompt", |d| d.state_nrmse))]
     pub max_state_nrmse: Option<f64>,
     /// MoE: a router probability error the device's router logits do not show (all of it when it outputs none),
     /// added to the measured one to classify routing flips: a near tie when the reference's gap is within twice
