@@ -21,7 +21,7 @@ use crate::outputs::Paths;
 use crate::progress::Progress;
 use crate::prompts::LabelledPrompt;
 use crate::prompts::eos_ids;
-use crate::report::{CompareReport, Inputs, Machine};
+use crate::report::{CompareReport, Inputs, Machine, Report as _};
 use anyhow::{Context, Result, bail};
 use npu::sim::NumericModel;
 use reference::backend::Backend;

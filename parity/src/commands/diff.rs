@@ -9,7 +9,7 @@ use crate::compare::{DeviceReport, Row, Side, Thresholds, compare_runs};
 use crate::dump::Dump;
 use crate::metrics::{TensorError, exceeds};
 use crate::outputs::Paths;
-use crate::report::{CompareReport, Inputs, Machine};
+use crate::report::{CompareReport, Inputs, Machine, Report as _};
 use crate::routing::chosen_name;
 use anyhow::{Context, Result, bail};
 use npu::graphset::StateKind;

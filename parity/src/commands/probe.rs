@@ -12,6 +12,7 @@ use crate::memory::{self, Plan};
 use crate::outputs::Paths;
 use crate::probe::run::{ProbePlan, run};
 use crate::prompts::LabelledPrompt;
+use crate::report::Report as _;
 use anyhow::{Context, Result, bail};
 use std::path::PathBuf;
 

@@ -12,6 +12,7 @@ use crate::device::fault::Fault;
 use crate::memory::{self, Plan};
 use crate::outputs::Paths;
 use crate::prompts::{eos_ids, repeated_prompt};
+use crate::report::Report as _;
 use crate::validate::CheckId;
 use crate::validate::images::ValidateImages;
 use crate::validate::run::{SetInputs, ValidatePlan, run, skip_reason};

@@ -35,7 +35,7 @@
 
 pub use super::trace::first_divergence_line;
 use super::trace::hidden_sections;
-use super::{Machine, Outputs, paint, routing, short_model, stamped, write};
+use super::{Machine, paint, routing, short_model, stamped};
 use crate::compare::{DeviceReport, Distribution};
 use crate::metrics::{Measure, TensorError, nan_max};
 use anyhow::Result;
@@ -102,22 +102,6 @@ impl CompareReport {
             }
         }
         Ok(v)
-    }
-
-    /// Prints the terminal summary and writes the files asked for.
-    pub fn emit(&self, args: &Outputs) -> Result<()> {
-        let color = crate::console::Stream::Out.is_terminal();
-        crate::out!("{}", self.terminal(color));
-        if let Some(p) = &args.json {
-            write(p, &serde_json::to_string_pretty(&self.json()?)?)?;
-        }
-        if let Some(p) = &args.report {
-            write(p, &self.markdown())?;
-        }
-        if let Some(p) = &args.plot {
-            crate::plot::compare_chart(self, p)?;
-        }
-        Ok(())
     }
 
     /// The one-screen summary.
@@ -571,4 +555,22 @@ fn vision_lines(d: &crate::compare::DeviceReport) -> Vec<String> {
         lines.push(line);
     }
     lines
+}
+
+impl super::Report for CompareReport {
+    fn terminal(&self, color: bool) -> String {
+        CompareReport::terminal(self, color)
+    }
+
+    fn markdown(&self) -> String {
+        CompareReport::markdown(self)
+    }
+
+    fn json(&self) -> Result<serde_json::Value> {
+        CompareReport::json(self)
+    }
+
+    fn chart(&self, path: &std::path::Path) -> Result<()> {
+        crate::plot::compare_chart(self, path)
+    }
 }

@@ -47,6 +47,37 @@ pub struct Outputs {
     pub plot: Option<PathBuf>,
 }
 
+/// A check's report (compare-devices and diff, validate, probe): one summary for the terminal, one Markdown document,
+/// one JSON document and one SVG chart, emitted the same way for every check.
+pub trait Report {
+    /// The one-screen summary (coloured when `color`).
+    fn terminal(&self, color: bool) -> String;
+    /// The Markdown document, to paste into a bug report.
+    fn markdown(&self) -> String;
+    /// The JSON document (stable keys, `schema_version`).
+    fn json(&self) -> Result<serde_json::Value>;
+    /// Draws the report's chart into `path`.
+    fn chart(&self, path: &Path) -> Result<()>;
+
+    /// Prints the terminal summary and writes the files asked for.
+    fn emit(&self, outputs: &Outputs) -> Result<()> {
+        crate::out!(
+            "{}",
+            self.terminal(crate::console::Stream::Out.is_terminal())
+        );
+        if let Some(p) = &outputs.json {
+            write(p, &serde_json::to_string_pretty(&self.json()?)?)?;
+        }
+        if let Some(p) = &outputs.report {
+            write(p, &self.markdown())?;
+        }
+        if let Some(p) = &outputs.plot {
+            self.chart(p)?;
+        }
+        Ok(())
+    }
+}
+
 /// The machine a report was made on.
 #[derive(Debug, Clone, Serialize)]
 pub struct Machine {

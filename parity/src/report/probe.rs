@@ -18,7 +18,7 @@
 //! the probed layers, keys as compare-devices') and `fed_routing_note` (why the blocks were not fed the reference's
 //! routing, or null). A confident routing flip fails the probe.
 
-use super::{Machine, Outputs, paint, routing as routing_report, short_model, stamped, write};
+use super::{Machine, paint, routing as routing_report, short_model, stamped};
 use crate::metrics::{TensorError, nan_max};
 use crate::plot::{Panel, Series, draw};
 use crate::probe::moe::Blame;
@@ -113,24 +113,6 @@ impl ProbeReport {
     /// The JSON document (see the module docs).
     pub fn json(&self) -> Result<serde_json::Value> {
         stamped(self, self.passed())
-    }
-
-    /// Prints the terminal summary and writes the files asked for.
-    pub fn emit(&self, args: &Outputs) -> Result<()> {
-        crate::out!(
-            "{}",
-            self.terminal(crate::console::Stream::Out.is_terminal())
-        );
-        if let Some(p) = &args.json {
-            write(p, &serde_json::to_string_pretty(&self.json()?)?)?;
-        }
-        if let Some(p) = &args.report {
-            write(p, &self.markdown())?;
-        }
-        if let Some(p) = &args.plot {
-            self.chart(p)?;
-        }
-        Ok(())
     }
 
     fn title(&self) -> String {
@@ -530,4 +512,22 @@ impl ProbeReport {
 /// An NRMSE in the tables' notation, `-` where the device exposes none.
 pub(super) fn e2(e: Option<TensorError>) -> String {
     e.map_or_else(|| "-".into(), |e| format!("{:.2e}", e.nrmse))
+}
+
+impl super::Report for ProbeReport {
+    fn terminal(&self, color: bool) -> String {
+        ProbeReport::terminal(self, color)
+    }
+
+    fn markdown(&self) -> String {
+        ProbeReport::markdown(self)
+    }
+
+    fn json(&self) -> Result<serde_json::Value> {
+        ProbeReport::json(self)
+    }
+
+    fn chart(&self, path: &std::path::Path) -> Result<()> {
+        ProbeReport::chart(self, path)
+    }
 }

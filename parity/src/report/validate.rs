@@ -25,7 +25,7 @@
 //! (the probe report, or null).
 
 use super::probe::ProbeReport;
-use super::{CompareReport, Machine, Outputs, paint, short_model, stamped, write};
+use super::{CompareReport, Machine, paint, short_model, stamped};
 use crate::compare::Thresholds;
 use crate::validate::setup::DeviceSection;
 use crate::validate::{Check, CheckId};
@@ -116,27 +116,6 @@ impl ValidateReport {
             obj.insert("compare".into(), c.json()?);
         }
         Ok(v)
-    }
-
-    /// Prints the terminal summary and writes the files asked for.
-    pub fn emit(&self, args: &Outputs) -> Result<()> {
-        crate::out!(
-            "{}",
-            self.terminal(crate::console::Stream::Out.is_terminal())
-        );
-        if let Some(p) = &args.json {
-            write(p, &serde_json::to_string_pretty(&self.json()?)?)?;
-        }
-        if let Some(p) = &args.report {
-            write(p, &self.markdown())?;
-        }
-        if let Some(p) = &args.plot {
-            match &self.compare {
-                Some(c) => crate::plot::compare_chart(c, p)?,
-                None => anyhow::bail!("--plot {}: the compare check did not run", p.display()),
-            }
-        }
-        Ok(())
     }
 
     fn title(&self) -> String {
@@ -517,4 +496,25 @@ fn demote(markdown: &str) -> String {
         out.push('\n');
     }
     out
+}
+
+impl super::Report for ValidateReport {
+    fn terminal(&self, color: bool) -> String {
+        ValidateReport::terminal(self, color)
+    }
+
+    fn markdown(&self) -> String {
+        ValidateReport::markdown(self)
+    }
+
+    fn json(&self) -> Result<serde_json::Value> {
+        ValidateReport::json(self)
+    }
+
+    fn chart(&self, path: &std::path::Path) -> Result<()> {
+        match &self.compare {
+            Some(c) => crate::plot::compare_chart(c, path),
+            None => anyhow::bail!("--plot {}: the compare check did not run", path.display()),
+        }
+    }
 }
