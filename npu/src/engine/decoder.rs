@@ -7,15 +7,15 @@ mod backend;
 
 pub(crate) use backend::into_reference;
 
-use super::HostLayerState;
 use super::record::{record_of, set_record};
+use super::{HostLayerState, SetGraph};
 use crate::devices::{CompileOptions, ExecInfo, compile_ir, read_ports};
 use crate::error::{Error, Result};
 use crate::graphs::Builder;
-use crate::graphset::check::{Resolved, Subject, resolve};
+use crate::graphset::check::{Subject, resolve};
 use crate::graphset::layout::{self, Call, CallPositions};
 use crate::graphset::{GraphSet, InputRole, Interface, LogitRows, PromptRule, own};
-use crate::infer::{Executor, Session};
+use crate::infer::Session;
 use candle_core::{DType, Tensor};
 use reference::backend::{EmbeddedPrompt, Forward, RunRecord};
 use reference::config::Config;
@@ -29,14 +29,6 @@ pub const SET_BACKEND: &str = "graph-set";
 /// Why a stateful set's state cannot be compared, as reports say it.
 pub const STATE_NOT_EXPOSED: &str = "not exposed: a stateful IR keeps its caches inside OpenVINO, whose C API \
      cannot read them; a stateless form (explicit state ports) exposes them";
-
-/// One graph of the set, ready to run.
-pub(super) struct SetGraph {
-    /// Tokens per call (`None`: any).
-    pub(super) tokens: Option<usize>,
-    pub(super) exec: Box<dyn Executor>,
-    pub(super) ports: Resolved,
-}
 
 /// The decoder graphs of a set compiled on a device.
 pub struct DecoderEngine {

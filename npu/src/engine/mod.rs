@@ -30,6 +30,15 @@ use reference::config::Config;
 use reference::taps::{SharedTapSink, names, put};
 use std::collections::BTreeMap;
 
+/// One graph of a decoder set, ready to run: what [`own`] compiles this project's graphs into and [`decoder`] runs
+/// (with the graphs of sets made elsewhere).
+struct SetGraph {
+    /// Tokens per call (`None`: any).
+    tokens: Option<usize>,
+    exec: Box<dyn crate::infer::Executor>,
+    ports: crate::graphset::check::Resolved,
+}
+
 /// Tokens per prompt block of the decoder graphs unless asked otherwise (the NPU port's smaller block).
 pub const DEFAULT_BLOCK: usize = 16;
 

@@ -1,7 +1,7 @@
 //! This project's decoder graphs built from the checkpoint and prepared for a device: held in memory for FP16SIM,
 //! written to disk (and kept beside the model cache, [`super::ir_cache`]) and compiled for an OpenVINO device.
 
-use super::decoder::SetGraph;
+use super::SetGraph;
 use crate::devices::{CompileOptions, IrPorts, compile_ir};
 use crate::error::Result;
 use crate::graphs::Builder;

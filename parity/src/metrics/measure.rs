@@ -190,6 +190,11 @@ impl Measure {
             (Measure::Undefined(w), _) | (_, Measure::Undefined(w)) => Measure::Undefined(w),
         }
     }
+
+    /// The largest of some measures ([`Measure::worst`]: undefined when one is); `None` when there are none.
+    pub fn worst_of(x: impl IntoIterator<Item = Measure>) -> Option<Measure> {
+        x.into_iter().reduce(Measure::worst)
+    }
 }
 
 impl Measure {

@@ -47,6 +47,11 @@ pub struct Outputs {
     pub plot: Option<PathBuf>,
 }
 
+/// An NRMSE in the tables' notation, `-` where the device exposes none.
+pub(crate) fn e2(e: Option<crate::metrics::TensorError>) -> String {
+    e.map_or_else(|| "-".into(), |e| format!("{:.2e}", e.nrmse))
+}
+
 /// A check's report (compare-devices and diff, validate, probe): one summary for the terminal, one Markdown document,
 /// one JSON document and one SVG chart, emitted the same way for every check.
 pub trait Report {

@@ -18,8 +18,8 @@
 //! the probed layers, keys as compare-devices') and `fed_routing_note` (why the blocks were not fed the reference's
 //! routing, or null). A confident routing flip fails the probe.
 
-use super::{Machine, paint, routing as routing_report, short_model, stamped};
-use crate::metrics::{TensorError, nan_max};
+use super::{Machine, e2, paint, routing as routing_report, short_model, stamped};
+use crate::metrics::nan_max;
 use crate::plot::{Panel, Series, draw};
 use crate::probe::moe::Blame;
 use crate::probe::{DrillDown, LayerProbe, Mode, ProbeThresholds};
@@ -92,6 +92,15 @@ pub struct ProbeReport {
 }
 
 impl ProbeReport {
+    /// The MoE part, as [`super::probe_moe`] renders it.
+    fn moe_parts(&self) -> super::probe_moe::MoeParts<'_> {
+        super::probe_moe::MoeParts {
+            layers: &self.layers,
+            routing: self.routing.as_ref(),
+            fed_routing_note: self.fed_routing_note.as_deref(),
+        }
+    }
+
     /// Whether every layer held and no routing flip was confident.
     pub fn passed(&self) -> bool {
         self.layers.iter().all(|l| !l.over)
@@ -217,7 +226,7 @@ impl ProbeReport {
                 );
             }
         }
-        for line in super::probe_moe::terminal_lines(self) {
+        for line in super::probe_moe::terminal_lines(&self.moe_parts()) {
             let _ = writeln!(s, "{line}");
         }
         let _ = writeln!(s, "{}", self.verdict_line());
@@ -361,7 +370,7 @@ impl ProbeReport {
                 l.output.map_or(0, |o| o.nan + o.inf)
             );
         }
-        super::probe_moe::markdown(&mut s, self);
+        super::probe_moe::markdown(&mut s, &self.moe_parts());
         let _ = writeln!(s, "\n## State error per head\n");
         let _ = writeln!(
             s,
@@ -507,11 +516,6 @@ impl ProbeReport {
         ];
         draw(path, &panels)
     }
-}
-
-/// An NRMSE in the tables' notation, `-` where the device exposes none.
-pub(super) fn e2(e: Option<TensorError>) -> String {
-    e.map_or_else(|| "-".into(), |e| format!("{:.2e}", e.nrmse))
 }
 
 impl super::Report for ProbeReport {

@@ -1,15 +1,24 @@
 //! The MoE part of the `probe` report: each probed layer's routing (rendered by [`super::routing`]), its block fed the
 //! reference's routing beside the MLP on its own, the blame, and what to look at next ([`crate::probe::moe`]).
 
-use super::probe::{ProbeReport, e2};
+use super::e2;
 use super::routing as routing_report;
 use crate::metrics::Measure;
 use crate::probe::LayerProbe;
 use crate::probe::moe::{Blame, FedRouting};
+use crate::routing::RoutingReport;
 use std::fmt::Write as _;
 
+/// The MoE part of a probe report, all that its lines read: the probed layers, the routing, and why the blocks
+/// were not fed the reference's routing.
+pub(super) struct MoeParts<'a> {
+    pub layers: &'a [LayerProbe],
+    pub routing: Option<&'a RoutingReport>,
+    pub fed_routing_note: Option<&'a str>,
+}
+
 /// The layers whose block was fed the reference's routing.
-fn fed_layers(r: &ProbeReport) -> impl Iterator<Item = (&LayerProbe, &FedRouting)> {
+fn fed_layers<'a>(r: &MoeParts<'a>) -> impl Iterator<Item = (&'a LayerProbe, &'a FedRouting)> {
     r.layers
         .iter()
         .filter_map(|l| Some((l, l.fed_routing.as_ref()?)))
@@ -17,9 +26,9 @@ fn fed_layers(r: &ProbeReport) -> impl Iterator<Item = (&LayerProbe, &FedRouting
 
 /// An MoE model's terminal lines: the routing, each block fed the reference's routing beside the MLP on its
 /// own, and what to look at next (none for a dense model).
-pub(super) fn terminal_lines(r: &ProbeReport) -> Vec<String> {
+pub(super) fn terminal_lines(r: &MoeParts) -> Vec<String> {
     let mut lines = Vec::new();
-    if let Some(r) = &r.routing {
+    if let Some(r) = r.routing {
         lines.extend(routing_report::body_lines(r));
     }
     if fed_layers(r).next().is_some() {
@@ -51,7 +60,7 @@ pub(super) fn terminal_lines(r: &ProbeReport) -> Vec<String> {
             ));
         }
     }
-    if let Some(n) = &r.fed_routing_note {
+    if let Some(n) = r.fed_routing_note {
         lines.push(format!("note: {n}"));
     }
     if let Some(next) = next(r) {
@@ -63,10 +72,9 @@ pub(super) fn terminal_lines(r: &ProbeReport) -> Vec<String> {
 /// What to look at next in an MoE model: the first layer whose MLP error has a culprit (the experts, what the
 /// block reads, or the routing), else where the MLP error comes from within the threshold, with the routing's
 /// own next step where it flipped; `None` for a dense model.
-fn next(r: &ProbeReport) -> Option<String> {
+fn next(r: &MoeParts) -> Option<String> {
     let routing_next = r
         .routing
-        .as_ref()
         .filter(|r| r.flip_count() > 0)
         .map(routing_report::next_step);
     let culprit = r
@@ -165,12 +173,12 @@ fn next(r: &ProbeReport) -> Option<String> {
 }
 
 /// An MoE model's Markdown: the routing, each block fed the reference's routing, and the next step.
-pub(super) fn markdown(s: &mut String, r: &ProbeReport) {
+pub(super) fn markdown(s: &mut String, r: &MoeParts) {
     if r.routing.is_none() && fed_layers(r).next().is_none() && r.fed_routing_note.is_none() {
         return;
     }
     let _ = writeln!(s, "\n## MoE\n");
-    if let Some(r) = &r.routing {
+    if let Some(r) = r.routing {
         routing_report::markdown_body(s, r);
     }
     if fed_layers(r).next().is_some() {
@@ -203,7 +211,7 @@ pub(super) fn markdown(s: &mut String, r: &ProbeReport) {
             );
         }
     }
-    if let Some(n) = &r.fed_routing_note {
+    if let Some(n) = r.fed_routing_note {
         let _ = writeln!(s, "\nNote: {n}.");
     }
     if let Some(next) = next(r) {

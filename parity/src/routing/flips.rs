@@ -165,13 +165,13 @@ pub fn compare_with(prompt: &str, layers: &[LayerSides], reach: &Reach) -> Resul
             confident_flips: 0,
             unclassified_flips: 0,
             downstream_flips: 0,
-            router_error_max: worst_of(deltas),
-            router_error_independent: worst_of(independent),
+            router_error_max: Measure::worst_of(deltas),
+            router_error_independent: Measure::worst_of(independent),
             margin_median: median,
             router_off_flips: 0,
             margins,
             mlp_nrmse_flipped: None,
-            mlp_nrmse_agreeing: worst_of(agreeing),
+            mlp_nrmse_agreeing: Measure::worst_of(agreeing),
         });
     }
     let mut report = RoutingReport {
@@ -193,11 +193,6 @@ pub fn compare_with(prompt: &str, layers: &[LayerSides], reach: &Reach) -> Resul
     };
     report.tally();
     Ok(report)
-}
-
-/// The largest of some measures ([`Measure::worst`]: undefined when one is); `None` when there are none.
-pub(super) fn worst_of(x: impl IntoIterator<Item = Measure>) -> Option<Measure> {
-    x.into_iter().reduce(Measure::worst)
 }
 
 /// The smallest of `x`, NaN when any is NaN or `x` is empty.

@@ -1,7 +1,6 @@
 //! The verdicts and counts of a routing report: a flip's class by the rule of the module docs, the report judged
 //! again against a stated router error, several prompts' reports merged, some layers kept, and every count redone.
 
-use super::flips::worst_of;
 use super::{ErrorSource, Flip, FlipClass, LayerRouting, RoutingReport};
 use crate::metrics::{Measure, Why, percentile};
 
@@ -86,7 +85,7 @@ impl RoutingReport {
             l.confident_flips = count(FlipClass::Confident);
             l.unclassified_flips = count(FlipClass::Unclassified);
             l.downstream_flips = mine.iter().filter(|f| f.downstream()).count();
-            l.mlp_nrmse_flipped = worst_of(mine.iter().filter_map(|f| f.mlp_nrmse));
+            l.mlp_nrmse_flipped = Measure::worst_of(mine.iter().filter_map(|f| f.mlp_nrmse));
             l.set_agreement = share(l.same_set, l.tokens);
             l.margin_median = (!l.margins.is_empty()).then(|| percentile(&l.margins, 0.5));
             l.router_off_flips = mine.iter().filter(|f| f.router_off).count();
@@ -134,5 +133,5 @@ impl RoutingReport {
 
 /// The larger of two optional measures (undefined when either is: [`Measure::worst`]).
 fn max_of(a: Option<Measure>, b: Option<Measure>) -> Option<Measure> {
-    worst_of(a.into_iter().chain(b))
+    Measure::worst_of(a.into_iter().chain(b))
 }
