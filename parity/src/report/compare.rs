@@ -90,22 +90,45 @@ impl CompareReport {
     pub fn passed(&self) -> bool {
         self.devices.iter().all(DeviceReport::passed)
     }
+}
 
-    /// The JSON document (see the module docs).
-    pub fn json(&self) -> Result<serde_json::Value> {
-        let mut v = stamped(self, self.passed())?;
-        if let Some(devices) = v.get_mut("devices").and_then(|d| d.as_array_mut()) {
-            for (d, r) in devices.iter_mut().zip(&self.devices) {
-                if let Some(o) = d.as_object_mut() {
-                    o.insert("passed".into(), r.passed().into());
-                }
-            }
+/// The image (video) embeddings' lines of a prompt with images or videos: each tower run's merger error (the
+/// images' `vision.merger`, the videos' `video.vision.merger`), and its vision block that moved most.
+fn vision_lines(d: &crate::compare::DeviceReport) -> Vec<String> {
+    let mut lines = Vec::new();
+    for (what, prefix) in [("image", ""), ("video", "video.")] {
+        let merger = format!("{prefix}{}", reference::vision::names::MERGER);
+        let Some(row) = d.vision.iter().find(|r| r.name == merger) else {
+            continue;
+        };
+        let blocks = format!("{prefix}vision.blocks.");
+        let worst = d
+            .vision
+            .iter()
+            .filter(|r| r.name.starts_with(&blocks))
+            .max_by(|a, b| a.error.nrmse.get().total_cmp(&b.error.nrmse.get()));
+        let graph = d
+            .vision_graph
+            .as_deref()
+            .unwrap_or("the device's vision graph");
+        let mut line = format!(
+            "{what} embeddings ({merger}, {graph}): NRMSE {:.2e}, max |diff| {:.2e}, cosine {:.6}",
+            row.error.nrmse, row.error.max_abs, row.error.cosine
+        );
+        if let Some(w) = worst {
+            line.push_str(&format!(
+                "; worst block {} NRMSE {:.2e}",
+                w.name, w.error.nrmse
+            ));
         }
-        Ok(v)
+        lines.push(line);
     }
+    lines
+}
 
+impl super::Report for CompareReport {
     /// The one-screen summary.
-    pub fn terminal(&self, color: bool) -> String {
+    fn terminal(&self, color: bool) -> String {
         let mut s = String::new();
         let i = &self.inputs;
         let _ = writeln!(
@@ -253,7 +276,7 @@ impl CompareReport {
     }
 
     /// The Markdown report.
-    pub fn markdown(&self) -> String {
+    fn markdown(&self) -> String {
         let mut s = String::new();
         let i = &self.inputs;
         let _ = writeln!(s, "# qwen35 {} report\n", self.command);
@@ -521,53 +544,18 @@ impl CompareReport {
         );
         s
     }
-}
 
-/// The image (video) embeddings' lines of a prompt with images or videos: each tower run's merger error (the
-/// images' `vision.merger`, the videos' `video.vision.merger`), and its vision block that moved most.
-fn vision_lines(d: &crate::compare::DeviceReport) -> Vec<String> {
-    let mut lines = Vec::new();
-    for (what, prefix) in [("image", ""), ("video", "video.")] {
-        let merger = format!("{prefix}{}", reference::vision::names::MERGER);
-        let Some(row) = d.vision.iter().find(|r| r.name == merger) else {
-            continue;
-        };
-        let blocks = format!("{prefix}vision.blocks.");
-        let worst = d
-            .vision
-            .iter()
-            .filter(|r| r.name.starts_with(&blocks))
-            .max_by(|a, b| a.error.nrmse.get().total_cmp(&b.error.nrmse.get()));
-        let graph = d
-            .vision_graph
-            .as_deref()
-            .unwrap_or("the device's vision graph");
-        let mut line = format!(
-            "{what} embeddings ({merger}, {graph}): NRMSE {:.2e}, max |diff| {:.2e}, cosine {:.6}",
-            row.error.nrmse, row.error.max_abs, row.error.cosine
-        );
-        if let Some(w) = worst {
-            line.push_str(&format!(
-                "; worst block {} NRMSE {:.2e}",
-                w.name, w.error.nrmse
-            ));
-        }
-        lines.push(line);
-    }
-    lines
-}
-
-impl super::Report for CompareReport {
-    fn terminal(&self, color: bool) -> String {
-        CompareReport::terminal(self, color)
-    }
-
-    fn markdown(&self) -> String {
-        CompareReport::markdown(self)
-    }
-
+    /// The JSON document (see the module docs).
     fn json(&self) -> Result<serde_json::Value> {
-        CompareReport::json(self)
+        let mut v = stamped(self, self.passed())?;
+        if let Some(devices) = v.get_mut("devices").and_then(|d| d.as_array_mut()) {
+            for (d, r) in devices.iter_mut().zip(&self.devices) {
+                if let Some(o) = d.as_object_mut() {
+                    o.insert("passed".into(), r.passed().into());
+                }
+            }
+        }
+        Ok(v)
     }
 
     fn chart(&self, path: &std::path::Path) -> Result<()> {

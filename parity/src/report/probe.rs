@@ -119,11 +119,6 @@ impl ProbeReport {
         ))
     }
 
-    /// The JSON document (see the module docs).
-    pub fn json(&self) -> Result<serde_json::Value> {
-        stamped(self, self.passed())
-    }
-
     fn title(&self) -> String {
         let i = &self.inputs;
         format!(
@@ -141,8 +136,126 @@ impl ProbeReport {
         )
     }
 
+    fn verdict_line(&self) -> String {
+        let t = &self.thresholds;
+        let within = match &self.baseline {
+            Some(b) => format!(
+                "within {}× {}'s error on each layer (at least the f32 thresholds)",
+                b.factor, b.device
+            ),
+            None => format!(
+                "within NRMSE {:.1e} (states {:.1e})",
+                t.max_nrmse, t.max_state_nrmse
+            ),
+        };
+        let vision_over: Vec<String> = self
+            .vision
+            .iter()
+            .filter(|v| v.over)
+            .map(|v| v.block.to_string())
+            .collect();
+        if !vision_over.is_empty() {
+            return format!(
+                "vision blocks over threshold (isolated, {within}): {}",
+                vision_over.join(", ")
+            );
+        }
+        let mut routing = self
+            .routing
+            .as_ref()
+            .and_then(routing_report::first_flip_clause)
+            .map_or(String::new(), |c| format!("; {c}"));
+        if let Some(f) = self.routing_failure() {
+            routing.push_str(&format!("; {f}"));
+        }
+        match &self.drill_down {
+            None => format!("every layer {within}{routing}"),
+            Some(d) => {
+                let over: Vec<String> = self
+                    .layers
+                    .iter()
+                    .filter(|l| l.over)
+                    .map(|l| l.layer.to_string())
+                    .collect();
+                let fed_over = self
+                    .layers
+                    .iter()
+                    .find(|l| l.layer == d.layer)
+                    .is_some_and(|l| l.blame == Some(Blame::Experts));
+                let starts = match d.first_over.as_deref() {
+                    Some(op) => op.to_string(),
+                    None if fed_over => {
+                        "its MoE block (over threshold fed the reference's routing)".into()
+                    }
+                    None => "the states (every intermediate holds)".into(),
+                };
+                format!(
+                    "layers over threshold ({within}): {}; in layer {} the error starts at {starts}{routing}",
+                    over.join(", "),
+                    d.layer,
+                )
+            }
+        }
+    }
+
+    /// The chart: output, mixer and MLP NRMSE per layer; the state drift along the positions.
+    pub fn chart(&self, path: &Path) -> Result<()> {
+        let per_layer = |name: &str, f: &dyn Fn(&LayerProbe) -> Option<f64>| Series {
+            name: name.into(),
+            points: self
+                .layers
+                .iter()
+                .filter_map(|l| Some((l.layer as f64, f(l)?)))
+                .collect(),
+        };
+        let panels = [
+            Panel {
+                title: format!(
+                    "{} ({}): error per layer",
+                    self.record.device.as_deref().unwrap_or("?"),
+                    self.inputs.mode.name()
+                ),
+                x_label: "layer".into(),
+                y_label: "NRMSE".into(),
+                series: vec![
+                    per_layer("output", &|l| l.output.map(|e| e.nrmse.get())),
+                    per_layer("mixer", &|l| l.mixer.map(|e| e.nrmse.get())),
+                    per_layer("MLP", &|l| l.mlp.map(|e| e.nrmse.get())),
+                    per_layer("MLP fed the reference's routing", &|l| {
+                        l.fed_routing.as_ref().map(|f| f.mlp.nrmse.get())
+                    }),
+                ],
+                threshold: Some(self.thresholds.max_nrmse),
+                marker: None,
+            },
+            Panel {
+                title: "State drift after each block".into(),
+                x_label: "position".into(),
+                y_label: "state NRMSE".into(),
+                series: self
+                    .layers
+                    .iter()
+                    .map(|l| Series {
+                        name: format!("layer {}", l.layer),
+                        points: l
+                            .block_ends
+                            .iter()
+                            .zip(&l.state_drift)
+                            .map(|(&p, &e)| (p as f64, e))
+                            .collect(),
+                    })
+                    .collect(),
+                threshold: Some(self.thresholds.max_state_nrmse),
+                marker: None,
+            },
+        ];
+        draw(path, &panels)
+    }
+}
+
+impl super::Report for ProbeReport {
     /// The one-screen summary.
-    pub fn terminal(&self, color: bool) -> String {
+    fn terminal(&self, color: bool) -> String {
         let mut s = String::new();
         let _ = writeln!(s, "{}", self.title());
         let _ = writeln!(
@@ -238,70 +351,8 @@ impl ProbeReport {
         s
     }
 
-    fn verdict_line(&self) -> String {
-        let t = &self.thresholds;
-        let within = match &self.baseline {
-            Some(b) => format!(
-                "within {}× {}'s error on each layer (at least the f32 thresholds)",
-                b.factor, b.device
-            ),
-            None => format!(
-                "within NRMSE {:.1e} (states {:.1e})",
-                t.max_nrmse, t.max_state_nrmse
-            ),
-        };
-        let vision_over: Vec<String> = self
-            .vision
-            .iter()
-            .filter(|v| v.over)
-            .map(|v| v.block.to_string())
-            .collect();
-        if !vision_over.is_empty() {
-            return format!(
-                "vision blocks over threshold (isolated, {within}): {}",
-                vision_over.join(", ")
-            );
-        }
-        let mut routing = self
-            .routing
-            .as_ref()
-            .and_then(routing_report::first_flip_clause)
-            .map_or(String::new(), |c| format!("; {c}"));
-        if let Some(f) = self.routing_failure() {
-            routing.push_str(&format!("; {f}"));
-        }
-        match &self.drill_down {
-            None => format!("every layer {within}{routing}"),
-            Some(d) => {
-                let over: Vec<String> = self
-                    .layers
-                    .iter()
-                    .filter(|l| l.over)
-                    .map(|l| l.layer.to_string())
-                    .collect();
-                let fed_over = self
-                    .layers
-                    .iter()
-                    .find(|l| l.layer == d.layer)
-                    .is_some_and(|l| l.blame == Some(Blame::Experts));
-                let starts = match d.first_over.as_deref() {
-                    Some(op) => op.to_string(),
-                    None if fed_over => {
-                        "its MoE block (over threshold fed the reference's routing)".into()
-                    }
-                    None => "the states (every intermediate holds)".into(),
-                };
-                format!(
-                    "layers over threshold ({within}): {}; in layer {} the error starts at {starts}{routing}",
-                    over.join(", "),
-                    d.layer,
-                )
-            }
-        }
-    }
-
     /// The Markdown report.
-    pub fn markdown(&self) -> String {
+    fn markdown(&self) -> String {
         let mut s = String::new();
         let r = &self.record;
         let _ = writeln!(s, "# qwen35 probe report\n");
@@ -463,72 +514,9 @@ impl ProbeReport {
         s
     }
 
-    /// The chart: output, mixer and MLP NRMSE per layer; the state drift along the positions.
-    pub fn chart(&self, path: &Path) -> Result<()> {
-        let per_layer = |name: &str, f: &dyn Fn(&LayerProbe) -> Option<f64>| Series {
-            name: name.into(),
-            points: self
-                .layers
-                .iter()
-                .filter_map(|l| Some((l.layer as f64, f(l)?)))
-                .collect(),
-        };
-        let panels = [
-            Panel {
-                title: format!(
-                    "{} ({}): error per layer",
-                    self.record.device.as_deref().unwrap_or("?"),
-                    self.inputs.mode.name()
-                ),
-                x_label: "layer".into(),
-                y_label: "NRMSE".into(),
-                series: vec![
-                    per_layer("output", &|l| l.output.map(|e| e.nrmse.get())),
-                    per_layer("mixer", &|l| l.mixer.map(|e| e.nrmse.get())),
-                    per_layer("MLP", &|l| l.mlp.map(|e| e.nrmse.get())),
-                    per_layer("MLP fed the reference's routing", &|l| {
-                        l.fed_routing.as_ref().map(|f| f.mlp.nrmse.get())
-                    }),
-                ],
-                threshold: Some(self.thresholds.max_nrmse),
-                marker: None,
-            },
-            Panel {
-                title: "State drift after each block".into(),
-                x_label: "position".into(),
-                y_label: "state NRMSE".into(),
-                series: self
-                    .layers
-                    .iter()
-                    .map(|l| Series {
-                        name: format!("layer {}", l.layer),
-                        points: l
-                            .block_ends
-                            .iter()
-                            .zip(&l.state_drift)
-                            .map(|(&p, &e)| (p as f64, e))
-                            .collect(),
-                    })
-                    .collect(),
-                threshold: Some(self.thresholds.max_state_nrmse),
-                marker: None,
-            },
-        ];
-        draw(path, &panels)
-    }
-}
-
-impl super::Report for ProbeReport {
-    fn terminal(&self, color: bool) -> String {
-        ProbeReport::terminal(self, color)
-    }
-
-    fn markdown(&self) -> String {
-        ProbeReport::markdown(self)
-    }
-
+    /// The JSON document (see the module docs).
     fn json(&self) -> Result<serde_json::Value> {
-        ProbeReport::json(self)
+        stamped(self, self.passed())
     }
 
     fn chart(&self, path: &std::path::Path) -> Result<()> {

@@ -109,15 +109,6 @@ impl ValidateReport {
         self.checks.iter().find(|c| c.id == id)
     }
 
-    /// The JSON document (see the module docs).
-    pub fn json(&self) -> Result<serde_json::Value> {
-        let mut v = stamped(self, self.passed())?;
-        if let (Some(c), Some(obj)) = (&self.compare, v.as_object_mut()) {
-            obj.insert("compare".into(), c.json()?);
-        }
-        Ok(v)
-    }
-
     fn title(&self) -> String {
         let i = &self.inputs;
         let d = &self.device;
@@ -204,8 +195,107 @@ impl ValidateReport {
         lines
     }
 
+    fn device_markdown(&self, s: &mut String) {
+        let d = &self.device;
+        let _ = writeln!(s, "\n## Device\n");
+        let _ = writeln!(s, "| | |\n|---|---|");
+        let _ = writeln!(
+            s,
+            "| device | {} ({}) |",
+            d.device,
+            d.device_name.as_deref().unwrap_or("-")
+        );
+        let _ = writeln!(s, "| runtime | {} |", d.runtime.as_deref().unwrap_or("-"));
+        let _ = writeln!(
+            s,
+            "| driver | {} |",
+            d.driver.as_deref().unwrap_or("not reported")
+        );
+        let _ = writeln!(
+            s,
+            "| devices present | {} |",
+            if d.available.is_empty() {
+                "-".into()
+            } else {
+                d.available.join(", ")
+            }
+        );
+        let _ = writeln!(
+            s,
+            "| precision | {} asked, {} read back{} |",
+            d.precision_requested,
+            d.precision
+                .as_ref()
+                .map_or("-".to_string(), |p| p.to_string()),
+            if d.allowed_precisions.is_empty() {
+                String::new()
+            } else {
+                format!("; allowed instead: {}", d.allowed_precisions.join(", "))
+            }
+        );
+        for (k, v) in &d.properties {
+            let _ = writeln!(s, "| property `{k}` | {v} |");
+        }
+        let _ = writeln!(
+            s,
+            "| model cache | {} |",
+            d.cache_dir
+                .as_deref()
+                .unwrap_or("not used (graphs compiled on every run)")
+        );
+        let _ = writeln!(
+            s,
+            "\n| graph | compiled for | precision | execution devices | compile s | from cache |"
+        );
+        let _ = writeln!(s, "|---|---|---|---|---|---|");
+        for g in &d.graphs {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {:.2} | {} |",
+                g.graph,
+                g.purpose,
+                g.precision,
+                g.execution_devices.as_deref().unwrap_or("not reported"),
+                g.compile_seconds,
+                g.loaded_from_cache
+                    .map_or("-", |c| if c { "yes" } else { "no" })
+            );
+        }
+    }
+}
+
+/// The graphs' shape in a few words: the block and context of this project's graphs, or an IR's context.
+fn graph_shape(i: &ValidateInputs) -> String {
+    match (i.block, i.context) {
+        (Some(b), Some(c)) => format!("block {b}, context {c}"),
+        (Some(b), None) => format!("block {b}"),
+        (None, Some(c)) => format!("any tokens per call, context {c} (the manifest's)"),
+        (None, None) => "any tokens per call, no static context".into(),
+    }
+}
+
+/// Text for a Markdown table cell (a `|` would end the cell).
+fn cell(text: &str) -> String {
+    text.replace('|', "\\|")
+}
+
+/// A Markdown document's headings two levels deeper (to sit under a second-level heading of the report that
+/// includes it).
+fn demote(markdown: &str) -> String {
+    let mut out = String::with_capacity(markdown.len() + 64);
+    for line in markdown.lines() {
+        if line.starts_with('#') {
+            out.push_str("##");
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
+impl super::Report for ValidateReport {
     /// The one-screen summary: the table of checks, the failures with where to look next, the device.
-    pub fn terminal(&self, color: bool) -> String {
+    fn terminal(&self, color: bool) -> String {
         let mut s = String::new();
         let _ = writeln!(s, "{}", self.title());
         let w = self
@@ -256,7 +346,7 @@ impl ValidateReport {
     }
 
     /// The Markdown report.
-    pub fn markdown(&self) -> String {
+    fn markdown(&self) -> String {
         let mut s = String::new();
         let i = &self.inputs;
         let _ = writeln!(s, "# qwen35 validate report\n");
@@ -400,115 +490,13 @@ impl ValidateReport {
         s
     }
 
-    fn device_markdown(&self, s: &mut String) {
-        let d = &self.device;
-        let _ = writeln!(s, "\n## Device\n");
-        let _ = writeln!(s, "| | |\n|---|---|");
-        let _ = writeln!(
-            s,
-            "| device | {} ({}) |",
-            d.device,
-            d.device_name.as_deref().unwrap_or("-")
-        );
-        let _ = writeln!(s, "| runtime | {} |", d.runtime.as_deref().unwrap_or("-"));
-        let _ = writeln!(
-            s,
-            "| driver | {} |",
-            d.driver.as_deref().unwrap_or("not reported")
-        );
-        let _ = writeln!(
-            s,
-            "| devices present | {} |",
-            if d.available.is_empty() {
-                "-".into()
-            } else {
-                d.available.join(", ")
-            }
-        );
-        let _ = writeln!(
-            s,
-            "| precision | {} asked, {} read back{} |",
-            d.precision_requested,
-            d.precision
-                .as_ref()
-                .map_or("-".to_string(), |p| p.to_string()),
-            if d.allowed_precisions.is_empty() {
-                String::new()
-            } else {
-                format!("; allowed instead: {}", d.allowed_precisions.join(", "))
-            }
-        );
-        for (k, v) in &d.properties {
-            let _ = writeln!(s, "| property `{k}` | {v} |");
-        }
-        let _ = writeln!(
-            s,
-            "| model cache | {} |",
-            d.cache_dir
-                .as_deref()
-                .unwrap_or("not used (graphs compiled on every run)")
-        );
-        let _ = writeln!(
-            s,
-            "\n| graph | compiled for | precision | execution devices | compile s | from cache |"
-        );
-        let _ = writeln!(s, "|---|---|---|---|---|---|");
-        for g in &d.graphs {
-            let _ = writeln!(
-                s,
-                "| {} | {} | {} | {} | {:.2} | {} |",
-                g.graph,
-                g.purpose,
-                g.precision,
-                g.execution_devices.as_deref().unwrap_or("not reported"),
-                g.compile_seconds,
-                g.loaded_from_cache
-                    .map_or("-", |c| if c { "yes" } else { "no" })
-            );
-        }
-    }
-}
-
-/// The graphs' shape in a few words: the block and context of this project's graphs, or an IR's context.
-fn graph_shape(i: &ValidateInputs) -> String {
-    match (i.block, i.context) {
-        (Some(b), Some(c)) => format!("block {b}, context {c}"),
-        (Some(b), None) => format!("block {b}"),
-        (None, Some(c)) => format!("any tokens per call, context {c} (the manifest's)"),
-        (None, None) => "any tokens per call, no static context".into(),
-    }
-}
-
-/// Text for a Markdown table cell (a `|` would end the cell).
-fn cell(text: &str) -> String {
-    text.replace('|', "\\|")
-}
-
-/// A Markdown document's headings two levels deeper (to sit under a second-level heading of the report that
-/// includes it).
-fn demote(markdown: &str) -> String {
-    let mut out = String::with_capacity(markdown.len() + 64);
-    for line in markdown.lines() {
-        if line.starts_with('#') {
-            out.push_str("##");
-        }
-        out.push_str(line);
-        out.push('\n');
-    }
-    out
-}
-
-impl super::Report for ValidateReport {
-    fn terminal(&self, color: bool) -> String {
-        ValidateReport::terminal(self, color)
-    }
-
-    fn markdown(&self) -> String {
-        ValidateReport::markdown(self)
-    }
-
+    /// The JSON document (see the module docs).
     fn json(&self) -> Result<serde_json::Value> {
-        ValidateReport::json(self)
+        let mut v = stamped(self, self.passed())?;
+        if let (Some(c), Some(obj)) = (&self.compare, v.as_object_mut()) {
+            obj.insert("compare".into(), c.json()?);
+        }
+        Ok(v)
     }
 
     fn chart(&self, path: &std::path::Path) -> Result<()> {

@@ -13,6 +13,7 @@ use parity::probe::Mode;
 use parity::probe::moe::Blame;
 use parity::probe::run::{ProbePlan, run};
 use parity::prompts::LabelledPrompt;
+use parity::report::Report as _;
 use parity::report::probe::ProbeReport;
 use reference::config::Config;
 use reference::schema::{Param, Schema};
