@@ -178,16 +178,7 @@ pub fn matvec_packed_on(w: &PackedMatrix, x: &[f32], t: usize, kernel: QuantKern
     yt.par_chunks_mut(rows_per_task * t)
         .enumerate()
         .for_each(|(task, out)| task_rows(w, task * rows_per_task, x, t, out, kernel));
-    if t == 1 {
-        return yt;
-    }
-    let mut y = vec![0f32; rows * t];
-    for r in 0..rows {
-        for j in 0..t {
-            y[j * rows + r] = yt[r * t + j];
-        }
-    }
-    y
+    super::kernel::token_major(yt, rows, t)
 }
 
 /// The outputs of rows `first..` (`out.len() / t` of them), `out[k · t + j]` for row `first + k` and token `j`.
