@@ -28,3 +28,4 @@ pub mod report;
 pub mod routing;
 pub mod thresholds;
 pub mod validate;
+pub mod worker;

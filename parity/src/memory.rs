@@ -3,7 +3,7 @@
 //! fit the memory available, with the figure, what there is, and the options that would fit; never an
 //! out-of-memory kill halfway. The estimate goes in the report beside the peak the run measured.
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use npu::graphs::MoeGraphForm;
 use npu::memory::{GIB, MEMORY_ENV, available, decoder_graph_bytes, peak_resident};
 use reference::config::Config;
@@ -312,6 +312,31 @@ pub fn graph_parts(
     parts.push(caches);
     parts.push(("the runtime".into(), RUNTIME_BYTES));
     parts
+}
+
+/// What llama.cpp's worker holds running the GGUF file of `model` (the file, or the directory holding it) with a
+/// context of `context` tokens: the file (mapped; an upper bound of what it owns, as its CPU back end repacks some
+/// types into memory of its own), its caches and the runtime: a plan's parts.
+pub fn llamacpp_parts(
+    model: &std::path::Path,
+    config: &Config,
+    context: usize,
+) -> Result<Vec<(String, u64)>> {
+    let gguf = crate::device::llamacpp::gguf_of(model)?;
+    let file = std::fs::metadata(&gguf)
+        .with_context(|| format!("{}", gguf.display()))?
+        .len();
+    Ok(vec![
+        (
+            format!("llama.cpp's weights: {} ({})", gguf.display(), gib(file)),
+            file,
+        ),
+        (
+            format!("its caches and compute of --context {context}"),
+            npu::memory::context_bytes(config, context, context),
+        ),
+        ("the runtime".into(), RUNTIME_BYTES),
+    ])
 }
 
 /// What a run keeps of `prompts` prompts of `tokens` positions each with every layer's taps, per side compared: the

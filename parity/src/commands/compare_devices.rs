@@ -117,6 +117,12 @@ fn memory_plan(
     }
     for d in devices {
         let both = ("both sides' runs".to_string(), 2 * runs);
+        if crate::device::llamacpp::is_llamacpp(&d.device) {
+            let mut parts = memory::llamacpp_parts(dir, config, d.graph.context)?;
+            parts.push(both);
+            plan.phase(format!("{}: llama.cpp's worker", d.device), parts);
+            continue;
+        }
         match set {
             Some(s) => {
                 plan.phase(

@@ -4,10 +4,11 @@
 
 use super::args::{FormArgs, GraphArgs, ModelArgs, refuse_graph_flags};
 use crate::device::fault::Fault;
+use crate::device::llamacpp::LlamaCppDevice;
 use crate::device::own::OwnGraphs;
 use crate::device::set::{SetGraphs, SetSource};
 use crate::device::{DeviceSettings, DeviceUnderTest};
-use anyhow::Result;
+use anyhow::{Result, bail};
 use reference::config::Config;
 use reference::weights::WeightStore;
 use std::path::{Path, PathBuf};
@@ -32,6 +33,13 @@ impl Target {
         Ok(match ir {
             Some(ir) => {
                 refuse_graph_flags(form, graph, ir)?;
+                if form.arithmetic.is_some() {
+                    bail!(
+                        "--arithmetic applies to the reference on a GGUF file checked against llama.cpp \
+                         (--devices llama.cpp); a set made elsewhere (--ir {}) computes as its graphs do",
+                        ir.display()
+                    );
+                }
                 let s = model.open_set(ir)?;
                 if let Some(w) = &s.weights_warning {
                     crate::errln!("warning: {w}");
@@ -39,7 +47,9 @@ impl Target {
                 Target::Set(Box::new(s))
             }
             None => {
-                let (dir, config, store) = model.open_for(form)?;
+                let (dir, config, mut store) = model.open_for(form)?;
+                // The reference computes as --arithmetic says; OpenVINO devices refuse it (their graph form).
+                form.apply_arithmetic(&mut store)?;
                 Target::Own(Box::new((dir, config, store)))
             }
         })
@@ -77,6 +87,22 @@ impl Target {
         graph: &GraphArgs,
         fault: Option<Fault>,
     ) -> Result<Box<dyn DeviceUnderTest + '_>> {
+        if crate::device::llamacpp::is_llamacpp(&settings.device) {
+            let Target::Own(c) = self else {
+                bail!(
+                    "--devices {}: llama.cpp runs a GGUF file (--model FILE.gguf), not a graph set (--ir)",
+                    settings.device
+                );
+            };
+            let gguf = crate::device::llamacpp::gguf_of(&c.0)?;
+            return Ok(Box::new(LlamaCppDevice::open(
+                &gguf,
+                &c.1,
+                &settings.device,
+                settings.graph.context,
+                fault,
+            )?));
+        }
         Ok(match self {
             Target::Set(s) => {
                 let compile = graph.compile(&settings.device)?;

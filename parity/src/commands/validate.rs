@@ -122,6 +122,11 @@ fn memory_plan(
     };
     let d = settings.device.as_str();
     let mut plan = Plan::default();
+    if crate::device::llamacpp::is_llamacpp(d) {
+        let parts = memory::llamacpp_parts(dir, config, settings.graph.context)?;
+        plan.phase(format!("{d}: llama.cpp's worker"), base(parts));
+        return Ok(plan);
+    }
     match set {
         Some(s) => {
             plan.phase(

@@ -401,7 +401,7 @@ pub fn compare_prompt(
         );
     }
     if !caps.states {
-        missing.push(format!("states: {}", npu::engine::STATE_NOT_EXPOSED));
+        missing.push(format!("states: {}", caps.states_note));
     }
     c.not_available = (!missing.is_empty()).then(|| missing.join("; "));
     c.tapped_vs_deployed = tapped_vs_deployed;

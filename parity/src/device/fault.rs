@@ -267,8 +267,8 @@ impl<B: Backend> Backend for Faulty<B> {
         Ok(out)
     }
 
-    fn exposes_state(&self) -> bool {
-        self.inner.exposes_state()
+    fn state_hidden(&self) -> Option<&'static str> {
+        self.inner.state_hidden()
     }
 
     fn position(&self) -> reference::Result<usize> {

@@ -10,6 +10,7 @@
 
 pub mod fault;
 pub mod layers;
+pub mod llamacpp;
 pub mod own;
 mod pieces;
 pub mod set;
@@ -33,6 +34,8 @@ pub struct Capabilities {
     pub kind: &'static str,
     /// Every state is a port: compared with the reference's, snapshot and restored on the host.
     pub states: bool,
+    /// Why the states are not compared when they are not (`not exposed: …`; empty when they are).
+    pub states_note: &'static str,
     /// Hidden states come out (taps: every layer's output at least).
     pub hidden: bool,
     /// A prompt block can be padded (`token_valid`).
@@ -158,9 +161,12 @@ pub trait DeviceUnderTest {
     fn graphs(&self) -> Vec<GraphInfo>;
 }
 
-/// Fails unless `device` can run here: the FP16SIM pseudo-device with valid options, or an OpenVINO device that is
-/// present (the error names the ones that are).
+/// Fails unless `device` can run here: the FP16SIM pseudo-device with valid options, llama.cpp with the device asked
+/// of it, or an OpenVINO device that is present (the error names the ones that are).
 pub fn check_device(device: &str) -> Result<()> {
+    if llamacpp::is_llamacpp(device) {
+        return llamacpp::check(device);
+    }
     if NumericModel::is_sim(device) {
         npu::sim::parse_device(device, &[])?;
         return Ok(());

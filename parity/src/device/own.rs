@@ -43,6 +43,7 @@ impl<'a> OwnGraphs<'a> {
         let caps = Capabilities {
             kind: "this project's graphs",
             states: true,
+            states_note: "",
             hidden: true,
             token_valid: interface.has("token_valid"),
             single_token: true,

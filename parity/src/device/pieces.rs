@@ -46,8 +46,8 @@ impl Backend for Pieces<'_> {
         })
     }
 
-    fn exposes_state(&self) -> bool {
-        self.inner.exposes_state()
+    fn state_hidden(&self) -> Option<&'static str> {
+        self.inner.state_hidden()
     }
 
     fn position(&self) -> reference::Result<usize> {

@@ -209,8 +209,8 @@ impl Backend for Graphs {
         self.backend_mut().forward_embedded(prompt, all_logits)
     }
 
-    fn exposes_state(&self) -> bool {
-        self.backend().exposes_state()
+    fn state_hidden(&self) -> Option<&'static str> {
+        self.backend().state_hidden()
     }
 
     fn position(&self) -> reference::Result<usize> {
@@ -292,6 +292,11 @@ impl<'a> SetGraphs<'a> {
                         "decoder set"
                     },
                     states: !d.interface().stateful,
+                    states_note: if d.interface().stateful {
+                        npu::engine::STATE_NOT_EXPOSED
+                    } else {
+                        ""
+                    },
                     hidden: d.has_taps(),
                     token_valid: d.takes_token_valid(),
                     single_token: blocks.is_empty() || blocks.contains(&1),
@@ -309,6 +314,7 @@ impl<'a> SetGraphs<'a> {
                 Capabilities {
                     kind: "per-layer set",
                     states: true,
+                    states_note: "",
                     hidden: true,
                     token_valid: set
                         .layers

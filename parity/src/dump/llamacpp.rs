@@ -32,7 +32,7 @@ pub fn is_llamacpp(tensors: &BTreeMap<String, Tensor>) -> bool {
 }
 
 /// The dump name of llama.cpp's `name`, if it has one (`result_output` is handled by the caller).
-fn mapped(name: &str) -> Option<String> {
+pub(crate) fn mapped(name: &str) -> Option<String> {
     match name {
         "model.input_embed" => Some("embeddings".into()),
         "result_norm" => Some("final_norm".into()),

@@ -69,6 +69,12 @@ pub fn how(caps: &Capabilities) -> std::result::Result<&'static str, String> {
         Ok("the decoder's states after every block and its hidden outputs")
     } else if caps.states {
         Ok("the decoder's states after every block")
+    } else if caps.kind == "llama.cpp" {
+        Err(
+            "llama.cpp has no per-layer graphs and keeps its caches and states inside its context: compare-devices \
+             compares its every layer's output instead"
+                .into(),
+        )
     } else {
         Err(
             "the device exposes neither per-layer graphs (`layers` in a set's manifest) nor its states (state ports, \

@@ -269,7 +269,10 @@ fn graph_shape(i: &ValidateInputs) -> String {
     match (i.block, i.context) {
         (Some(b), Some(c)) => format!("block {b}, context {c}"),
         (Some(b), None) => format!("block {b}"),
-        (None, Some(c)) => format!("any tokens per call, context {c} (the manifest's)"),
+        (None, Some(c)) => format!(
+            "any tokens per call, context {c} ({})",
+            i.capabilities.context_source
+        ),
         (None, None) => "any tokens per call, no static context".into(),
     }
 }

@@ -324,7 +324,7 @@ pub fn prefix_reuse(
     reference: &mut dyn Backend,
 ) -> Result<Finding> {
     let t = &ctx.thresholds;
-    let states = dut.capabilities().states;
+    let (states, states_note) = (dut.capabilities().states, dut.capabilities().states_note);
     let turn1 = &ctx.set[0];
     let follow = follow_up(ctx.set);
     let mut failures = Vec::new();
@@ -420,8 +420,7 @@ pub fn prefix_reuse(
     } else {
         notes.push(format!(
             "no snapshot: the follow-up continues the state the device kept after turn 1; the logits only, its state \
-             is {}",
-            npu::engine::STATE_NOT_EXPOSED
+             is {states_note}"
         ));
         None
     };
@@ -497,7 +496,7 @@ pub fn follow_up(set: &[LabelledPrompt]) -> &LabelledPrompt {
 /// state after the prompt (where it is exposed) must be bit-identical (any difference is state left behind, or a
 /// device that is not deterministic, which a user needs to know as much).
 pub fn back_to_back(ctx: &Context, dut: &mut dyn DeviceUnderTest) -> Result<Finding> {
-    let states = dut.capabilities().states;
+    let (states, states_note) = (dut.capabilities().states, dut.capabilities().states_note);
     let first = ctx.repeated;
     let second = &ctx.set[0];
     let mut failures = Vec::new();
@@ -568,10 +567,7 @@ pub fn back_to_back(ctx: &Context, dut: &mut dyn DeviceUnderTest) -> Result<Find
     let notes = if states {
         Vec::new()
     } else {
-        vec![format!(
-            "the logits only: the state is {}",
-            npu::engine::STATE_NOT_EXPOSED
-        )]
+        vec![format!("the logits only: the state is {states_note}")]
     };
     #[derive(Serialize)]
     struct Detail {

@@ -283,11 +283,8 @@ pub fn length(
             None => "the device has no static context".into(),
         }
     ));
-    if !device.exposes_state() {
-        notes.push(format!(
-            "the logits only: the device's state is {}",
-            npu::engine::STATE_NOT_EXPOSED
-        ));
+    if let Some(hidden) = device.state_hidden() {
+        notes.push(format!("the logits only: the device's state is {hidden}"));
     }
     #[derive(Serialize)]
     struct Detail {

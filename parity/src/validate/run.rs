@@ -89,11 +89,10 @@ pub fn skip_reason(id: CheckId, caps: &Capabilities) -> Option<String> {
         CheckId::Padding if caps.block.is_some() && !caps.single_token => Some(
             "the unpadded prompt needs a 1-token graph for its tail, which the set does not have".into(),
         ),
-        CheckId::PromptLookup if !caps.states => Some(
-            "prompt lookup restores the state from before a verify call after a partial match: it needs the states \
-             as ports (`decoder.states`), and a stateful IR keeps them inside OpenVINO"
-                .into(),
-        ),
+        CheckId::PromptLookup if !caps.states => Some(format!(
+            "prompt lookup restores the state from before a verify call after a partial match; the state is {}",
+            caps.states_note
+        )),
         _ => None,
     }
 }

@@ -20,6 +20,7 @@ mod gguf_quant_cost;
 mod graph_sets;
 mod harness;
 mod images;
+mod llamacpp_device;
 mod llamacpp_diff;
 mod loader_outputs;
 mod low_precision;

@@ -141,7 +141,13 @@ pub trait Backend {
     /// [`teacher_forced`] hand out an `after_prompt` with no tensors (comparisons then report the states as not
     /// exposed rather than compare nothing).
     fn exposes_state(&self) -> bool {
-        true
+        self.state_hidden().is_none()
+    }
+
+    /// Why the state is not exposed, as reports say it (`not exposed: …`, naming where the backend keeps it and
+    /// what would expose it); `None` (the default) when [`Backend::snapshot`] and [`Backend::restore`] reach it.
+    fn state_hidden(&self) -> Option<&'static str> {
+        None
     }
 
     /// Tokens processed since the last reset (the next token's position). By default the snapshot's; a backend

@@ -50,8 +50,8 @@ impl Backend for DecoderEngine {
             .map_err(into_reference)
     }
 
-    fn exposes_state(&self) -> bool {
-        !self.interface.stateful
+    fn state_hidden(&self) -> Option<&'static str> {
+        self.interface.stateful.then_some(STATE_NOT_EXPOSED)
     }
 
     fn position(&self) -> reference::Result<usize> {

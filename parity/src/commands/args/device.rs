@@ -117,6 +117,9 @@ impl GraphArgs {
                 "--block {block}: a prompt block longer than the static context of {context} (--context) never fits"
             );
         }
+        if crate::device::llamacpp::is_llamacpp(device) {
+            return self.llamacpp_settings(device, form, context);
+        }
         let graph_form = form.graph_form()?;
         if NumericModel::is_sim(device) && self.precision.is_some() {
             bail!(
@@ -137,6 +140,51 @@ impl GraphArgs {
                 moe: form.moe_form(),
             },
             compile: self.compile(device)?,
+        })
+    }
+
+    /// llama.cpp's settings: the context alone (`--context`, llama.cpp's context; each call is one batch). The
+    /// options of this project's graphs and of OpenVINO are refused by name: llama.cpp builds its own graphs.
+    fn llamacpp_settings(
+        &self,
+        device: &str,
+        form: &FormArgs,
+        context: usize,
+    ) -> Result<DeviceSettings> {
+        let refused = [
+            ("--precision", self.precision.is_some()),
+            ("--block", self.block.is_some()),
+            ("--device-config", self.device_config.is_some()),
+            ("--cache-dir", self.cache_dir.is_some()),
+            ("--output-scale", form.output_scale.is_some()),
+            ("--moe-form", form.moe_form.is_some()),
+            ("--inverse", form.inverse.is_some()),
+            ("--chunk", form.chunk.is_some()),
+            ("--decode-form", form.decode_form.is_some()),
+            ("--prefill-block", form.prefill_block.is_some()),
+            (
+                "--deltanet-form",
+                form.deltanet_form != super::form::PrefillForm::Chunked,
+            ),
+        ];
+        if let Some((flag, _)) = refused.iter().find(|(_, given)| *given) {
+            bail!(
+                "{flag} applies to OpenVINO graphs; {device} runs llama.cpp's own graphs on the GGUF file (its \
+                 arithmetic is modelled on the reference by --arithmetic llama-cpp)"
+            );
+        }
+        Ok(DeviceSettings {
+            device: device.to_string(),
+            block: context,
+            graph: GraphOptions {
+                context,
+                ..GraphOptions::default()
+            },
+            compile: CompileOptions {
+                precision: InferencePrecision::F32,
+                device_config: Default::default(),
+                cache_dir: None,
+            },
         })
     }
 
