@@ -5,17 +5,14 @@ use super::Outcome;
 use super::args::{
     FormArgs, GraphArgs, ImageArgs, ModelArgs, PromptArgs, ReportArgs, ThresholdArgs,
 };
-use super::target::Target;
+use super::target;
 use crate::compare::ReferenceRun;
 use crate::compare::run::{compare_device_on, quantization_error, reference_runs, vision_rows};
 use crate::device::{
     available_devices, check_context, check_device, check_positions, open_reference, split_devices,
     warn_precision,
 };
-use crate::images::{
-    PromptInput, device_images, image_name, reference_images, set_images, set_vision_names,
-    vision_config,
-};
+use crate::images::{PromptInput, image_name, reference_images, vision_config};
 use crate::memory::{self, Plan};
 use crate::outputs::Paths;
 use crate::progress::Progress;
@@ -173,7 +170,7 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
     if args.tokens == 0 {
         bail!("--tokens must be at least 1");
     }
-    let target = Target::open(&args.model, args.ir.as_deref(), &args.form, &args.graph)?;
+    let target = target::open(&args.model, args.ir.as_deref(), &args.form, &args.graph)?;
     let (dir, config, store) = target.checkpoint();
     let devices = devices(args.devices.as_deref())?;
     let image_source = args.images.source()?;
@@ -201,13 +198,10 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
             let vc = vision_config(dir)?;
             let pixels = source.load_with_videos(dir, &vc)?;
             let ids = args.prompt.vision_ids(dir, config, &vc, &pixels)?;
-            // A set made elsewhere makes the image rows with its own vision graphs: refused here, before any
-            // work, when it cannot.
-            if let Some(s) = target.set() {
-                s.check_images(&pixels.grids, pixels.video_grids(), |i| {
-                    image_name(source, &pixels, i)
-                })?;
-            }
+            // Refused here, before any work, when the device cannot make the image rows.
+            target.check_images(&pixels.grids, pixels.video_grids(), |i| {
+                image_name(source, &pixels, i)
+            })?;
             Some((vc, pixels, ids))
         }
         None => None,
@@ -326,40 +320,11 @@ pub fn exec(args: CompareArgs) -> Result<Outcome> {
         let vision = match (&images, &host) {
             (Some((vc, pixels, ids)), Some(host)) => {
                 progress.message(&format!("{device}: the vision graph"));
-                Some(match target.set() {
-                    // The set's own vision graphs, compiled as its decoder is.
-                    Some(s) => (
-                        set_images(
-                            host,
-                            vc,
-                            ids.clone(),
-                            pixels,
-                            &s.set,
-                            &settings.device,
-                            &args.graph.compile(&settings.device)?,
-                        )?,
-                        format!(
-                            "the set's vision graph {}",
-                            set_vision_names(&s.set, &pixels.grids)
-                        ),
-                    ),
-                    None => (
-                        device_images(
-                            host,
-                            store,
-                            vc,
-                            ids.clone(),
-                            pixels,
-                            &settings.device,
-                            &settings.compile,
-                        )?,
-                        "the device's vision graph".to_string(),
-                    ),
-                })
+                Some(target.images(host, vc, ids.clone(), pixels, &settings)?)
             }
             _ => None,
         };
-        let mut dut = target.device(settings, &args.graph, None)?;
+        let mut dut = target.device(settings, None)?;
         warn_precision(dut.as_mut())?;
         let inputs = vision
             .as_ref()

@@ -4,7 +4,7 @@
 
 use super::Outcome;
 use super::args::{FormArgs, GraphArgs, ImageArgs, ModeArg, ModelArgs, PromptArgs, ReportArgs};
-use super::target::Target;
+use super::target;
 use crate::device::own::OwnGraphs;
 use crate::device::{DeviceUnderTest, check_device};
 use crate::images::reference_images;
@@ -171,7 +171,7 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
             ir.display()
         );
     }
-    let target = Target::open(&args.model, args.ir.as_deref(), &args.form, &args.graph)?;
+    let target = target::open(&args.model, args.ir.as_deref(), &args.form, &args.graph)?;
     let settings = args.graph.settings(&device, &args.form)?;
     let graph_shape = (settings.block, settings.graph.moe);
     let baseline_settings = match &args.tolerance_from {
@@ -194,12 +194,10 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
         Some(source) => {
             let vc = crate::images::vision_config(dir)?;
             let pixels = source.load(dir, &vc)?;
-            // A set's decoder must take the image rows (its embeddings input).
-            if let Some(s) = target.set() {
-                s.check_images(&pixels.grids, &[], |i| {
-                    crate::images::image_name(source, &pixels, i)
-                })?;
-            }
+            // The device's decoder must take the image rows (a set's embeddings input).
+            target.check_images(&pixels.grids, &[], |i| {
+                crate::images::image_name(source, &pixels, i)
+            })?;
             let ids = args.prompt.vision_ids(dir, config, &vc, &pixels)?;
             // The prompt's text rows from the embedding table alone: the probe builds its own reference.
             let table = reference::model::TokenTable::load(config, store)?;
@@ -220,7 +218,7 @@ pub fn exec(args: ProbeArgs) -> Result<Outcome> {
     };
     let outputs = args.report.outputs()?;
     check_device(&device).context("--device")?;
-    let mut dut = target.device(settings, &args.graph, None)?;
+    let mut dut = target.device(settings, None)?;
     let mut baseline = match baseline_settings {
         Some(b) => Some(OwnGraphs::open(config, store, b, None)?),
         None => None,

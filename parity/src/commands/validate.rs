@@ -6,7 +6,7 @@ use super::Outcome;
 use super::args::{
     FormArgs, GraphArgs, ImageArgs, ModeArg, ModelArgs, PromptArgs, ReportArgs, ThresholdArgs,
 };
-use super::target::Target;
+use super::target;
 use crate::device::check_device;
 use crate::device::fault::Fault;
 use crate::memory::{self, Plan};
@@ -249,15 +249,10 @@ pub fn exec(args: ValidateArgs) -> Result<Outcome> {
         );
     }
     let image_source = args.images.source()?;
-    let target = Target::open(&args.model, args.ir.as_deref(), &args.form, &args.graph)?;
+    let target = target::open(&args.model, args.ir.as_deref(), &args.form, &args.graph)?;
     let mut settings = args.graph.settings(&device, &args.form)?;
     // With images the decoder graphs take embeddings (the port's form): the vision graph's rows, the host's text rows.
     settings.graph.embeddings_input = image_source.is_some();
-    // A set's vision graphs compile as its decoder does.
-    let compile = match target.set() {
-        Some(_) => args.graph.compile(&device)?,
-        None => settings.compile.clone(),
-    };
     check_device(&device).context("--device")?;
     let (dir, config, store) = target.checkpoint();
     let context = target.context(&settings).0;
@@ -272,13 +267,10 @@ pub fn exec(args: ValidateArgs) -> Result<Outcome> {
         Some(source) => {
             let vc = crate::images::vision_config(dir)?;
             let pixels = source.load_with_videos(dir, &vc)?;
-            // A set made elsewhere makes the image rows with its own vision graphs: refused before any work when
-            // it cannot.
-            if let Some(s) = target.set() {
-                s.check_images(&pixels.grids, pixels.video_grids(), |i| {
-                    crate::images::image_name(source, &pixels, i)
-                })?;
-            }
+            // Refused before any work when the device cannot make the image rows.
+            target.check_images(&pixels.grids, pixels.video_grids(), |i| {
+                crate::images::image_name(source, &pixels, i)
+            })?;
             let ids = if args.prompt.given() {
                 args.prompt.vision_ids(dir, config, &vc, &pixels)?
             } else {
@@ -333,7 +325,9 @@ pub fn exec(args: ValidateArgs) -> Result<Outcome> {
         Ok(plan)
     };
     let memory = memory::check_formats("validate", store.format(), plan_for, Vec::new())?;
-    let mut dut = target.device(settings, &args.graph, fault_kind)?;
+    // The image check's vision graph compiles as the decoder's graphs do.
+    let image_settings = settings.clone();
+    let mut dut = target.device(settings, fault_kind)?;
     // A flag that configures a check which cannot run on this device is refused, not ignored.
     let caps = dut.capabilities().clone();
     // The block sizes compared: this project's graphs compile 1, 16 and 64; a set is fed in pieces of its own
@@ -417,8 +411,8 @@ pub fn exec(args: ValidateArgs) -> Result<Outcome> {
             vc,
             pixels,
             prompt,
-            compile: &compile,
-            set: target.set().map(|s| &s.set),
+            target: &target,
+            settings: &image_settings,
         }),
     };
     let mut report = run(&plan, dut.as_mut(), start)?;

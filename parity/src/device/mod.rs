@@ -15,6 +15,7 @@ pub mod own;
 mod pieces;
 pub mod set;
 pub mod settings;
+pub mod target;
 
 pub use layers::{DeviceLayers, LayerDevice};
 pub use settings::DeviceSettings;
@@ -213,6 +214,9 @@ pub fn open_reference(
     reference_on(model, store, opts, taps)
 }
 
+/// The run record's property naming the arithmetic the reference modelled (`--arithmetic`), when not its own.
+pub const ARITHMETIC: &str = "arithmetic";
+
 /// The reference running `model` (built from `store`): a second backend on a model already built shares its
 /// weights (a model's clone holds the same packed codes and mapped pages, not a copy).
 pub fn reference_on(
@@ -221,12 +225,12 @@ pub fn reference_on(
     opts: RunOptions,
     taps: bool,
 ) -> Result<ReferenceBackend> {
-    Ok(ReferenceBackend::new(
-        model,
-        opts,
-        taps,
-        &store.format().name(),
-    )?)
+    let backend = ReferenceBackend::new(model, opts, taps, &store.format().name())?;
+    // How the products compute on a GGUF's weights, when not the reference's own f32: reports and dumps say it.
+    Ok(match store.arithmetic() {
+        reference::gguf::arith::Arithmetic::Reference => backend,
+        a => backend.with_property(ARITHMETIC, a.name()),
+    })
 }
 
 /// Fails unless `prompt` tokens and `generate` greedy tokens fit a static context of `context` slots (the last

@@ -133,14 +133,15 @@ impl super::Report for CompareReport {
         let i = &self.inputs;
         let _ = writeln!(
             s,
-            "qwen35 {}: {} ({} weights), {} prompt(s), {} greedy tokens each; reference {} ({})",
+            "qwen35 {}: {} ({} weights), {} prompt(s), {} greedy tokens each; reference {} ({}){}",
             self.command,
             short_model(&i.model),
             i.weights,
             i.prompts.len(),
             i.tokens,
             i.reference.dtype,
-            i.reference.deltanet_prefill
+            i.reference.deltanet_prefill,
+            arithmetic_note(&i.reference)
         );
         if let Some(q) = &self.quantization {
             let _ = writeln!(
@@ -316,8 +317,12 @@ impl super::Report for CompareReport {
         let r = &i.reference;
         let _ = writeln!(
             s,
-            "| reference | {} ({}; decode {}; output scale {}) |",
-            r.dtype, r.deltanet_prefill, r.deltanet_decode, r.output_scale
+            "| reference | {} ({}; decode {}; output scale {}){} |",
+            r.dtype,
+            r.deltanet_prefill,
+            r.deltanet_decode,
+            r.output_scale,
+            arithmetic_note(r)
         );
         let prompts: Vec<String> = i
             .prompts
@@ -561,4 +566,11 @@ impl super::Report for CompareReport {
     fn chart(&self, path: &std::path::Path) -> Result<()> {
         crate::plot::compare_chart(self, path)
     }
+}
+
+/// `, --arithmetic llama-cpp` when the reference modelled another runtime's arithmetic.
+fn arithmetic_note(r: &RunRecord) -> String {
+    r.properties
+        .get(crate::device::ARITHMETIC)
+        .map_or_else(String::new, |a| format!(", --arithmetic {a}"))
 }

@@ -7,15 +7,15 @@
 use super::{Agreement, Context, Finding, details, greedy_on, ties_text};
 use crate::compare::ReferenceRun;
 use crate::compare::run::{compare_device_on, vision_rows};
+use crate::device::DeviceSettings;
 use crate::device::DeviceUnderTest;
-use crate::images::{Pixels, PromptInput, device_images, reference_images, set_images};
+use crate::device::target::Target;
+use crate::images::{Pixels, PromptInput, reference_images};
 use crate::metrics::exceeds;
 use crate::probe::vision::probe_vision;
 use crate::progress::Progress;
 use crate::prompts::LabelledPrompt;
 use anyhow::Result;
-use npu::devices::CompileOptions;
-use npu::graphset::GraphSet;
 use reference::backend::{Backend, EmbeddedPrompt, continue_greedy, greedy_embedded};
 use reference::model::Model;
 use reference::rope::Positions;
@@ -31,11 +31,10 @@ pub struct ValidateImages<'a> {
     pub pixels: &'a Pixels,
     /// The prompt with them (`with N image(s)`): its ids hold each image's run.
     pub prompt: &'a LabelledPrompt,
-    /// How the device's vision graph is compiled (as its decoder graphs are).
-    pub compile: &'a CompileOptions,
-    /// A graph set made elsewhere whose own vision graphs make the device's rows (`--ir`); `None`: this project's
-    /// vision graph, built from the checkpoint.
-    pub set: Option<&'a GraphSet>,
+    /// What is under test: it makes the device's image rows with the device's own vision graphs.
+    pub target: &'a Target,
+    /// The device's settings (its vision graph compiles as its decoder graphs do).
+    pub settings: &'a DeviceSettings,
 }
 
 /// What the check measured, for the JSON report.
@@ -84,10 +83,9 @@ pub fn images(
         ctx.tokens,
     )?;
     progress.message(&format!("{}: the vision graph", dut.label()));
-    let theirs = match images.set {
-        Some(set) => set_images(&table, vc, ids, pixels, set, dut.device(), images.compile)?,
-        None => device_images(&table, store, vc, ids, pixels, dut.device(), images.compile)?,
-    };
+    let (theirs, _) = images
+        .target
+        .images(&table, vc, ids, pixels, images.settings)?;
     let vision = vision_rows(&theirs.taps, &own.taps)?;
     for row in &vision {
         if exceeds(row.error.nrmse.get(), t.max_layer_nrmse) || !row.error.finite() {
@@ -98,7 +96,7 @@ pub fn images(
         }
     }
     // Each block's own graph: this project's, built from the checkpoint; a set's vision graph is one whole tower.
-    let blocks = match images.set {
+    let blocks = match images.target.set() {
         Some(_) => Vec::new(),
         None => {
             progress.message(&format!("{}: the vision blocks", dut.label()));
@@ -107,7 +105,7 @@ pub fn images(
                 store,
                 pixels,
                 dut.device(),
-                images.compile,
+                &images.settings.compile,
                 t.max_layer_nrmse,
             )?
         }
@@ -187,7 +185,7 @@ pub fn images(
         .iter()
         .find(|r| r.name == reference::vision::names::MERGER)
         .map_or("-".into(), |r| format!("{:.1e}", r.error.nrmse));
-    let worst_block = match images.set {
+    let worst_block = match images.target.set() {
         Some(_) => "not probed (the set's vision graph is the whole tower)".to_string(),
         None => blocks
             .iter()

@@ -248,3 +248,30 @@ fn validate_runs_every_check_the_device_allows_and_names_the_ones_it_cannot() {
         assert!(c["skipped"].as_str().unwrap().contains(why), "{c}");
     }
 }
+
+/// llama.cpp itself (built with `--features llama-cpp`; CI does not build it): its layers and logits on a Q8_0 file
+/// agree with the reference modelling its arithmetic to f32 rounding, and leave the plain reference's thresholds.
+#[cfg(feature = "llama-cpp")]
+#[test]
+fn llama_cpp_itself_agrees_like_for_like_and_not_otherwise() {
+    let tmp = tempfile::tempdir().unwrap();
+    let env = [("QWEN35_LLAMA_WORKER", WORKER)];
+    let model = gguf("tiny-tied.q8_0");
+    let like = tmp.path().join("like.json");
+    let (code, v, err) = compare(&model, &like, &["--arithmetic", "llama-cpp"], &env);
+    assert_eq!(code, Some(0), "{err}\n{v}");
+    let d = &v["devices"][0];
+    for l in d["layers"].as_array().unwrap() {
+        assert!(l["output"]["nrmse"].as_f64().unwrap() < 1e-6, "{l}");
+    }
+    let plain = tmp.path().join("plain.json");
+    let (code, v, err) = compare(&model, &plain, &[], &env);
+    assert_eq!(code, Some(1), "{err}\n{v}");
+    let worst = v["devices"][0]["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["output"]["nrmse"].as_f64().unwrap())
+        .fold(0.0, f64::max);
+    assert!(worst > 1e-3, "{worst}");
+}

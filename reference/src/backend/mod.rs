@@ -431,6 +431,14 @@ impl ReferenceBackend {
         })
     }
 
+    /// The backend with `key` recorded as `value` in its run record's properties (how the weights compute, say).
+    pub fn with_property(mut self, key: &str, value: &str) -> Self {
+        self.record
+            .properties
+            .insert(key.to_string(), value.to_string());
+        self
+    }
+
     /// The model.
     pub fn model(&self) -> &Model {
         &self.model
