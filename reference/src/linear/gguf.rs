@@ -160,8 +160,13 @@ impl GgufMatrix {
         self.0.map.release(self.range());
     }
 
-    /// The stored bytes of row `r` (after the row order).
-    fn stored_row(&self, r: usize) -> &[u8] {
+    /// Whether the matrix's columns are not in the stored rows' order (a column order undoes the converter's).
+    pub fn reorders_columns(&self) -> bool {
+        self.0.col_order.is_some()
+    }
+
+    /// The stored bytes of row `r`, its ggml blocks (the row order applied; a column order is not).
+    pub fn stored_row(&self, r: usize) -> &[u8] {
         let s = self.0.row_order.as_ref().map_or(r, |o| o[r]);
         let start = self.0.offset + s * self.0.row_bytes;
         &self.0.map.bytes()[start..start + self.0.row_bytes]

@@ -92,8 +92,8 @@ unsafe fn f16s(bytes: &[u8], out: &mut [f32]) {
         // SAFETY: inside `out`.
         unsafe { store(out, i, v) };
     }
-    for i in main..out.len() {
-        out[i] = f16_at(bytes, 2 * i);
+    for (i, v) in out.iter_mut().enumerate().skip(main) {
+        *v = f16_at(bytes, 2 * i);
     }
 }
 
