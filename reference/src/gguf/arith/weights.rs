@@ -59,3 +59,55 @@ impl InputRounding {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::decode::random_blocks;
+    use crate::linear::SharedMap;
+
+    /// A `[3, cols]` matrix of random blocks of `ty`, its rows reversed, its columns reversed when `columns`.
+    fn matrix(ty: GgmlType, cols: usize, columns: bool) -> (GgufMatrix, Vec<u8>) {
+        let bytes = random_blocks(ty, 3 * cols / ty.block_elems(), 5).unwrap();
+        let m = GgufMatrix::new(
+            &SharedMap::from_vec(bytes.clone()),
+            0,
+            ty,
+            (3, cols),
+            Some(vec![2, 1, 0]),
+            columns.then(|| (0..cols).rev().collect()),
+        )
+        .unwrap();
+        (m, bytes)
+    }
+
+    #[test]
+    fn the_minimums_are_the_blocks_in_the_checkpoints_row_order() {
+        for ty in [GgmlType::Q4_1, GgmlType::Q5_1] {
+            let (m, bytes) = matrix(ty, 64, false);
+            let r = InputRounding::of(ty, Some(&m)).unwrap();
+            assert_eq!(r.ty, VecDotType::Q8_1);
+            let bb = ty.block_bytes();
+            // Stored row 2 (blocks 4, 5) is the checkpoint's row 0.
+            let block_min = |b: usize| f16::from_le_bytes([bytes[b * bb + 2], bytes[b * bb + 3]]);
+            let expected: Vec<f32> = [4, 5, 2, 3, 0, 1].map(|b| block_min(b).to_f32()).to_vec();
+            assert_eq!(r.mins.as_deref(), Some(&expected[..]), "{ty}");
+            // Reordered columns, or no packed matrix: the blocks are not at hand as the checkpoint's.
+            let (m, _) = matrix(ty, 64, true);
+            assert!(
+                InputRounding::of(ty, Some(&m))
+                    .unwrap_err()
+                    .contains("columns")
+            );
+            assert!(
+                InputRounding::of(ty, None)
+                    .unwrap_err()
+                    .contains("not a matrix")
+            );
+        }
+        let (m, _) = matrix(GgmlType::Q4_K, 256, false);
+        let r = InputRounding::of(GgmlType::Q4_K, Some(&m)).unwrap();
+        assert_eq!((r.ty, r.mins), (VecDotType::Q8K, None));
+        assert!(InputRounding::of(GgmlType::Q8_K, None).is_err());
+    }
+}
