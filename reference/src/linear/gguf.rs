@@ -8,20 +8,26 @@
 //! decoded row is the checkpoint's row, exactly the values the expanded f32 image holds. The products then run the
 //! f32 kernels on those values in their order:
 //!
-//! - few tokens ([`super::MATVEC_MAX_TOKENS`]): each task decodes one row at a time into a buffer it reuses and sums
-//!   it with [`super::matvec`]'s kernel on f32, so each output has the bits [`super::matvec`] gives on the f32
-//!   matrix;
+//! - few tokens ([`super::MATVEC_MAX_TOKENS`]): each task decodes a row [`SEGMENT`] values at a time into a buffer it
+//!   reuses (so the decoded values stay in the L1 cache) and sums them with [`super::matvec`]'s SIMD kernel, its lane
+//!   accumulators carried from segment to segment (`kernel::dot_segments`), so each output has the bits
+//!   [`super::matvec`] gives on the f32 matrix; without that kernel, or with a column order, a whole row is decoded
+//!   and summed by [`super::matvec`]'s kernel;
 //! - more tokens on a CPU with AVX-512F: the prompt kernel ([`super::PromptKernel::Avx512`]) decodes the blocks of
 //!   each panel's steps straight into its panel (through a small per-thread buffer), as it widens a stored f32
 //!   matrix's rows, so the sums are those of [`super::matvec`]'s order on the f32 matrix;
 //! - more tokens without AVX-512F: blocks of rows are decoded and multiplied by the blocked GEMM with the blocks
 //!   [`super::MappedMatrix::forward`] uses on an f32 matrix, so the sums are the same.
 //!
-//! Memory: the file's bytes (mapped) and, during a call, a row per task (decode), a panel's run of blocks per thread
-//! (prompt kernel) or one block of rows (GEMM).
+//! F32, F16 and BF16 matrices with no column order are not decoded at all: the kernels read them in place as they
+//! read a [`super::MappedMatrix`] of that type, widening each value exactly as the decoder does (where the kernel for
+//! that type sums as the f32 one does, which it does wherever the CPU has F16C).
+//!
+//! Memory: the file's bytes (mapped) and, during a call, a segment (or a row) per task (decode), a panel's run of
+//! blocks per thread (prompt kernel) or one block of rows (GEMM).
 
 use super::gemm_kernel::{Isa, Panels};
-use super::kernel::{GROUP, LANES, dot_rows, simd_available};
+use super::kernel::{GROUP, LANES, dot_rows, dot_segments, simd_available, widen};
 use super::{
     BLOCK_ELEMENTS, Elem, MATVEC_MAX_TOKENS, SharedMap, WidenRows, blocked_gemm, check_input,
     gather, rows_f32, to_tensor, widen_rows,
@@ -35,6 +41,10 @@ use std::borrow::Cow;
 use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::Arc;
+
+/// Values of a row decoded at a time by the matrix-vector product (8 KiB of f32: the segment stays in the L1 cache
+/// with the inputs it meets): a multiple of 32 and of every ggml block (256 values at most).
+const SEGMENT: usize = 2048;
 
 /// A `[rows, cols]` weight matrix held as a GGUF tensor's ggml blocks in the mapped file (cheap to clone: shared).
 #[derive(Clone)]
@@ -160,6 +170,17 @@ impl GgufMatrix {
         self.0.map.release(self.range());
     }
 
+    /// The element type the kernels read a row in place as, when the blocks are plain floats (F32, F16, BF16: their
+    /// exact widening is the decoder's) and no column order moves them.
+    fn stored_elem(&self) -> Option<Elem> {
+        match (self.0.ty, &self.0.col_order) {
+            (GgmlType::F32, None) => Some(Elem::F32),
+            (GgmlType::F16, None) => Some(Elem::F16),
+            (GgmlType::BF16, None) => Some(Elem::Bf16),
+            _ => None,
+        }
+    }
+
     /// Whether the matrix's columns are not in the stored rows' order (a column order undoes the converter's).
     pub fn reorders_columns(&self) -> bool {
         self.0.col_order.is_some()
@@ -272,6 +293,8 @@ impl GgufMatrix {
         }
         let simd = simd_available(Elem::F32);
         let decoder = Decoder::detect();
+        // Plain floats are read in place where the kernel widening them sums as the f32 one does.
+        let stored = self.stored_elem().filter(|&e| simd_available(e) == simd);
         // As `matvec` splits rows (which thread computes a row, never how): ~16 tasks a thread, 256 KiB of f32 each.
         let threads = rayon::current_num_threads().max(1);
         let rows_per_task = rows
@@ -282,15 +305,26 @@ impl GgufMatrix {
         yt.par_chunks_mut(rows_per_task * t)
             .enumerate()
             .for_each(|(task, out)| {
-                let mut row = vec![0f32; cols];
+                let mut row = Vec::new();
+                let mut segment = vec![0f32; SEGMENT.min(cols.next_multiple_of(LANES))];
                 let mut scratch = Vec::new();
                 for (k, y) in out.chunks_mut(t).enumerate() {
-                    self.decode_row(task * rows_per_task + k, &mut row, &mut scratch, decoder);
-                    let bytes = f32_bytes(&row);
-                    for (g, ys) in y.chunks_mut(GROUP).enumerate() {
-                        let xs = &x[g * GROUP * cols..(g * GROUP + ys.len()) * cols];
-                        dot_rows(&bytes, Elem::F32, xs, cols, ys, simd);
+                    let r = task * rows_per_task + k;
+                    if let Some(elem) = stored {
+                        dot_tokens(self.stored_row(r), elem, x, cols, y, simd);
+                        continue;
                     }
+                    if self.0.col_order.is_none() {
+                        let mut fill = |values: Range<usize>, dst: &mut [f32]| {
+                            self.decode_stored(r, values, dst, decoder)
+                        };
+                        if dot_segments(cols, x, y, &mut segment, &mut fill).is_some() {
+                            continue;
+                        }
+                    }
+                    row.resize(cols, 0.0);
+                    self.decode_row(r, &mut row, &mut scratch, decoder);
+                    dot_tokens(&f32_bytes(&row), Elem::F32, x, cols, y, simd);
                 }
             });
         super::kernel::token_major(yt, rows, t)
@@ -308,8 +342,23 @@ impl WidenRows for GgufMatrix {
     }
 }
 
+/// `ys[j] = Σ_i xs[j, i] · row[i]` for every token of `xs` (`ys.len()` of them), [`GROUP`] at a time: [`super::matvec`]'s
+/// sums of one row.
+fn dot_tokens(row: &[u8], elem: Elem, xs: &[f32], n: usize, ys: &mut [f32], simd: bool) {
+    for (g, y) in ys.chunks_mut(GROUP).enumerate() {
+        dot_rows(
+            row,
+            elem,
+            &xs[g * GROUP * n..(g * GROUP + y.len()) * n],
+            n,
+            y,
+            simd,
+        );
+    }
+}
+
 /// f32 values as their little-endian bytes (what [`Elem::F32`] reads): a view on a little-endian CPU.
-fn f32_bytes(values: &[f32]) -> Cow<'_, [u8]> {
+pub(super) fn f32_bytes(values: &[f32]) -> Cow<'_, [u8]> {
     #[cfg(target_endian = "little")]
     {
         // SAFETY: any initialised f32 is 4 initialised bytes; u8 has no alignment requirement; the length covers
@@ -345,6 +394,11 @@ impl Panels for GgufMatrix {
         stride: usize,
         second: usize,
     ) {
+        if let Some(elem) = self.stored_elem() {
+            // SAFETY: the caller's guarantee (the prompt kernel's instruction sets widen every element type).
+            unsafe { I::widen_stored(self.stored_row(r), elem, steps, dst, stride, second) };
+            return;
+        }
         let len = steps.len();
         self.with_values(r, steps.start * LANES..steps.end * LANES, |values| {
             // SAFETY: the caller's guarantee; `values` holds the `len` steps, read from step 0.
@@ -354,7 +408,9 @@ impl Panels for GgufMatrix {
 
     fn tail(&self, r: usize, tail: &mut [f32]) {
         let main = self.0.cols / LANES * LANES;
-        if main < self.0.cols {
+        if let Some(elem) = self.stored_elem() {
+            widen(&self.stored_row(r)[main * elem.size()..], elem, tail);
+        } else if main < self.0.cols {
             self.with_values(r, main..self.0.cols, |values| tail.copy_from_slice(values));
         }
     }

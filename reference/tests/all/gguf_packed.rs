@@ -237,15 +237,15 @@ fn a_packed_product_of_every_type_is_the_decoded_product_bit_for_bit() {
         // Blocks of one value: columns that leave a tail of the 32-value steps.
         let blocks = if ty.block_elems() == 1 { 75 } else { 3 };
         for (rows, t, reorder) in [(7, 1, false), (5, 3, true), (13, 9, false), (6, 37, true)] {
-            packed_product_is_the_decoded_one(
-                ty,
-                rows,
-                blocks,
-                t,
-                reorder,
-                k as u64 * 31 + t as u64,
-            )
-            .unwrap();
+            let seed = k as u64 * 31 + t as u64;
+            packed_product_is_the_decoded_one(ty, rows, blocks, t, reorder, seed).unwrap();
+        }
+        // Rows of more than 4096 values: the matrix-vector product decodes them a segment at a time (the last one
+        // partial, with the `n mod 32` tail for one-value blocks).
+        let wide = 4100usize.div_ceil(ty.block_elems());
+        for (t, reorder) in [(1, false), (5, false), (2, true)] {
+            let seed = k as u64 * 7 + t as u64;
+            packed_product_is_the_decoded_one(ty, 3, wide, t, reorder, seed).unwrap();
         }
     }
 }
