@@ -330,6 +330,28 @@ mod tests {
         }
     }
 
+    /// Every type with values (the integer types have none).
+    fn decodable() -> impl Iterator<Item = GgmlType> {
+        super::super::types::ALL.into_iter().filter(|ty| {
+            !matches!(
+                ty,
+                GgmlType::I8 | GgmlType::I16 | GgmlType::I32 | GgmlType::I64
+            )
+        })
+    }
+
+    /// `n` bytes of the xorshift stream at `state`.
+    fn random_bytes(state: &mut u64, n: usize) -> Vec<u8> {
+        (0..n)
+            .map(|_| {
+                *state ^= *state << 13;
+                *state ^= *state >> 7;
+                *state ^= *state << 17;
+                *state as u8
+            })
+            .collect()
+    }
+
     /// Every decoder the CPU runs gives the scalar decoder's bits on blocks of random bytes (NaN and infinite
     /// scales included), for runs of blocks of several lengths, read at aligned and unaligned addresses.
     #[test]
@@ -337,23 +359,10 @@ mod tests {
         let mut state = 0x9e37_79b9_7f4a_7c15u64;
         let decoders = [Decoder::Scalar, Decoder::Avx2];
         let mut vectorised = 0;
-        for ty in super::super::types::ALL {
-            if matches!(
-                ty,
-                GgmlType::I8 | GgmlType::I16 | GgmlType::I32 | GgmlType::I64
-            ) {
-                continue;
-            }
+        for ty in decodable() {
             let (elems, bytes) = (ty.block_elems(), ty.block_bytes());
             for blocks in [1, 2, 3, 9, 17, 300] {
-                let raw: Vec<u8> = (0..blocks * bytes)
-                    .map(|_| {
-                        state ^= state << 13;
-                        state ^= state >> 7;
-                        state ^= state << 17;
-                        state as u8
-                    })
-                    .collect();
+                let raw = random_bytes(&mut state, blocks * bytes);
                 let mut expected = vec![0f32; blocks * elems];
                 dequantize_on(ty, &raw, &mut expected, Decoder::Scalar).unwrap();
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
@@ -383,22 +392,9 @@ mod tests {
     fn decoding_a_row_at_a_time_is_decoding_the_whole() {
         // Rows of 3 blocks of random bytes (finite scales or not: only the split is compared).
         let mut state = 0x2545_f491_4f6c_dd1du64;
-        for ty in super::super::types::ALL {
-            if matches!(
-                ty,
-                GgmlType::I8 | GgmlType::I16 | GgmlType::I32 | GgmlType::I64
-            ) {
-                continue;
-            }
+        for ty in decodable() {
             let (elems, bytes) = (ty.block_elems(), ty.block_bytes());
-            let packed: Vec<u8> = (0..(3 * 67 * bytes))
-                .map(|_| {
-                    state ^= state << 13;
-                    state ^= state >> 7;
-                    state ^= state << 17;
-                    state as u8
-                })
-                .collect();
+            let packed = random_bytes(&mut state, 3 * 67 * bytes);
             let mut whole = vec![0f32; 3 * 67 * elems];
             dequantize(ty, &packed, &mut whole).unwrap();
             let mut rows = vec![0f32; whole.len()];
