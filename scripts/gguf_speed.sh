@@ -10,14 +10,28 @@
 # -DLLAMA_CURL=OFF -DGGML_OPENMP=OFF -DBUILD_SHARED_LIBS=ON; ninja -j2 llama-quantize). PY: a Python with torch,
 # transformers 4.57.6, gguf, sentencepiece, safetensors, numpy (for the converter). LAYERS: decoder layers (32,
 # the real 9B's).
+#
+# SYNTH=1: no llama.cpp, no model: examples/gguf_synth.rs writes one 9B-shaped MLP matrix of random blocks (valid
+# scales, random codes) per type (F16, BF16, Q4_0, Q8_0, Q4_K, Q5_K, Q6_K) and gguf_speed --matrix runs on each: the
+# decoders' throughput and one matrix's product packed vs expanded (about 400 MB of disk).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-LLAMA=${LLAMA:?a llama.cpp tree with build/bin/llama-quantize}
-PY=${PY:-python3}
 WORK=${WORK:-/tmp/gguf-speed}
-LAYERS=${LAYERS:-32}
 mkdir -p "$WORK"
 cd "$ROOT"
+if [ "${SYNTH:-0}" = 1 ]; then
+    cargo build --release -p reference --example gguf_speed --example gguf_synth
+    target/release/examples/gguf_synth "$WORK/matrices"
+    lscpu | grep -E 'Model name|^CPU\(s\)'
+    uptime
+    for f in "$WORK"/matrices/*.gguf; do
+        target/release/examples/gguf_speed "$f" --matrix
+    done
+    exit 0
+fi
+LLAMA=${LLAMA:?a llama.cpp tree with build/bin/llama-quantize}
+PY=${PY:-python3}
+LAYERS=${LAYERS:-32}
 cargo build --release -p parity -p reference --bins --example gguf_speed
 
 # 1. A random checkpoint of the real 9B's shapes (bf16, the real layout), with the testdata tokenizer staged beside

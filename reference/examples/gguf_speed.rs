@@ -6,14 +6,17 @@
 //! ```
 //!
 //! Prints, for one and for two threads: each type's tensors, values, bytes and decode throughput (values/s, every
-//! tensor decoded whole, rows split across the threads), and the whole file's. `--matrix`: the largest layer
-//! matrix of the file's most common quantized type multiplied packed ([`Linear::Gguf`]) and as its decoded f32 copy
-//! ([`MappedMatrix`] on the f32 bytes: the expanded path), 1 token and 64 tokens. `--model`: the reference loaded on
+//! tensor decoded whole into a new buffer, rows split across the threads), and the whole file's; then, on one
+//! thread, the row decoders' throughput per type and [`Decoder`] (every matrix decoded a row at a time into one
+//! buffer, as the products decode them). `--matrix`: the largest layer matrix of the file's most common type other
+//! than f32 multiplied packed ([`Linear::Gguf`]) and as its decoded f32 copy ([`MappedMatrix`] on the f32 bytes: the
+//! expanded path), 1 token and 64 tokens. `examples/gguf_synth.rs` writes files of one such matrix of each type. `--model`: the reference loaded on
 //! the file (matrices packed), a prompt of 64 tokens and decode steps of one token, timed, and what it holds.
 //! Times are wall-clock seconds (the best of three runs); on a shared machine say so.
 
 use rayon::prelude::*;
 use reference::gguf::GgmlType;
+use reference::gguf::decode::{Decoder, dequantize_on};
 use reference::gguf::file::GgufFile;
 use reference::linear::{Elem, GgufMatrix, MappedMatrix, SharedMap};
 use std::collections::BTreeMap;
@@ -86,18 +89,54 @@ fn report_decode(file: &GgufFile, threads: usize) -> Res<()> {
     Ok(())
 }
 
+/// One thread: every 2-D tensor decoded a row at a time into one buffer by each decoder the CPU runs; per type and
+/// decoder, values and seconds (best of three).
+fn report_rows(file: &GgufFile) -> Res<()> {
+    let mut by_type: BTreeMap<(&'static str, String), (u64, f64)> = BTreeMap::new();
+    for info in file.tensors.iter().filter(|t| t.dims.len() == 2) {
+        let bytes = file.bytes(info);
+        let cols = info.dims[0] as usize;
+        let row_bytes = info.ty.row_bytes(cols as u64)? as usize;
+        let mut row = vec![0f32; cols];
+        for decoder in [Decoder::Scalar, Decoder::Avx2] {
+            if !decoder.available() {
+                continue;
+            }
+            let (s, ok) = best_of(3, || {
+                bytes
+                    .chunks_exact(row_bytes)
+                    .try_for_each(|b| dequantize_on(info.ty, b, &mut row, decoder))
+            });
+            ok?;
+            let e = by_type
+                .entry((info.ty.name(), format!("{decoder:?}")))
+                .or_default();
+            e.0 += info.numel();
+            e.1 += s;
+        }
+    }
+    println!("row decode, 1 thread: type, decoder, values, seconds, Mvalues/s");
+    for ((ty, decoder), (v, s)) in &by_type {
+        println!(
+            "  {ty:8} {decoder:7} {v:13} {s:8.3} {:9.1}",
+            *v as f64 / s / 1e6
+        );
+    }
+    Ok(())
+}
+
 fn report_matrix(path: &Path) -> Res<()> {
     let file = GgufFile::open(path)?;
     let mut count: BTreeMap<GgmlType, usize> = BTreeMap::new();
     for t in file
         .tensors
         .iter()
-        .filter(|t| t.dims.len() == 2 && !t.ty.is_float())
+        .filter(|t| t.dims.len() == 2 && t.ty != GgmlType::F32)
     {
         *count.entry(t.ty).or_default() += 1;
     }
     let Some((&ty, _)) = count.iter().max_by_key(|(_, n)| **n) else {
-        println!("matrix: no quantized matrix in the file");
+        println!("matrix: no matrix of a type other than f32 in the file");
         return Ok(());
     };
     let info = file
@@ -208,6 +247,7 @@ fn main() -> Res<()> {
     for threads in [1, 2] {
         report_decode(&file, threads)?;
     }
+    report_rows(&file)?;
     drop(file);
     if args.iter().any(|a| a == "--matrix") {
         report_matrix(&path)?;

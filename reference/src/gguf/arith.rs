@@ -29,7 +29,7 @@ use crate::error::{Error, Result};
 use half::{bf16, f16};
 
 pub mod attention;
-pub use weights::{InputRounding, input_roundings};
+pub use weights::InputRounding;
 
 /// How the reference computes on a GGUF model's weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

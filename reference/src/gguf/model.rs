@@ -514,47 +514,7 @@ pub(crate) fn checkpoint_tensors_with(
     config: &Config,
     fault: Option<fault::Fault>,
 ) -> Result<Vec<CheckpointTensor>> {
-    let heads = layout::Heads {
-        hk: config.linear_num_key_heads,
-        hv: config.linear_num_value_heads,
-        dk: config.linear_key_head_dim,
-        dv: config.linear_value_head_dim,
-    };
-    let mut out = Vec::new();
-    for info in &file.tensors {
-        let target =
-            target(&info.name, config.num_layers()).map_err(|e| tensor_err(file, &info.name, e))?;
-        let shape = info.torch_shape();
-        let err = |message: String| tensor_err(file, &info.name, message);
-        match target {
-            Target::Skip => {}
-            Target::One(name, layout) => {
-                let mut values = values(file, info)?;
-                let layout = fault.map_or(layout, |f| f.layout(layout));
-                let shape = layout::undo(layout, &mut values, &shape, heads).map_err(err)?;
-                out.push(CheckpointTensor {
-                    name,
-                    shape,
-                    values,
-                });
-            }
-            Target::Experts { layer, proj } => {
-                let &[experts, rows, cols] = shape.as_slice() else {
-                    return Err(err(format!(
-                        "stacked experts are [E, out, in], not {shape:?}"
-                    )));
-                };
-                let values = values(file, info)?;
-                for (e, chunk) in values.chunks_exact(rows * cols).enumerate().take(experts) {
-                    out.push(CheckpointTensor {
-                        name: format!("model.layers.{layer}.mlp.experts.{e}.{proj}.weight"),
-                        shape: vec![rows, cols],
-                        values: chunk.to_vec(),
-                    });
-                }
-            }
-        }
-    }
+    let mut out = packed::split_with(file, config, fault, false)?.decoded;
     if let Some(f) = fault {
         f.tensors(&mut out, config);
     }

@@ -1,36 +1,50 @@
 //! [`GgufMatrix`]: a weight matrix of a GGUF file kept as its ggml blocks in the mapped file, rows decoded to f32
 //! only while a product or a lookup reads them.
 //!
-//! A row of a GGUF matrix is a whole number of blocks ([`GgmlType::row_bytes`]), so row `r` decodes on its own
-//! ([`crate::gguf::decode::dequantize`], bit for bit as ggml). The converter's layout changes that move whole rows
-//! (the value heads' order) are a row order kept beside the bytes, and the one that moves columns (`ssm_out`) a
-//! column order applied to each decoded row: the decoded row is the checkpoint's row, exactly the values the
-//! expanded f32 image holds. The products then run the f32 kernels on those values in their order:
+//! A row of a GGUF matrix is a whole number of blocks ([`GgmlType::row_bytes`]), so row `r`, or any run of its
+//! blocks, decodes on its own ([`crate::gguf::decode::dequantize`], bit for bit as ggml, with the CPU's fastest
+//! [`Decoder`]). The converter's layout changes that move whole rows (the value heads' order) are a row order kept
+//! beside the bytes, and the one that moves columns (`ssm_out`) a column order applied to each decoded row: the
+//! decoded row is the checkpoint's row, exactly the values the expanded f32 image holds. The products then run the
+//! f32 kernels on those values in their order:
 //!
-//! - few tokens ([`super::MATVEC_MAX_TOKENS`]): each task decodes one row at a time and sums it with
-//!   [`super::matvec`]'s kernel on f32, so each output has the bits [`super::matvec`] gives on the f32 matrix;
-//! - more tokens: blocks of rows are decoded and multiplied by the prompt kernel ([`super::PromptKernel::Avx512`],
-//!   [`super::matvec`]'s order, each output independent of the other rows) or, without AVX-512F, by the blocked
-//!   GEMM with the blocks [`super::MappedMatrix::forward`] uses on an f32 matrix, so the sums are the same.
+//! - few tokens ([`super::MATVEC_MAX_TOKENS`]): each task decodes a row [`SEGMENT`] values at a time into a buffer it
+//!   reuses (so the decoded values stay in the L1 cache) and sums them with [`super::matvec`]'s SIMD kernel, its lane
+//!   accumulators carried from segment to segment (`kernel::dot_segments`), so each output has the bits
+//!   [`super::matvec`] gives on the f32 matrix; without that kernel, or with a column order, a whole row is decoded
+//!   and summed by [`super::matvec`]'s kernel;
+//! - more tokens on a CPU with AVX-512F: the prompt kernel ([`super::PromptKernel::Avx512`]) decodes the blocks of
+//!   each panel's steps straight into its panel (through a small per-thread buffer), as it widens a stored f32
+//!   matrix's rows, so the sums are those of [`super::matvec`]'s order on the f32 matrix;
+//! - more tokens without AVX-512F: blocks of rows are decoded and multiplied by the blocked GEMM with the blocks
+//!   [`super::MappedMatrix::forward`] uses on an f32 matrix, so the sums are the same.
 //!
-//! Memory: the file's bytes (mapped) and, during a call, a row per task (decode) or one block of rows (prompt).
+//! F32, F16 and BF16 matrices with no column order are not decoded at all: the kernels read them in place as they
+//! read a [`super::MappedMatrix`] of that type, widening each value exactly as the decoder does (where the kernel for
+//! that type sums as the f32 one does, which it does wherever the CPU has F16C).
+//!
+//! Memory: the file's bytes (mapped) and, during a call, a segment (or a row) per task (decode), a panel's run of
+//! blocks per thread (prompt kernel) or one block of rows (GEMM).
 
-use super::gemm_kernel::{Isa, Panels, PromptKernel};
-use super::kernel::{GROUP, LANES, dot_rows, simd_available, widen};
+use super::gemm_kernel::{Isa, Panels};
+use super::kernel::{GROUP, LANES, dot_rows, dot_segments, simd_available, widen};
 use super::{
     BLOCK_ELEMENTS, Elem, MATVEC_MAX_TOKENS, SharedMap, WidenRows, blocked_gemm, check_input,
     gather, rows_f32, to_tensor, widen_rows,
 };
 use crate::error::{Error, Result};
 use crate::gguf::GgmlType;
+use crate::gguf::decode::{Decoder, dequantize_on};
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 use std::borrow::Cow;
+use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::Arc;
 
-/// The most values decoded at once on the prompt path (16 MiB of f32).
-const PROMPT_BLOCK_ELEMENTS: usize = 4 << 20;
+/// Values of a row decoded at a time by the matrix-vector product (8 KiB of f32: the segment stays in the L1 cache
+/// with the inputs it meets): a multiple of 32 and of every ggml block (256 values at most).
+const SEGMENT: usize = 2048;
 
 /// A `[rows, cols]` weight matrix held as a GGUF tensor's ggml blocks in the mapped file (cheap to clone: shared).
 #[derive(Clone)]
@@ -156,28 +170,85 @@ impl GgufMatrix {
         self.0.map.release(self.range());
     }
 
-    /// The stored bytes of row `r` (after the row order).
-    fn stored_row(&self, r: usize) -> &[u8] {
+    /// The element type the kernels read a row in place as, when the blocks are plain floats (F32, F16, BF16: their
+    /// exact widening is the decoder's) and no column order moves them.
+    fn stored_elem(&self) -> Option<Elem> {
+        match (self.0.ty, &self.0.col_order) {
+            (GgmlType::F32, None) => Some(Elem::F32),
+            (GgmlType::F16, None) => Some(Elem::F16),
+            (GgmlType::BF16, None) => Some(Elem::Bf16),
+            _ => None,
+        }
+    }
+
+    /// Whether the matrix's columns are not in the stored rows' order (a column order undoes the converter's).
+    pub fn reorders_columns(&self) -> bool {
+        self.0.col_order.is_some()
+    }
+
+    /// The stored bytes of row `r`, its ggml blocks (the row order applied; a column order is not).
+    pub fn stored_row(&self, r: usize) -> &[u8] {
         let s = self.0.row_order.as_ref().map_or(r, |o| o[r]);
         let start = self.0.offset + s * self.0.row_bytes;
         &self.0.map.bytes()[start..start + self.0.row_bytes]
     }
 
-    /// Row `r` decoded into `dst` (`cols` values); `scratch` holds the stored row when columns are reordered.
-    fn decode_row(&self, r: usize, dst: &mut [f32], scratch: &mut Vec<f32>) {
-        let bytes = self.stored_row(r);
-        // The type, the row's length in whole blocks and `dst`'s length were checked when the matrix was made.
-        let checked = "a row checked when the matrix was made";
+    /// Row `r` decoded into `dst` (`cols` values) by `decoder`; `scratch` holds the stored row when columns are
+    /// reordered.
+    fn decode_row(&self, r: usize, dst: &mut [f32], scratch: &mut Vec<f32>, decoder: Decoder) {
         match &self.0.col_order {
-            None => crate::gguf::decode::dequantize(self.0.ty, bytes, dst).expect(checked),
+            None => self.decode_stored(r, 0..self.0.cols, dst, decoder),
             Some(order) => {
                 scratch.resize(self.0.cols, 0.0);
-                crate::gguf::decode::dequantize(self.0.ty, bytes, scratch).expect(checked);
+                self.decode_stored(r, 0..self.0.cols, scratch, decoder);
                 for (d, &c) in dst.iter_mut().zip(order.iter()) {
                     *d = scratch[c];
                 }
             }
         }
+    }
+
+    /// Values `values` of stored row `r` (before any column order; whole blocks) decoded into `dst`.
+    fn decode_stored(&self, r: usize, values: Range<usize>, dst: &mut [f32], decoder: Decoder) {
+        let (elems, bytes) = (self.0.ty.block_elems(), self.0.ty.block_bytes());
+        let blocks = values.start / elems..values.end / elems;
+        let row = self.stored_row(r);
+        // The type, the row's length in whole blocks, the decoder and `dst`'s length were checked when the matrix
+        // was made and by the callers.
+        dequantize_on(
+            self.0.ty,
+            &row[blocks.start * bytes..blocks.end * bytes],
+            dst,
+            decoder,
+        )
+        .expect("blocks of a row checked when the matrix was made");
+    }
+
+    /// Values `values` of row `r` (after the column order), decoded into this thread's buffer and handed to `f`:
+    /// the whole blocks that hold them are decoded (the whole stored row when columns are reordered).
+    fn with_values<R>(&self, r: usize, values: Range<usize>, f: impl FnOnce(&[f32]) -> R) -> R {
+        DECODED.with(|cell| {
+            let mut buffers = cell.borrow_mut();
+            let (buf, scratch) = &mut *buffers;
+            let decoder = Decoder::detect();
+            match &self.0.col_order {
+                None => {
+                    let elems = self.0.ty.block_elems();
+                    let first = values.start / elems * elems;
+                    let end = values.end.div_ceil(elems) * elems;
+                    buf.resize(end - first, 0.0);
+                    self.decode_stored(r, first..end, buf, decoder);
+                    f(&buf[values.start - first..values.end - first])
+                }
+                Some(order) => {
+                    scratch.resize(self.0.cols, 0.0);
+                    self.decode_stored(r, 0..self.0.cols, scratch, decoder);
+                    buf.clear();
+                    buf.extend(order[values].iter().map(|&c| scratch[c]));
+                    f(buf)
+                }
+            }
+        })
     }
 
     /// Rows `start..start + count` decoded to f32, row-major.
@@ -204,8 +275,7 @@ impl GgufMatrix {
             let y = self.matvec(&xs, t);
             return Ok(Tensor::from_vec(y, (t, self.0.rows), &Device::Cpu)?);
         }
-        if PromptKernel::detect() == PromptKernel::Avx512 {
-            let y = self.prompt_product(&xs, t);
+        if let Some(y) = super::gemm_kernel::product(self, &xs, t) {
             return Ok(Tensor::from_vec(y, (t, self.0.rows), &Device::Cpu)?);
         }
         let block = (BLOCK_ELEMENTS / self.0.cols.max(1)).max(1);
@@ -222,6 +292,9 @@ impl GgufMatrix {
             return vec![0f32; rows * t];
         }
         let simd = simd_available(Elem::F32);
+        let decoder = Decoder::detect();
+        // Plain floats are read in place where the kernel widening them sums as the f32 one does.
+        let stored = self.stored_elem().filter(|&e| simd_available(e) == simd);
         // As `matvec` splits rows (which thread computes a row, never how): ~16 tasks a thread, 256 KiB of f32 each.
         let threads = rayon::current_num_threads().max(1);
         let rows_per_task = rows
@@ -232,46 +305,29 @@ impl GgufMatrix {
         yt.par_chunks_mut(rows_per_task * t)
             .enumerate()
             .for_each(|(task, out)| {
-                let mut row = vec![0f32; cols];
+                let mut row = Vec::new();
+                let mut segment = vec![0f32; SEGMENT.min(cols.next_multiple_of(LANES))];
                 let mut scratch = Vec::new();
                 for (k, y) in out.chunks_mut(t).enumerate() {
-                    self.decode_row(task * rows_per_task + k, &mut row, &mut scratch);
-                    let bytes = f32_bytes(&row);
-                    for (g, ys) in y.chunks_mut(GROUP).enumerate() {
-                        let xs = &x[g * GROUP * cols..(g * GROUP + ys.len()) * cols];
-                        dot_rows(&bytes, Elem::F32, xs, cols, ys, simd);
+                    let r = task * rows_per_task + k;
+                    if let Some(elem) = stored {
+                        dot_tokens(self.stored_row(r), elem, x, cols, y, simd);
+                        continue;
                     }
+                    if self.0.col_order.is_none() {
+                        let mut fill = |values: Range<usize>, dst: &mut [f32]| {
+                            self.decode_stored(r, values, dst, decoder)
+                        };
+                        if dot_segments(cols, x, y, &mut segment, &mut fill).is_some() {
+                            continue;
+                        }
+                    }
+                    row.resize(cols, 0.0);
+                    self.decode_row(r, &mut row, &mut scratch, decoder);
+                    dot_tokens(&f32_bytes(&row), Elem::F32, x, cols, y, simd);
                 }
             });
         super::kernel::token_major(yt, rows, t)
-    }
-
-    /// The prompt kernel's product (AVX-512F): blocks of rows decoded into one buffer and multiplied, each block's
-    /// outputs written into their columns of `y` `[t, rows]`.
-    fn prompt_product(&self, x: &[f32], t: usize) -> Vec<f32> {
-        let (rows, cols) = (self.0.rows, self.0.cols);
-        let block = (PROMPT_BLOCK_ELEMENTS / cols.max(1)).max(1);
-        let mut y = vec![0f32; t * rows];
-        let mut buf = vec![0f32; block.min(rows) * cols];
-        let mut start = 0;
-        while start < rows {
-            let count = block.min(rows - start);
-            let w = &mut buf[..count * cols];
-            widen_rows(self, start, w);
-            let decoded = F32Rows {
-                values: w,
-                rows: count,
-                cols,
-            };
-            let part = super::gemm_kernel::product(&decoded, x, t)
-                .expect("the prompt kernel runs on this CPU (detected by the caller)");
-            for j in 0..t {
-                y[j * rows + start..j * rows + start + count]
-                    .copy_from_slice(&part[j * count..(j + 1) * count]);
-            }
-            start += count;
-        }
-        y
     }
 }
 
@@ -282,12 +338,27 @@ impl WidenRows for GgufMatrix {
 
     fn widen_row(&self, r: usize, dst: &mut [f32]) {
         let mut scratch = Vec::new();
-        self.decode_row(r, dst, &mut scratch);
+        self.decode_row(r, dst, &mut scratch, Decoder::detect());
+    }
+}
+
+/// `ys[j] = Σ_i xs[j, i] · row[i]` for every token of `xs` (`ys.len()` of them), [`GROUP`] at a time: [`super::matvec`]'s
+/// sums of one row.
+fn dot_tokens(row: &[u8], elem: Elem, xs: &[f32], n: usize, ys: &mut [f32], simd: bool) {
+    for (g, y) in ys.chunks_mut(GROUP).enumerate() {
+        dot_rows(
+            row,
+            elem,
+            &xs[g * GROUP * n..(g * GROUP + y.len()) * n],
+            n,
+            y,
+            simd,
+        );
     }
 }
 
 /// f32 values as their little-endian bytes (what [`Elem::F32`] reads): a view on a little-endian CPU.
-fn f32_bytes(values: &[f32]) -> Cow<'_, [u8]> {
+pub(super) fn f32_bytes(values: &[f32]) -> Cow<'_, [u8]> {
     #[cfg(target_endian = "little")]
     {
         // SAFETY: any initialised f32 is 4 initialised bytes; u8 has no alignment requirement; the length covers
@@ -302,22 +373,17 @@ fn f32_bytes(values: &[f32]) -> Cow<'_, [u8]> {
     }
 }
 
-/// A block of decoded rows, row-major f32, as the prompt kernel reads a stored f32 matrix.
-struct F32Rows<'a> {
-    values: &'a [f32],
-    rows: usize,
-    cols: usize,
+thread_local! {
+    /// A thread's decoded values for the prompt kernel's panels, and a whole stored row when columns are reordered:
+    /// kept between calls (no allocation per row).
+    static DECODED: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
-impl F32Rows<'_> {
-    fn row(&self, r: usize) -> Cow<'_, [u8]> {
-        f32_bytes(&self.values[r * self.cols..(r + 1) * self.cols])
-    }
-}
-
-impl Panels for F32Rows<'_> {
+/// The prompt kernel reads a GGUF matrix as it reads a stored f32 one: the steps asked for decoded (their blocks),
+/// then laid out by the instruction set's widening of f32 values.
+impl Panels for GgufMatrix {
     fn shape(&self) -> (usize, usize) {
-        (self.rows, self.cols)
+        (self.0.rows, self.0.cols)
     }
 
     unsafe fn widen<I: Isa>(
@@ -328,12 +394,24 @@ impl Panels for F32Rows<'_> {
         stride: usize,
         second: usize,
     ) {
-        // SAFETY: the caller's guarantee.
-        unsafe { I::widen_stored(&self.row(r), Elem::F32, steps, dst, stride, second) };
+        if let Some(elem) = self.stored_elem() {
+            // SAFETY: the caller's guarantee (the prompt kernel's instruction sets widen every element type).
+            unsafe { I::widen_stored(self.stored_row(r), elem, steps, dst, stride, second) };
+            return;
+        }
+        let len = steps.len();
+        self.with_values(r, steps.start * LANES..steps.end * LANES, |values| {
+            // SAFETY: the caller's guarantee; `values` holds the `len` steps, read from step 0.
+            unsafe { I::widen_stored(&f32_bytes(values), Elem::F32, 0..len, dst, stride, second) }
+        });
     }
 
     fn tail(&self, r: usize, tail: &mut [f32]) {
-        let main = self.cols / LANES * LANES;
-        widen(&self.row(r)[main * 4..], Elem::F32, tail);
+        let main = self.0.cols / LANES * LANES;
+        if let Some(elem) = self.stored_elem() {
+            widen(&self.stored_row(r)[main * elem.size()..], elem, tail);
+        } else if main < self.0.cols {
+            self.with_values(r, main..self.0.cols, |values| tail.copy_from_slice(values));
+        }
     }
 }

@@ -158,7 +158,7 @@ pub(super) fn combine(acc: &[f32; LANES]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
-    use super::{Elem, LANES, value};
+    use super::{Elem, GROUP, LANES, MAX_GROUPS, value};
     use std::arch::x86_64::*;
 
     /// How far ahead of the current weight bytes the kernel asks for a cache line (8 KiB). The hardware
@@ -208,39 +208,173 @@ pub(super) mod x86 {
         assert!(xs.len() >= T * n && ys.len() >= T && row.len() >= n * elem.size());
         let main = n / LANES * LANES;
         let mut acc = [[_mm256_setzero_ps(); 4]; T];
-        let mut i = 0;
-        while i < main {
-            // SAFETY: `i + LANES <= main <= n`, inside `row` and every token's slice of `xs`.
+        // SAFETY: the row holds elements `0..n` (asserted).
+        unsafe {
+            steps::<T>(row, 0, elem, xs, n, 0..main, &mut acc);
+            finish::<T>(&acc, row, 0, elem, xs, n, ys);
+        }
+    }
+
+    /// Elements `range` (a run of whole 32-element steps) of a row added to the `T` tokens' lane accumulators:
+    /// `acc[j]` lane `l` of register `q` gets `x[j, i] · w[i]` (fused) for `i = 32s + 8q + l`, steps in order. `row`
+    /// holds the row's elements from `first` on.
+    ///
+    /// # Safety
+    /// `row` holds elements `first..range.end` (`range.start >= first`) and `xs` `T` tokens of `n` inputs, `range`
+    /// inside `0..n`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn steps<const T: usize>(
+        row: &[u8],
+        first: usize,
+        elem: Elem,
+        xs: &[f32],
+        n: usize,
+        range: std::ops::Range<usize>,
+        acc: &mut [[__m256; 4]; T],
+    ) {
+        debug_assert!(range.start >= first && (range.end - first) * elem.size() <= row.len());
+        debug_assert!(range.end <= n && xs.len() >= T * n);
+        let mut a = *acc;
+        let mut i = range.start;
+        while i < range.end {
+            // SAFETY: `i + LANES <= range.end <= n`, inside `row` (from `first`) and every token's slice of `xs`
+            // (the caller's guarantee).
             unsafe {
+                let at = i - first;
                 // One cache line per 64 bytes this iteration reads (one for bf16/f16, two for f32).
-                let ahead = row.as_ptr().wrapping_add(i * elem.size() + PREFETCH_BYTES);
+                let ahead = row.as_ptr().wrapping_add(at * elem.size() + PREFETCH_BYTES);
                 for line in (0..LANES * elem.size()).step_by(64) {
                     _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
                 }
                 let w = [
-                    load8(row, elem, i),
-                    load8(row, elem, i + 8),
-                    load8(row, elem, i + 16),
-                    load8(row, elem, i + 24),
+                    load8(row, elem, at),
+                    load8(row, elem, at + 8),
+                    load8(row, elem, at + 16),
+                    load8(row, elem, at + 24),
                 ];
-                for (j, a) in acc.iter_mut().enumerate() {
+                for (j, aj) in a.iter_mut().enumerate() {
                     let x = xs.as_ptr().add(j * n + i);
-                    for (q, (aq, wq)) in a.iter_mut().zip(&w).enumerate() {
+                    for (q, (aq, wq)) in aj.iter_mut().zip(&w).enumerate() {
                         *aq = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(8 * q)), *wq, *aq);
                     }
                 }
             }
             i += LANES;
         }
+        *acc = a;
+    }
+
+    /// The `T` tokens' outputs: each one's lane accumulators combined in the documented order, then the last
+    /// `n mod 32` products added one at a time (fused). `row` holds the row's elements from `first` on.
+    ///
+    /// # Safety
+    /// `row` holds elements `first..n`, `first <= 32⌊n/32⌋`; `xs` holds `T` tokens of `n` inputs and `ys` `T`
+    /// outputs.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn finish<const T: usize>(
+        acc: &[[__m256; 4]; T],
+        row: &[u8],
+        first: usize,
+        elem: Elem,
+        xs: &[f32],
+        n: usize,
+        ys: &mut [f32],
+    ) {
+        let main = n / LANES * LANES;
         for (j, a) in acc.iter().enumerate() {
             let lanes = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
             let mut sum = hsum(lanes);
             for k in main..n {
-                sum = xs[j * n + k].mul_add(value(row, elem, k), sum);
+                sum = xs[j * n + k].mul_add(value(row, elem, k - first), sum);
             }
             ys[j] = sum;
         }
     }
+
+    /// [`super::dot_segments`] on AVX2/FMA/F16C.
+    ///
+    /// # Safety
+    /// The CPU has them; the arguments are as [`super::dot_segments`] asserts.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_segments(
+        n: usize,
+        xs: &[f32],
+        ys: &mut [f32],
+        buf: &mut [f32],
+        fill: &mut dyn FnMut(std::ops::Range<usize>, &mut [f32]),
+    ) {
+        let t = ys.len();
+        let main = n / LANES * LANES;
+        let groups = t.div_ceil(GROUP);
+        let mut acc = [[[_mm256_setzero_ps(); 4]; GROUP]; MAX_GROUPS];
+        let segment = buf.len();
+        let mut start = 0;
+        loop {
+            let end = (start + segment).min(n);
+            let values = &mut buf[..end - start];
+            fill(start..end, values);
+            let bytes = super::super::gguf::f32_bytes(values);
+            for (g, a) in acc.iter_mut().enumerate().take(groups) {
+                let xg = &xs[g * GROUP * n..];
+                // SAFETY: `bytes` holds elements `start..end` of the row; the steps are whole and inside `0..n`;
+                // `xg` holds the group's tokens (1 or GROUP of them).
+                unsafe {
+                    if g * GROUP + 1 == t {
+                        let one: &mut [[__m256; 4]; 1] = (&mut a[..1]).try_into().expect("one");
+                        steps::<1>(&bytes, start, Elem::F32, xg, n, start..end.min(main), one);
+                    } else {
+                        steps::<GROUP>(&bytes, start, Elem::F32, xg, n, start..end.min(main), a);
+                    }
+                }
+            }
+            if end == n {
+                for (g, a) in acc.iter().enumerate().take(groups) {
+                    let (xg, yg) = (&xs[g * GROUP * n..], &mut ys[g * GROUP..]);
+                    // SAFETY: `bytes` holds elements `start..n`, and `start <= main` (segments are whole steps).
+                    unsafe {
+                        if g * GROUP + 1 == t {
+                            let one: &[[__m256; 4]; 1] = (&a[..1]).try_into().expect("one");
+                            finish::<1>(one, &bytes, start, Elem::F32, xg, n, yg);
+                        } else {
+                            finish::<GROUP>(a, &bytes, start, Elem::F32, xg, n, yg);
+                        }
+                    }
+                }
+                return;
+            }
+            start = end;
+        }
+    }
+}
+
+/// The most token groups [`dot_segments`] sums at once (all of [`super::MATVEC_MAX_TOKENS`]).
+const MAX_GROUPS: usize = super::MATVEC_MAX_TOKENS.div_ceil(GROUP);
+
+/// `ys[j] = Σ_i xs[j, i] · w[i]` for the `ys.len()` tokens of `xs` (at most [`super::MATVEC_MAX_TOKENS`]) and one
+/// row `w` of `n` f32 values that `fill(range, dst)` writes a segment at a time (`buf.len()` values, a multiple of 32,
+/// into `buf`): each output has the bits [`dot_rows`] gives on the whole row on the SIMD path (the same fused
+/// multiply-adds in the same order), with only a segment of the row at hand, so a decoded row stays in the L1 cache.
+/// `None` (nothing computed) where the SIMD path does not run (`simd_available(Elem::F32)`): the caller then decodes
+/// the whole row for the portable one.
+pub(super) fn dot_segments(
+    n: usize,
+    xs: &[f32],
+    ys: &mut [f32],
+    buf: &mut [f32],
+    fill: &mut dyn FnMut(std::ops::Range<usize>, &mut [f32]),
+) -> Option<()> {
+    assert!(ys.len() <= super::MATVEC_MAX_TOKENS && xs.len() >= ys.len() * n);
+    assert!(!buf.is_empty() && buf.len().is_multiple_of(LANES));
+    #[cfg(target_arch = "x86_64")]
+    if simd_available(Elem::F32) {
+        // SAFETY: the CPU has AVX2, FMA and F16C (checked); the sizes are asserted.
+        unsafe { x86::dot_segments(n, xs, ys, buf, fill) };
+        return Some(());
+    }
+    let _ = fill;
+    None
 }
 
 /// `yt`, the products row-major by output row (`[rows, t]`), as the `[t, rows]` a linear layer returns.

@@ -1,9 +1,10 @@
 //! The weight store's side of [`Arithmetic`]: which arithmetic a run models, and each GGUF weight's `vec_dot_type`
-//! wrapped around the matrix [`WeightStore::linear`] hands out ([`Linear::RoundedInput`]).
+//! (of the ggml type the store read as it opened the file: [`WeightStore::ggml_type`]) wrapped around the matrix
+//! [`WeightStore::linear`] hands out ([`Linear::RoundedInput`]).
 
 use super::WeightStore;
 use crate::error::{Error, Result};
-use crate::gguf::arith::Arithmetic;
+use crate::gguf::arith::{Arithmetic, InputRounding};
 use crate::linear::Linear;
 use crate::quant::WeightFormat;
 use crate::schema::TensorSpec;
@@ -12,8 +13,9 @@ use candle_core::DType;
 impl WeightStore {
     /// Sets how the reference computes on these weights. [`Arithmetic::LlamaCpp`] models llama.cpp's CPU on a
     /// GGUF's own ggml types (see [`crate::gguf::arith`]): refused, naming the model, for a safetensors checkpoint
-    /// (no ggml types to model), for weights compressed by `--weights` (not the file's types) and for f64 runs
-    /// (llama.cpp computes in f32).
+    /// (no ggml types to model), for weights compressed by `--weights` (not the file's types), for f64 runs
+    /// (llama.cpp computes in f32) and for a GGUF opened with every tensor decoded ([`WeightStore::open_expanded`]:
+    /// its types are not kept).
     pub fn set_arithmetic(&mut self, arithmetic: Arithmetic) -> Result<()> {
         if arithmetic == Arithmetic::LlamaCpp {
             let refuse = |why: String| {
@@ -38,8 +40,12 @@ impl WeightStore {
             if self.dtype != DType::F32 {
                 return refuse(format!("llama.cpp computes in f32, not {:?}", self.dtype));
             }
-            let config = crate::gguf::model_config(&gguf)?;
-            self.input_roundings = crate::gguf::arith::input_roundings(&gguf, &config)?;
+            if self.gguf.is_none() {
+                return refuse(format!(
+                    "{} was opened with every tensor decoded to f32: its ggml types are not kept",
+                    gguf.display()
+                ));
+            }
         }
         self.arithmetic = arithmetic;
         Ok(())
@@ -57,18 +63,21 @@ impl WeightStore {
             return Ok(weight);
         }
         let name = self.full_name(spec);
-        match self.input_roundings.get(&name) {
-            Some(Ok(r)) => Ok(Linear::RoundedInput(r.clone(), Box::new(weight))),
-            Some(Err(why)) => Err(Error::Weights {
-                file: self.dir.display().to_string(),
-                key: name,
-                message: why.clone(),
-            }),
-            None => Err(Error::Weights {
-                file: self.dir.display().to_string(),
-                key: name,
-                message: "not a tensor of the GGUF file, so its ggml type is unknown".into(),
-            }),
-        }
+        let err = |message: String| Error::Weights {
+            file: self.dir.display().to_string(),
+            key: name.clone(),
+            message,
+        };
+        let Some(ty) = self.ggml_type(spec) else {
+            return Err(err(
+                "not a tensor of the GGUF file, so its ggml type is unknown".into(),
+            ));
+        };
+        let matrix = match &weight {
+            Linear::Gguf(m) => Some(m),
+            _ => None,
+        };
+        let rounding = InputRounding::of(ty, matrix).map_err(err)?;
+        Ok(Linear::RoundedInput(rounding, Box::new(weight)))
     }
 }

@@ -17,7 +17,7 @@
 //! f32 matrix) and decodes only the small tensors into memory; f64 and compressed runs decode it whole (see `gguf`).
 
 use crate::error::{Error, Result};
-use crate::gguf::arith::{Arithmetic, InputRounding};
+use crate::gguf::arith::Arithmetic;
 use crate::linear::{Elem, Linear, MappedMatrix, SharedMap};
 use crate::quant::{Storage, WeightFormat, round_f16};
 use crate::schema::TensorSpec;
@@ -101,9 +101,6 @@ pub struct WeightStore {
     gguf: Option<gguf::GgufWeights>,
     /// How the reference computes on these weights ([`WeightStore::set_arithmetic`]).
     arithmetic: Arithmetic,
-    /// Under [`Arithmetic::LlamaCpp`]: how each GGUF weight's input is rounded, by checkpoint name (or why it cannot
-    /// be modelled).
-    input_roundings: HashMap<String, std::result::Result<InputRounding, String>>,
 }
 
 /// Decoder name prefixes, text-only export first.
@@ -264,7 +261,6 @@ impl WeightStore {
             device: Device::Cpu,
             gguf: packed,
             arithmetic: Arithmetic::Reference,
-            input_roundings: HashMap::new(),
         })
     }
 

@@ -1,8 +1,9 @@
 //! The decoders of every ggml tensor type against ggml's own: `testdata/gguf/decode/<type>.safetensors` holds random
 //! valid blocks and the values ggml's C decoders give them (scripts/make_gguf_decode_vectors.py, which also checks
-//! the `gguf` Python package's decoders against them). Every value must have the same f32 bits.
+//! the `gguf` Python package's decoders against them). Every value must have the same f32 bits, from every decoder
+//! the CPU runs ([`Decoder`]).
 
-use reference::gguf::decode::dequantize;
+use reference::gguf::decode::{Decoder, dequantize, dequantize_on};
 use reference::gguf::types::{ALL, GgmlType};
 use safetensors::SafeTensors;
 
@@ -45,18 +46,25 @@ fn every_type_decodes_as_ggml_does_bit_for_bit() {
             blocks.shape()[0] * ty.block_elems(),
             "{name}"
         );
-        let mut got = vec![f32::NAN; expected.len()];
-        dequantize(ty, blocks.data(), &mut got).unwrap();
-        if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != expected[i].to_bits()) {
-            panic!(
-                "{name} (decoder {}): value {i} (block {}) is {:e} ({:#010x}), ggml's is {:e} ({:#010x})",
-                meta["decoder"],
-                i / ty.block_elems(),
-                got[i],
-                got[i].to_bits(),
-                expected[i],
-                expected[i].to_bits()
-            );
+        // Every decoder this CPU runs (the scalar one everywhere), each held to ggml's bits.
+        for decoder in [Decoder::Scalar, Decoder::Avx2] {
+            if !decoder.available() {
+                continue;
+            }
+            let mut got = vec![f32::NAN; expected.len()];
+            dequantize_on(ty, blocks.data(), &mut got, decoder).unwrap();
+            if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != expected[i].to_bits()) {
+                panic!(
+                    "{name} (ggml's decoder {}, ours {decoder:?}): value {i} (block {}) is {:e} ({:#010x}), \
+                     ggml's is {:e} ({:#010x})",
+                    meta["decoder"],
+                    i / ty.block_elems(),
+                    got[i],
+                    got[i].to_bits(),
+                    expected[i],
+                    expected[i].to_bits()
+                );
+            }
         }
         checked.push(name);
     }

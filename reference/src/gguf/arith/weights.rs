@@ -1,17 +1,12 @@
-//! What [`super::Arithmetic::LlamaCpp`] needs of each GGUF weight: its `vec_dot_type`, and for Q4_1/Q5_1 weights
-//! the minimum of every block (their dot with Q8_1 activations adds `m · s` per block: [`super::q8_1_residuals`]),
-//! under the checkpoint's names and in the checkpoint's row order.
+//! What [`super::Arithmetic::LlamaCpp`] needs of each GGUF weight: its `vec_dot_type`, from the ggml type the weight
+//! store read (once, as it split the file), and for Q4_1/Q5_1 weights the minimum of every block (their dot with
+//! Q8_1 activations adds `m · s` per block: [`super::q8_1_residuals`]), read from the packed matrix in the
+//! checkpoint's row order.
 
 use super::VecDotType;
-use crate::config::Config;
-use crate::error::Result;
 use crate::gguf::GgmlType;
-use crate::gguf::file::{GgufFile, TensorInfo};
-use crate::gguf::model::layout::{Heads, undo};
-use crate::gguf::model::{Layout, Target, target};
+use crate::linear::GgufMatrix;
 use half::f16;
-use std::collections::HashMap;
-use std::path::Path;
 use std::sync::Arc;
 
 /// How llama.cpp's CPU converts the input of one weight's matrix products.
@@ -24,109 +19,95 @@ pub struct InputRounding {
     pub mins: Option<Arc<[f32]>>,
 }
 
-/// The [`InputRounding`] of every weight of the GGUF file at `path` (a model of `config`), under the checkpoint's
-/// names (`model.layers.0.mlp.gate_proj.weight`; every expert of a stacked tensor). A weight with no CPU product, or
-/// a Q4_1/Q5_1 weight whose columns the converter reordered (its blocks would not be the checkpoint's), is recorded
-/// as an error, reported if the run uses it as a matrix.
-pub fn input_roundings(
-    path: &Path,
-    config: &Config,
-) -> Result<HashMap<String, std::result::Result<InputRounding, String>>> {
-    let file = GgufFile::open(path)?;
-    let heads = Heads {
-        hk: config.linear_num_key_heads,
-        hv: config.linear_num_value_heads,
-        dk: config.linear_key_head_dim,
-        dv: config.linear_value_head_dim,
-    };
-    let mut out = HashMap::new();
-    for info in &file.tensors {
-        let named = |e: String| format!("{}: {e}", info.name);
-        match target(&info.name, config.num_layers()) {
-            Ok(Target::One(name, layout)) => {
-                let r = rounding(&file, info, Some(layout), heads).map_err(named);
-                out.insert(name, r.map(|mut v| v.remove(0)));
-            }
-            Ok(Target::Experts { layer, proj }) => match rounding(&file, info, None, heads) {
-                Ok(per_expert) => {
-                    for (e, r) in per_expert.into_iter().enumerate() {
-                        out.insert(
-                            format!("model.layers.{layer}.mlp.experts.{e}.{proj}.weight"),
-                            Ok(r),
-                        );
-                    }
-                }
-                Err(e) => {
-                    let experts = info.dims.get(2).copied().unwrap_or(0);
-                    for x in 0..experts {
-                        out.insert(
-                            format!("model.layers.{layer}.mlp.experts.{x}.{proj}.weight"),
-                            Err(named(e.clone())),
-                        );
-                    }
-                }
-            },
-            Ok(Target::Skip) | Err(_) => {}
+impl InputRounding {
+    /// The rounding of a weight the GGUF stores as `ty` (its type as the weight store read it: see
+    /// [`crate::weights::WeightStore::ggml_type`]), kept packed as `matrix` (`None`: not a matrix kept packed). A
+    /// Q4_1/Q5_1 weight's minimums are read from the matrix's blocks, in the checkpoint's row order. An error (the
+    /// run reports it if it uses the weight as a matrix) for a type with no CPU product, and for a Q4_1/Q5_1 weight
+    /// not kept packed or whose columns the converter reordered (its blocks would not be the checkpoint's).
+    pub fn of(ty: GgmlType, matrix: Option<&GgufMatrix>) -> std::result::Result<Self, String> {
+        let vec_dot = VecDotType::of(ty)?;
+        if !matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1) {
+            return Ok(InputRounding {
+                ty: vec_dot,
+                mins: None,
+            });
         }
+        let Some(m) = matrix else {
+            return Err(format!(
+                "a {ty:?} weight that is not a matrix kept packed: its blocks' minimums are not at hand, so \
+                 llama.cpp's Q8_1 block sums cannot be modelled"
+            ));
+        };
+        if m.reorders_columns() {
+            return Err(format!(
+                "a {ty:?} weight whose columns the converter reordered: its blocks are not the checkpoint's, so \
+                 llama.cpp's Q8_1 block sums cannot be modelled"
+            ));
+        }
+        // Each block starts with its f16 scale `d` and minimum `m`.
+        let mins = (0..m.rows())
+            .flat_map(|r| {
+                m.stored_row(r)
+                    .chunks_exact(ty.block_bytes())
+                    .map(|b| f16::from_le_bytes([b[2], b[3]]).to_f32())
+            })
+            .collect();
+        Ok(InputRounding {
+            ty: vec_dot,
+            mins: Some(mins),
+        })
     }
-    Ok(out)
 }
 
-/// One tensor's rounding; a stacked one (`layout` `None`, `ne = [in, out, E]`) gives one per expert.
-fn rounding(
-    file: &GgufFile,
-    info: &TensorInfo,
-    layout: Option<Layout>,
-    heads: Heads,
-) -> std::result::Result<Vec<InputRounding>, String> {
-    let ty = VecDotType::of(info.ty)?;
-    let experts = match layout {
-        Some(_) => 1,
-        None => info.dims.get(2).copied().unwrap_or(1) as usize,
-    };
-    let (minimums, block_bytes) = match info.ty {
-        GgmlType::Q4_1 => (true, 20),
-        GgmlType::Q5_1 => (true, 24),
-        _ => (false, 0),
-    };
-    if !minimums {
-        return Ok(vec![InputRounding { ty, mins: None }; experts]);
-    }
-    let cols = info.dims.first().copied().unwrap_or(0) as usize;
-    let rows = info.dims.get(1).copied().unwrap_or(1) as usize;
-    let blocks = cols / 32;
-    // Each block starts with its f16 scale `d` and minimum `m`.
-    let bytes = file.bytes(info);
-    let mut all: Vec<f32> = bytes
-        .chunks_exact(block_bytes)
-        .map(|b| f16::from_le_bytes([b[2], b[3]]).to_f32())
-        .collect();
-    if all.len() != experts * rows * blocks {
-        return Err(format!(
-            "{} bytes do not hold {experts}×{rows}×{blocks} {:?} blocks",
-            bytes.len(),
-            info.ty
-        ));
-    }
-    if let Some(layout) = layout {
-        match layout {
-            Layout::Plain | Layout::QkvRows | Layout::ValueRows | Layout::HeadRows => {
-                undo(layout, &mut all, &[rows, blocks], heads)?;
-            }
-            other => {
-                return Err(format!(
-                    "a {:?} weight whose converter change is {other:?}: its blocks are not the checkpoint's, so \
-                     llama.cpp's Q8_1 block sums cannot be modelled",
-                    info.ty
-                ));
-            }
-        }
-    }
-    Ok(all
-        .chunks_exact(rows * blocks)
-        .map(|m| InputRounding {
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::decode::random_blocks;
+    use crate::linear::SharedMap;
+
+    /// A `[3, cols]` matrix of random blocks of `ty`, its rows reversed, its columns reversed when `columns`.
+    fn matrix(ty: GgmlType, cols: usize, columns: bool) -> (GgufMatrix, Vec<u8>) {
+        let bytes = random_blocks(ty, 3 * cols / ty.block_elems(), 5).unwrap();
+        let m = GgufMatrix::new(
+            &SharedMap::from_vec(bytes.clone()),
+            0,
             ty,
-            mins: Some(m.into()),
-        })
-        .collect())
+            (3, cols),
+            Some(vec![2, 1, 0]),
+            columns.then(|| (0..cols).rev().collect()),
+        )
+        .unwrap();
+        (m, bytes)
+    }
+
+    #[test]
+    fn the_minimums_are_the_blocks_in_the_checkpoints_row_order() {
+        for ty in [GgmlType::Q4_1, GgmlType::Q5_1] {
+            let (m, bytes) = matrix(ty, 64, false);
+            let r = InputRounding::of(ty, Some(&m)).unwrap();
+            assert_eq!(r.ty, VecDotType::Q8_1);
+            let bb = ty.block_bytes();
+            // Stored row 2 (blocks 4, 5) is the checkpoint's row 0.
+            let block_min = |b: usize| f16::from_le_bytes([bytes[b * bb + 2], bytes[b * bb + 3]]);
+            let expected: Vec<f32> = [4, 5, 2, 3, 0, 1].map(|b| block_min(b).to_f32()).to_vec();
+            assert_eq!(r.mins.as_deref(), Some(&expected[..]), "{ty}");
+            // Reordered columns, or no packed matrix: the blocks are not at hand as the checkpoint's.
+            let (m, _) = matrix(ty, 64, true);
+            assert!(
+                InputRounding::of(ty, Some(&m))
+                    .unwrap_err()
+                    .contains("columns")
+            );
+            assert!(
+                InputRounding::of(ty, None)
+                    .unwrap_err()
+                    .contains("not a matrix")
+            );
+        }
+        let (m, _) = matrix(GgmlType::Q4_K, 256, false);
+        let r = InputRounding::of(GgmlType::Q4_K, Some(&m)).unwrap();
+        assert_eq!((r.ty, r.mins), (VecDotType::Q8K, None));
+        assert!(InputRounding::of(GgmlType::Q8_K, None).is_err());
+    }
 }

@@ -1,47 +1,7 @@
 use super::*;
 use proptest::prelude::*;
 
-/// A GGUF file written by hand: metadata of several types, `tensors` as (name, dims, type, values' bytes).
-pub(crate) fn write(
-    metadata: &[(&str, u32, Vec<u8>)],
-    tensors: &[(&str, Vec<u64>, GgmlType, Vec<u8>)],
-    alignment: u64,
-) -> Vec<u8> {
-    let mut out = Vec::new();
-    out.extend_from_slice(b"GGUF");
-    out.extend_from_slice(&3u32.to_le_bytes());
-    out.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
-    out.extend_from_slice(&(metadata.len() as u64).to_le_bytes());
-    let string = |out: &mut Vec<u8>, s: &str| {
-        out.extend_from_slice(&(s.len() as u64).to_le_bytes());
-        out.extend_from_slice(s.as_bytes());
-    };
-    for (key, ty, value) in metadata {
-        string(&mut out, key);
-        out.extend_from_slice(&ty.to_le_bytes());
-        out.extend_from_slice(value);
-    }
-    let mut offset = 0u64;
-    let mut offsets = Vec::new();
-    for (name, dims, ty, data) in tensors {
-        string(&mut out, name);
-        out.extend_from_slice(&(dims.len() as u32).to_le_bytes());
-        for d in dims {
-            out.extend_from_slice(&d.to_le_bytes());
-        }
-        out.extend_from_slice(&ty.id().to_le_bytes());
-        out.extend_from_slice(&offset.to_le_bytes());
-        offsets.push(offset);
-        offset = (offset + data.len() as u64).div_ceil(alignment) * alignment;
-    }
-    let start = (out.len() as u64).div_ceil(alignment) * alignment;
-    out.resize(start as usize, 0);
-    for ((_, _, _, data), off) in tensors.iter().zip(offsets) {
-        out.resize((start + off) as usize, 0);
-        out.extend_from_slice(data);
-    }
-    out
-}
+pub(crate) use super::write;
 
 pub(crate) fn string_value(s: &str) -> Vec<u8> {
     let mut v = (s.len() as u64).to_le_bytes().to_vec();

@@ -1,12 +1,15 @@
-//! A GGUF served with its weight matrices kept packed ([`split`]): every matrix whose layout change moves only whole
-//! rows, or only the columns within each row, is left in the file as its ggml blocks, described by a
-//! [`PackedTensor`] (where its rows are, their type, the row and column orders that undo the converter's reorders);
-//! the rest (norms, the convolution, the decay, biases: small) is decoded and undone as [`super::checkpoint_tensors`]
-//! does.
+//! The one walk over a GGUF's tensors onto the checkpoint's ([`split_with`]): each tensor's target (its checkpoint
+//! name and layout, the experts of a stacked tensor each under its own name), its ggml type recorded once
+//! ([`Split::types`]), and its values either decoded and undone ([`super::checkpoint_tensors`], every tensor) or,
+//! for a store that keeps the matrices packed ([`split`]), left in the file as its ggml blocks when the layout moves
+//! only whole rows, or only the columns within each row: a [`PackedTensor`] (where its rows are, their type, the row
+//! and column orders that undo the converter's reorders). The rest (norms, the convolution, the decay, biases:
+//! small) is decoded and undone either way.
 //!
 //! The orders come from [`layout::undo`] itself, applied to the indices of the rows (or of the columns), so the
 //! packed matrix's decoded rows are exactly the expanded tensor's: the inverses stay in one place.
 
+use super::fault::Fault;
 use super::layout::{self, Heads};
 use super::{CheckpointTensor, Layout, Target, target, tensor_err, values};
 use crate::config::Config;
@@ -100,6 +103,17 @@ fn orders(
 /// The GGUF's tensors split into the matrices kept packed and the rest decoded (see the module docs), checked
 /// against `config`'s dimensions as [`super::checkpoint_tensors`] checks them.
 pub fn split(file: &GgufFile, config: &Config) -> Result<Split> {
+    split_with(file, config, None, true)
+}
+
+/// Every tensor of the file onto the checkpoint's (see the module docs): the matrices kept packed when `pack`, else
+/// every tensor decoded; `fault` planted in the layouts.
+pub(crate) fn split_with(
+    file: &GgufFile,
+    config: &Config,
+    fault: Option<Fault>,
+    pack: bool,
+) -> Result<Split> {
     let heads = Heads {
         hk: config.linear_num_key_heads,
         hv: config.linear_num_value_heads,
@@ -124,31 +138,32 @@ pub fn split(file: &GgufFile, config: &Config) -> Result<Split> {
         };
         match target {
             Target::Skip => {}
-            Target::One(name, layout) if packable(layout, &shape) => {
-                let (rows, cols) = (shape[0], shape[1]);
-                let (row_order, col_order) = orders(layout, rows, cols, heads).map_err(err)?;
-                row_bytes(cols)?;
-                out.types.push((name.clone(), info.ty));
-                out.packed.push(PackedTensor {
-                    name,
-                    gguf_name: info.name.clone(),
-                    ty: info.ty,
-                    start: info.start as usize,
-                    rows,
-                    cols,
-                    row_order,
-                    col_order,
-                });
-            }
             Target::One(name, layout) => {
-                let mut values = values(file, info)?;
-                let shape = layout::undo(layout, &mut values, &shape, heads).map_err(err)?;
+                let layout = fault.map_or(layout, |f| f.layout(layout));
                 out.types.push((name.clone(), info.ty));
-                out.decoded.push(CheckpointTensor {
-                    name,
-                    shape,
-                    values,
-                });
+                if pack && packable(layout, &shape) {
+                    let (rows, cols) = (shape[0], shape[1]);
+                    let (row_order, col_order) = orders(layout, rows, cols, heads).map_err(err)?;
+                    row_bytes(cols)?;
+                    out.packed.push(PackedTensor {
+                        name,
+                        gguf_name: info.name.clone(),
+                        ty: info.ty,
+                        start: info.start as usize,
+                        rows,
+                        cols,
+                        row_order,
+                        col_order,
+                    });
+                } else {
+                    let mut values = values(file, info)?;
+                    let shape = layout::undo(layout, &mut values, &shape, heads).map_err(err)?;
+                    out.decoded.push(CheckpointTensor {
+                        name,
+                        shape,
+                        values,
+                    });
+                }
             }
             Target::Experts { layer, proj } => {
                 let &[experts, rows, cols] = shape.as_slice() else {
@@ -157,19 +172,32 @@ pub fn split(file: &GgufFile, config: &Config) -> Result<Split> {
                     )));
                 };
                 let expert_bytes = rows * row_bytes(cols)?;
+                let values = if pack {
+                    Vec::new()
+                } else {
+                    values(file, info)?
+                };
                 for e in 0..experts {
                     let name = format!("model.layers.{layer}.mlp.experts.{e}.{proj}.weight");
                     out.types.push((name.clone(), info.ty));
-                    out.packed.push(PackedTensor {
-                        name,
-                        gguf_name: info.name.clone(),
-                        ty: info.ty,
-                        start: info.start as usize + e * expert_bytes,
-                        rows,
-                        cols,
-                        row_order: None,
-                        col_order: None,
-                    });
+                    if pack {
+                        out.packed.push(PackedTensor {
+                            name,
+                            gguf_name: info.name.clone(),
+                            ty: info.ty,
+                            start: info.start as usize + e * expert_bytes,
+                            rows,
+                            cols,
+                            row_order: None,
+                            col_order: None,
+                        });
+                    } else {
+                        out.decoded.push(CheckpointTensor {
+                            name,
+                            shape: vec![rows, cols],
+                            values: values[e * rows * cols..(e + 1) * rows * cols].to_vec(),
+                        });
+                    }
                 }
             }
         }

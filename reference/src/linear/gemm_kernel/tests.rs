@@ -197,6 +197,73 @@ fn every_cut_of_a_packed_product_gives_the_documented_order_bit_for_bit() {
     }
 }
 
+/// A GGUF matrix of random blocks of `ty` (finite values) with a row order (reversed) and, when `columns`, a column
+/// order (rotated by one), and the values it holds: the scalar decoder's, rows and columns in those orders.
+fn gguf_matrix(
+    ty: crate::gguf::GgmlType,
+    rows: usize,
+    cols: usize,
+    columns: bool,
+    seed: u64,
+) -> (super::super::GgufMatrix, Vec<f32>) {
+    use crate::gguf::decode::{Decoder, dequantize_on, random_blocks};
+    let blocks = rows * cols / ty.block_elems();
+    let bytes = random_blocks(ty, blocks, seed).unwrap();
+    let mut stored = vec![0f32; rows * cols];
+    dequantize_on(ty, &bytes, &mut stored, Decoder::Scalar).unwrap();
+    let row_order: Vec<usize> = (0..rows).rev().collect();
+    let col_order: Vec<usize> = (0..cols).map(|c| (c + 1) % cols).collect();
+    let mut values = Vec::with_capacity(rows * cols);
+    for &s in &row_order {
+        let row = &stored[s * cols..(s + 1) * cols];
+        match columns {
+            true => values.extend(col_order.iter().map(|&c| row[c])),
+            false => values.extend_from_slice(row),
+        }
+    }
+    // One byte before the blocks: the rows' bytes are not aligned for candle's block types.
+    let mut buf = vec![0u8; 1];
+    buf.extend_from_slice(&bytes);
+    let map = super::super::SharedMap::from_vec(buf);
+    let m = super::super::GgufMatrix::new(
+        &map,
+        1,
+        ty,
+        (rows, cols),
+        Some(row_order),
+        columns.then_some(col_order),
+    )
+    .unwrap();
+    (m, values)
+}
+
+/// GGUF matrices of the vectorised types and a few others, blocks of 256 values (8 steps) and of 32 or 1, under
+/// cuts whose chunks start and end inside blocks: the decoded runs of blocks laid into the panels.
+fn gguf_cases() -> Vec<(crate::gguf::GgmlType, usize, usize, bool)> {
+    use crate::gguf::GgmlType::*;
+    vec![
+        (Q4_K, 7, 512, false),
+        (Q6_K, 5, 768, true),
+        (Q5_K, 6, 256, false),
+        (Q8_0, 9, 96, true),
+        (Q4_0, 3, 160, false),
+        (F16, 5, 77, true),
+        (BF16, 7, 45, false),
+        (IQ4_XS, 4, 256, false),
+        (Q3_K, 3, 512, true),
+    ]
+}
+
+#[test]
+fn every_cut_of_a_gguf_product_gives_the_documented_order_bit_for_bit() {
+    for (k, (ty, rows, cols, columns)) in gguf_cases().into_iter().enumerate() {
+        let (m, w) = gguf_matrix(ty, rows, cols, columns, 80 + k as u64);
+        let what = format!("{ty}");
+        check::<Emulated<16, 4, 6, 2>>(&what, &m, &w, &cuts(4, 6));
+        check::<Emulated<8, 3, 4, 3>>(&what, &m, &w, &cuts(3, 4));
+    }
+}
+
 #[test]
 fn a_block_fits_the_panel_and_the_steps_split_only_when_too_few_rows_would() {
     // 4096 inputs (128 steps) in 256 KiB: 32 rows need 512 KiB, so chunks of 64 steps with 33 rows (11 tiles).
@@ -259,6 +326,10 @@ fn every_cut_on_the_avx512_routines_gives_the_documented_order_bit_for_bit() {
         {
             let (p, w) = packed_matrix(kind, 9, 256, 60 + k as u64);
             check::<Avx512>(&format!("{kind:?} on AVX-512"), &p, &w, &cuts(4, 6));
+        }
+        for (k, (ty, rows, cols, columns)) in gguf_cases().into_iter().enumerate() {
+            let (m, w) = gguf_matrix(ty, rows, cols, columns, 90 + k as u64);
+            check::<Avx512>(&format!("{ty} on AVX-512"), &m, &w, &cuts(4, 6));
         }
         return;
     }
