@@ -1,6 +1,7 @@
-//! What [`super::Arithmetic::LlamaCpp`] needs of each GGUF weight: its `vec_dot_type`, and for Q4_1/Q5_1 weights
-//! the minimum of every block (their dot with Q8_1 activations adds `m · s` per block: [`super::q8_1_residuals`]),
-//! under the checkpoint's names and in the checkpoint's row order.
+//! What [`super::Arithmetic::LlamaCpp`] needs of each GGUF weight: its `vec_dot_type`, the order of its stored
+//! columns (llama.cpp quantizes the activations in blocks of the file's column order, which the converter changed
+//! for `out_proj`), and for Q4_1/Q5_1 weights the minimum of every block (their dot with Q8_1 activations adds
+//! `m · s` per block: [`super::q8_1_residuals`]), under the checkpoint's names and in the checkpoint's row order.
 
 use super::VecDotType;
 use crate::config::Config;
@@ -8,6 +9,7 @@ use crate::error::Result;
 use crate::gguf::GgmlType;
 use crate::gguf::file::{GgufFile, TensorInfo};
 use crate::gguf::model::layout::{Heads, undo};
+use crate::gguf::model::packed::orders;
 use crate::gguf::model::{Layout, Target, target};
 use half::f16;
 use std::collections::HashMap;
@@ -20,14 +22,18 @@ pub struct InputRounding {
     /// The type the activations are rounded through.
     pub ty: VecDotType,
     /// Q4_1/Q5_1 weights: the minimum `m` of every 32-value block, `[out, in / 32]` row-major in the checkpoint's row
-    /// order; `None` for the other types.
+    /// order and the file's block order; `None` for the other types.
     pub mins: Option<Arc<[f32]>>,
+    /// Column `c` of the checkpoint's weight is column `col_order[c]` of the file's (`None`: the same order). The
+    /// converter reorders `linear_attn.out_proj`'s columns by value head (`ssm_out`); llama.cpp's activations are in
+    /// the file's order, so its blocks of 32 (or 256) group other values than the checkpoint's order would whenever
+    /// a value head is narrower than a block (`Dv = 16`: one block holds two heads).
+    pub col_order: Option<Arc<[usize]>>,
 }
 
 /// The [`InputRounding`] of every weight of the GGUF file at `path` (a model of `config`), under the checkpoint's
-/// names (`model.layers.0.mlp.gate_proj.weight`; every expert of a stacked tensor). A weight with no CPU product, or
-/// a Q4_1/Q5_1 weight whose columns the converter reordered (its blocks would not be the checkpoint's), is recorded
-/// as an error, reported if the run uses it as a matrix.
+/// names (`model.layers.0.mlp.gate_proj.weight`; every expert of a stacked tensor). A weight with no CPU product is
+/// recorded as an error, reported if the run uses it as a matrix.
 pub fn input_roundings(
     path: &Path,
     config: &Config,
@@ -89,11 +95,24 @@ fn rounding(
         GgmlType::Q5_1 => (true, 24),
         _ => (false, 0),
     };
-    if !minimums {
-        return Ok(vec![InputRounding { ty, mins: None }; experts]);
-    }
     let cols = info.dims.first().copied().unwrap_or(0) as usize;
     let rows = info.dims.get(1).copied().unwrap_or(1) as usize;
+    // The converter moves whole rows, or leaves a tensor's order, but for `out_proj`, whose columns it reorders:
+    // the order in which llama.cpp's activations reach that weight.
+    let col_order = match layout {
+        Some(l @ Layout::ValueColumns) => orders(l, rows, cols, heads)?.1.map(Arc::from),
+        _ => None,
+    };
+    if !minimums {
+        return Ok(vec![
+            InputRounding {
+                ty,
+                mins: None,
+                col_order
+            };
+            experts
+        ]);
+    }
     let blocks = cols / 32;
     // Each block starts with its f16 scale `d` and minimum `m`.
     let bytes = file.bytes(info);
@@ -110,13 +129,18 @@ fn rounding(
     }
     if let Some(layout) = layout {
         match layout {
-            Layout::Plain | Layout::QkvRows | Layout::ValueRows | Layout::HeadRows => {
+            Layout::Plain
+            | Layout::OneRow
+            | Layout::QkvRows
+            | Layout::ValueRows
+            | Layout::HeadRows => {
                 undo(layout, &mut all, &[rows, blocks], heads)?;
             }
+            // The rows stay; the blocks stay the file's, as the activations are rounded in the file's order.
+            Layout::ValueColumns => {}
             other => {
                 return Err(format!(
-                    "a {:?} weight whose converter change is {other:?}: its blocks are not the checkpoint's, so \
-                     llama.cpp's Q8_1 block sums cannot be modelled",
+                    "a {:?} weight whose converter change is {other:?} is not a matrix",
                     info.ty
                 ));
             }
@@ -127,6 +151,7 @@ fn rounding(
         .map(|m| InputRounding {
             ty,
             mins: Some(m.into()),
+            col_order: col_order.clone(),
         })
         .collect())
 }
