@@ -6,8 +6,11 @@ Given a llama.cpp source tree (outside this repository), this script
 1. builds llama.cpp (`--build`: CMake + Ninja, CPU back end only, targets `llama-quantize` and `libllama`) and
    compiles `scripts/llama_dump.cpp` against it (a small program of ours that runs a GGUF on given token ids and
    writes every tensor of llama.cpp's graph through its evaluation callback `cb_eval`, and the logits);
-2. converts each testdata model with llama.cpp's `convert_hf_to_gguf.py` (`--outtype f32 --no-mtp`) from a staged
-   copy in the work directory, with two work-arounds applied there, outside the repository (see "Converter" below);
+2. converts each testdata model of MODELS with llama.cpp's `convert_hf_to_gguf.py` (`--outtype f32 --no-mtp`) from a
+   staged copy in the work directory, with two work-arounds applied there, outside the repository (see "Converter"
+   below). `tiny` and `tiny-moe` are converted but refused at load (their linear key and value head dims differ,
+   which llama.cpp's Qwen3.5 graph cannot hold); `tiny-moe-gguf` (scripts/make_moe_goldens.py) is the MoE model made
+   for it: tiny-moe with equal head dims and 32-wide experts;
 3. quantizes each f32 GGUF with `llama-quantize` into Q8_0, Q4_0, Q4_K_M (a mixed-type file), Q6_K and IQ4_NL
    (an IQ type that needs no importance matrix);
 4. runs every GGUF (the f32 one and each quantized one) in llama.cpp on the first 8 token ids of the model's golden
@@ -24,7 +27,12 @@ Outputs, in `testdata/gguf/llamacpp/` (`--out`):
   the embeddings (`model.input_embed`), the final norm (`result_norm`) and the logits, to keep the fixtures small
   (see TYPES_FOR, F32_GGUF_KEPT). Metadata: the llama.cpp commit, the model, the type, the token ids, which tensors;
 - `fixtures.json`: the llama.cpp commit, the tools' versions, the token ids, each file's size, sha256 and (for the
-  GGUFs) the count of tensors of each ggml type, and every model llama.cpp refused with its message.
+  GGUFs) the count of tensors of each ggml type and every tensor's type (`tensor_types_by_name`: `blk.*.<name>`
+  lists the blocks' types in block order, the MoE's stacked experts `ffn_{gate,up,down}_exps` included), and every
+  model llama.cpp refused with its message (the work directory's path left out);
+- `testdata/manifest.json`: when the output is `testdata/gguf/llamacpp/`, its entries of `testdata/gguf/` (size,
+  sha256) and the file list of its section `gguf_goldens` are rewritten from the files on disk (`--manifest-only`
+  does only that, after a README there is edited).
 
 Converter: llama.cpp's converter (a) asks transformers for the tokenizer class the testdata's tokenizer_config.json
 names, `Qwen3_5Tokenizer`, which the transformers version it pins (4.57.6) does not have: the staged copy names
@@ -33,16 +41,20 @@ pre-tokenizer whose hash it does not know (the testdata tokenizer's vocabulary i
 to `qwen35`, whose regex is the one of the testdata tokenizer.json (checked below), by replacing
 `TextModel.get_vocab_base_pre` in the converter's process. Nothing else is changed.
 
-Run (about 30 min on 2 cores, most of it the build):
+Run (about 30 min on 2 cores, most of it the build; the conversions, quantizations and runs of the five models
+take about 4 min):
 
     python -m venv /tmp/gguf-venv && /tmp/gguf-venv/bin/pip install torch==2.15.0 transformers==4.57.6 \\
-        sentencepiece protobuf gguf==0.19.0 numpy safetensors cmake ninja
+        sentencepiece protobuf gguf==0.19.0 numpy==2.4.6 safetensors==0.8.0 cmake ninja
     /tmp/gguf-venv/bin/python scripts/make_gguf_fixtures.py --llama-cpp /tmp/llama.cpp --build \\
         --llama-commit <sha>
 
-The llama.cpp tree: the `llama-cpp-python` 0.3.36 sdist (`pip download --no-deps --no-binary llama-cpp-python
-llama-cpp-python==0.3.36`) vendors llama.cpp 0c1e57098bba43ac29e6e3b677cdceebdd22334f in `vendor/llama.cpp`; copy it
-to /tmp/llama.cpp. CI needs none of this: the outputs are committed.
+torch is PyPI's wheel (2.15.0, the CUDA 13.2 build, run on the CPU; the CPU-only wheel's index is not reachable
+from every machine). The llama.cpp tree: the `llama-cpp-python` 0.3.36 sdist (`pip download --no-deps --no-binary
+llama-cpp-python llama-cpp-python==0.3.36`) vendors llama.cpp 0c1e57098bba43ac29e6e3b677cdceebdd22334f in
+`vendor/llama.cpp` (the sdist's `.git/modules/vendor/llama.cpp/HEAD` names that commit); copy it to /tmp/llama.cpp.
+CI needs none of this: the outputs are committed. The script is deterministic: a second run, on another machine
+(an AMD EPYC of CPU family 26, Zen 5; the README names Zen 4 for the first), rewrote the files of tiny-tied and tiny-h128 byte for byte (sha256).
 """
 
 from __future__ import annotations
@@ -65,15 +77,15 @@ from safetensors.numpy import load_file
 from gguf_fixture_io import save_sorted
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-MODELS = ["tiny", "tiny-moe", "tiny-tied", "tiny-h128"]
+MODELS = ["tiny", "tiny-moe", "tiny-tied", "tiny-h128", "tiny-moe-gguf"]
 TYPES = ["q8_0", "q4_0", "q4_k_m", "q6_k", "iq4_nl"]
 # Kept small (a few MB in all): tiny-h128 (head dim 128, 2.6 times tiny-tied's bytes) gets four types and no
 # committed f32 GGUF (1.7 MB; this script remakes it); every graph tensor is kept for the f32 and Q4_K_M runs of the
 # smaller models only.
 TYPES_FOR = {"tiny-h128": ["q8_0", "q4_k_m", "q6_k", "iq4_nl"]}
-F32_GGUF_KEPT = {"tiny", "tiny-moe", "tiny-tied"}
+F32_GGUF_KEPT = {"tiny", "tiny-moe", "tiny-tied", "tiny-moe-gguf"}
 FULL_DUMPS = {"f32", "q4_k_m"}
-FULL_DUMP_MODELS = {"tiny", "tiny-moe", "tiny-tied"}
+FULL_DUMP_MODELS = {"tiny", "tiny-moe", "tiny-tied", "tiny-moe-gguf"}
 N_TOKENS = 8
 QWEN35_REGEX = (
     "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}| ?[^\\s\\p{L}\\p{M}\\p{N}]+[\\r\\n]*"
@@ -176,18 +188,58 @@ def gguf_types(path: pathlib.Path) -> dict[str, int]:
     return dict(sorted(Counter(t.tensor_type.name for t in reader.tensors).items()))
 
 
+def gguf_types_by_tensor(path: pathlib.Path) -> dict[str, str]:
+    """The ggml type of every tensor: `blk.{i}.<name>` as one entry `blk.*.<name>` whose value lists the blocks'
+    types in block order (`"Q5_0 Q8_0 Q5_0 Q5_0"`), the others by name."""
+    from gguf import GGUFReader
+    per_block: dict[str, dict[int, str]] = {}
+    out: dict[str, str] = {}
+    for t in GGUFReader(str(path)).tensors:
+        parts = t.name.split(".")
+        if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit():
+            per_block.setdefault("blk.*." + ".".join(parts[2:]), {})[int(parts[1])] = t.tensor_type.name
+        else:
+            out[t.name] = t.tensor_type.name
+    for name, blocks in per_block.items():
+        out[name] = " ".join(blocks[i] for i in sorted(blocks))
+    return dict(sorted(out.items()))
+
+
 def sha256(path: pathlib.Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def update_manifest() -> None:
+    """testdata/manifest.json lists every file under testdata/ with its size and sha256: its entries under
+    testdata/gguf/ and the file list of its section `gguf_goldens` are rewritten from the files on disk."""
+    from testdata_files import TESTDATA, rel, write_json
+    from testdata_files import sha256 as file_sha256
+    path = TESTDATA / "manifest.json"
+    manifest = json.loads(path.read_text(encoding="utf-8"))
+    on_disk = sorted((p for p in (TESTDATA / "gguf").rglob("*") if p.is_file()), key=lambda p: rel(p).split("/"))
+    files = [f for f in manifest["files"] if not f["path"].startswith("testdata/gguf/")]
+    files += [{"path": rel(p), "bytes": p.stat().st_size, "sha256": file_sha256(p)} for p in on_disk]
+    manifest["files"] = sorted(files, key=lambda f: f["path"].split("/"))
+    manifest["total_bytes"] = sum(f["bytes"] for f in manifest["files"])
+    manifest["gguf_goldens"]["files"] = [rel(p) for p in on_disk]
+    write_json(path, manifest)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--llama-cpp", required=True, type=pathlib.Path, help="a llama.cpp source tree")
-    parser.add_argument("--llama-commit", required=True, help="the commit of that tree")
+    parser.add_argument("--llama-cpp", type=pathlib.Path, help="a llama.cpp source tree")
+    parser.add_argument("--llama-commit", help="the commit of that tree")
+    parser.add_argument("--manifest-only", action="store_true",
+                        help="only list testdata/gguf/'s files in testdata/manifest.json (after editing one by hand)")
     parser.add_argument("--build", action="store_true", help="build llama.cpp first (else use its build/)")
     parser.add_argument("--work", type=pathlib.Path, default=pathlib.Path("/tmp/gguf-fixtures-work"))
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "testdata" / "gguf" / "llamacpp")
     args = parser.parse_args()
+    if args.manifest_only:
+        update_manifest()
+        return 0
+    if args.llama_cpp is None or args.llama_commit is None:
+        parser.error("--llama-cpp and --llama-commit are needed (but with --manifest-only)")
     tree = args.llama_cpp.resolve()
     if ROOT in tree.parents or tree == ROOT:
         raise SystemExit("--llama-cpp: keep the llama.cpp tree outside this repository")
@@ -227,9 +279,11 @@ def main() -> int:
         # Does llama.cpp load and run its own conversion?
         probe = run([str(dump_exe), str(f32), str(args.work / "probe.bin"), *map(str, tokens)])
         if probe.returncode != 0:
-            lines = [ln for ln in probe.stderr.splitlines() if "error" in ln or "could not" in ln]
+            # The work directory's path is not recorded: the file's own name says which.
+            stderr = probe.stderr.replace(f"{args.work}/", "")
+            lines = [ln for ln in stderr.splitlines() if "error" in ln or "could not" in ln]
             record["refused"][model] = {"step": "load", "exit": probe.returncode,
-                                        "message": " | ".join(lines[-3:]) or probe.stderr[-500:]}
+                                        "message": " | ".join(lines[-3:]) or stderr[-500:]}
             continue
         entry = {"token_ids": tokens, "files": {}}
         files = {"f32": f32}
@@ -249,9 +303,9 @@ def main() -> int:
             raw = args.work / f"{model}.{ty}.bin"
             ran = run([str(dump_exe), str(gguf_path), str(raw), *map(str, tokens)])
             info = {"gguf": {"bytes": dst.stat().st_size, "sha256": sha256(dst), "tensor_types": gguf_types(dst),
-                             "committed": kept}}
+                             "tensor_types_by_name": gguf_types_by_tensor(dst), "committed": kept}}
             if ran.returncode != 0:
-                info["dump_failed"] = {"exit": ran.returncode, "stderr": ran.stderr[-800:]}
+                info["dump_failed"] = {"exit": ran.returncode, "stderr": ran.stderr.replace(f"{args.work}/", "")[-800:]}
                 entry["files"][ty] = info
                 continue
             tensors, seen = {}, Counter()
@@ -278,6 +332,8 @@ def main() -> int:
     total = sum(p.stat().st_size for p in out.iterdir())
     print(json.dumps(record["refused"], indent=2))
     print(f"{out}: {total / 1e6:.2f} MB")
+    if out.resolve() == (ROOT / "testdata" / "gguf" / "llamacpp").resolve():
+        update_manifest()
     return 0
 
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""A tiny MoE model (`tiny-moe`) and its goldens from transformers' Qwen3_5MoeForCausalLM (f32 eager and a true
-float64 run).
+"""The tiny MoE models (`tiny-moe`, `tiny-moe-gguf`) and their goldens from transformers' Qwen3_5MoeForCausalLM (f32
+eager and a true float64 run).
+
+    python scripts/make_moe_goldens.py [--models tiny-moe tiny-moe-gguf]   (default: both)
 
 Writes, from nothing but the testdata tokenizer (run scripts/make_testdata.py first):
 
@@ -18,6 +20,15 @@ per layer `layers.{i}.output`, `mixer_output`, `mlp_output` [T, H], `layers.{i}.
 times its sigmoid gate); `final_norm`, `logits` [T, V]; `generated` i64 [16] (greedy, eos disabled). The f64 file has
 the same names but `embeddings` and `mixer_output`.
 
+`tiny-moe-gguf` (MODELS) is tiny-moe made for llama.cpp (scripts/make_gguf_fixtures.py): linear value heads as wide
+as its key heads (16 and 16, where tiny-moe has 16 and 8), the one shape llama.cpp's Qwen3.5 graph loads (it takes
+both dims from one GGUF key, `ssm.state_size`), and expert widths that are whole 32-value blocks (32 and 64 for the
+shared expert, where tiny-moe has 16 and 24), so that `llama-quantize` quantizes every expert matrix instead of
+keeping the down projections in F16; everything else is tiny-moe's (8 experts, 3 per token, the shared expert and
+its gate, the init, the near tie, the checks), with its own seed. It gets the f32 golden
+`testdata/goldens/tiny-moe-gguf.safetensors` only (its f64 run is made and checked, routing included, but not
+written: the f64 path is held by tiny-moe's), and its manifest section `moe_gguf_goldens`.
+
 The near tie: one router row (layer NEAR_TIE["layer"], the expert ranked k+1 at prompt token NEAR_TIE["token"]) is
 moved along that token's router input so that its probability comes within NEAR_TIE["gap"] of the k-th expert's
 (below it, so the chosen set stays). The metadata and the manifest name the layer, the token, the two experts and the
@@ -26,6 +37,7 @@ gap measured in f32 and f64.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import platform
@@ -48,8 +60,6 @@ from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5Moe
 # make_testdata's kernel check and true_float64 act on the module in `mt.modeling`: point it at the MoE one.
 mt.modeling = moe_modeling
 
-NAME = "tiny-moe"
-SEED = 9000
 MAX_ATTEMPTS = 64
 TEXT = dict(
     hidden_size=32,
@@ -72,6 +82,13 @@ TEXT = dict(
     moe_intermediate_size=16,
     shared_expert_intermediate_size=24,
 )
+# name -> its base seed, its config (TEXT with changes), whether its f64 golden is written, its manifest section.
+MODELS = {
+    "tiny-moe": dict(seed=9000, text=TEXT, f64_golden=True, section="moe_goldens"),
+    "tiny-moe-gguf": dict(seed=9100, text=dict(TEXT, linear_value_head_dim=16, moe_intermediate_size=32,
+                                               shared_expert_intermediate_size=64),
+                          f64_golden=False, section="moe_gguf_goldens"),
+}
 PROMPT = {
     "messages": [
         {"role": "system", "content": "You are a ferry pilot."},
@@ -249,8 +266,17 @@ def golden_tensors(config, t: dict, f64: bool) -> dict:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    args = ap.parse_args()
     mt.set_determinism()
     kernels = mt.assert_torch_kernels_and_count_calls()
+    for name in args.models:
+        make(name, MODELS[name], kernels)
+
+
+def make(NAME: str, spec: dict, kernels: dict) -> None:
+    TEXT, SEED = spec["text"], spec["seed"]
     model_dir = mt.TESTDATA / "models" / NAME
     shutil.rmtree(model_dir, ignore_errors=True)
     model_dir.mkdir(parents=True)
@@ -355,7 +381,8 @@ def main() -> None:
     }
     gdir = mt.TESTDATA / "goldens"
     outs = []
-    for suffix, tensors, dtype in (("", t32, torch.float32), (".f64", t64, torch.float64)):
+    written = (("", t32, torch.float32), (".f64", t64, torch.float64))
+    for suffix, tensors, dtype in written if spec["f64_golden"] else written[:1]:
         out = gdir / f"{NAME}{suffix}.safetensors"
         g = golden_tensors(config, tensors, suffix == ".f64")
         for k, v in g.items():
@@ -389,10 +416,12 @@ def main() -> None:
         "f32_vs_f64_layer_outputs_max_abs_diff": hidden_diff,
         "generated": gen32.tolist(),
     }
+    if not spec["f64_golden"]:
+        section["f64_golden"] = "run and checked (the same experts and greedy tokens as f32), not written"
     for path in sorted(model_dir.iterdir()):
-        add_golden(path, "moe_goldens", section)
+        add_golden(path, spec["section"], section)
     for out in outs:
-        add_golden(out, "moe_goldens", section)
+        add_golden(out, spec["section"], section)
         print(f"wrote {out.relative_to(mt.REPO)} ({out.stat().st_size} bytes, sha256 {mt.sha256(out)})")
 
 

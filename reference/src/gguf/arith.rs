@@ -12,7 +12,9 @@
 //!   ggml's x86 `quantize_row_*` (the `from_float` the CPU calls, [`VecDotType::round_trip`]), and multiplies the
 //!   dequantized value with the exactly decoded weight in f32: ggml's product of the two quantized vectors then
 //!   differs from the reference's only by the order of the f32 sums (and, for Q8_1, by the block sum `s` it stores
-//!   in f16: see [`VecDotType::Q8_1`]).
+//!   in f16: see [`VecDotType::Q8_1`]). The blocks are those of the file's column order, which for `out_proj`
+//!   (`ssm_out`, its columns reordered by value head) is not the checkpoint's ([`InputRounding::col_order`]). An MoE
+//!   layer's expert products (`mul_mat_id`) convert their inputs the same way, per expert.
 //! - **Attention** (flash attention, which llama.cpp's default `flash_attn_type = auto` enables on the CPU): K and V
 //!   are stored in the KV cache as f16, the query is converted to f16 before its dot with each key, and the
 //!   softmax-weighted sum of the values is accumulated in f16 (`ggml_compute_forward_flash_attn_ext_f16_one_chunk`,

@@ -24,7 +24,7 @@
 //! Unchanged: `linear_attn.norm` (`ssm_norm`, the gated norm's plain weight: no `+ 1`), the full attention's
 //! `q_proj` (`attn_q`: the query and its gate stay interleaved per head, `[Hq · 2 · D, H]`), `k_proj`, `v_proj`,
 //! `o_proj`, the MLPs, the router (`ffn_gate_inp`), the shared expert and its gate (`ffn_gate_inp_shexp`,
-//! `[1, H]`). Qwen3.5 splits its in-projections (`in_proj_qkv`, `in_proj_z`, `in_proj_a`, `in_proj_b`); the fused
+//! `[1, H]`; a file `llama-quantize` wrote holds the gate 1-D, `[H]`, read as `[1, H]`). Qwen3.5 splits its in-projections (`in_proj_qkv`, `in_proj_z`, `in_proj_a`, `in_proj_b`); the fused
 //! `in_proj_qkvz`/`in_proj_ba` of Qwen3-Next (`qwen3next`) are not this architecture and are refused.
 //!
 //! Bits: the reorders, the split of the experts and the squeeze move values unchanged. `(1 + w)` rounded is `g`,
@@ -400,6 +400,9 @@ pub(crate) enum Target {
 pub enum Layout {
     /// None.
     Plain,
+    /// A one-row matrix `[1, H]` (the shared expert's gate): the converter writes it `[1, H]` (`ne = [H, 1]`),
+    /// `llama-quantize` 1-D `[H]` (ggml counts no trailing dimension of 1, `ggml_n_dims`); the values as they are.
+    OneRow,
     /// A zero-centred norm weight: the GGUF holds `1 + w`.
     PlusOne,
     /// `in_proj_qkv`: the value rows after `2·Hk·Dk` query and key rows reordered.
@@ -457,7 +460,7 @@ pub(crate) fn target(name: &str, layers: usize) -> std::result::Result<Target, S
         "ffn_gate_shexp.weight" => ("mlp.shared_expert.gate_proj.weight", Layout::Plain),
         "ffn_up_shexp.weight" => ("mlp.shared_expert.up_proj.weight", Layout::Plain),
         "ffn_down_shexp.weight" => ("mlp.shared_expert.down_proj.weight", Layout::Plain),
-        "ffn_gate_inp_shexp.weight" => ("mlp.shared_expert_gate.weight", Layout::Plain),
+        "ffn_gate_inp_shexp.weight" => ("mlp.shared_expert_gate.weight", Layout::OneRow),
         "ffn_gate_exps.weight" => {
             return Ok(Target::Experts {
                 layer,

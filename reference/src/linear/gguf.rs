@@ -181,6 +181,11 @@ impl GgufMatrix {
         }
     }
 
+    /// Column `c` of the matrix is column `col_order()[c]` of the stored row (`None`: in order).
+    pub fn col_order(&self) -> Option<&[usize]> {
+        self.0.col_order.as_deref()
+    }
+
     /// Whether the matrix's columns are not in the stored rows' order (a column order undoes the converter's).
     pub fn reorders_columns(&self) -> bool {
         self.0.col_order.is_some()

@@ -1,5 +1,6 @@
-//! GGUF checkpoints made by llama.cpp's converter (`scripts/make_gguf_models.py`, f32) from the tiny testdata models:
-//! the reference on the GGUF gives the checkpoint's config, logits and greedy tokens.
+//! GGUF checkpoints made by llama.cpp's converter (f32: `scripts/make_gguf_models.py`, and
+//! `scripts/make_gguf_fixtures.py` for the MoE model of llama.cpp's fixtures) from the tiny testdata models: the
+//! reference on the GGUF gives the checkpoint's config, logits and greedy tokens.
 
 use crate::common::testdata;
 use candle_core::DType;
@@ -9,7 +10,7 @@ use reference::{Model, RunOptions};
 /// The logits' largest absolute difference allowed between the reference on the f32 GGUF and on its checkpoint.
 /// Every tensor the converter moves, squeezes or splits carries the checkpoint's bits; the norm weights come back as
 /// the same `1 + w`; only `A_log` comes back as the f32 whose `-exp` is the GGUF's `ssm_a`, which may differ in the
-/// last bit from torch's `-exp(A_log)`. Measured: 0 on tiny and tiny-moe (bit-identical logits).
+/// last bit from torch's `-exp(A_log)`. Measured: 0 on tiny, tiny-moe and tiny-moe-gguf (bit-identical logits).
 const LOGITS_ATOL: f32 = 1e-5;
 
 fn run(model: &Model, prompt: &[u32], new: usize) -> (Vec<Vec<f32>>, Vec<u32>) {
@@ -38,9 +39,14 @@ fn run(model: &Model, prompt: &[u32], new: usize) -> (Vec<Vec<f32>>, Vec<u32>) {
 #[test]
 fn the_f32_gguf_runs_as_its_checkpoint() {
     let prompt: Vec<u32> = vec![3, 71, 200, 9, 411, 17, 5, 88, 301, 42, 7, 150];
-    for name in ["tiny", "tiny-moe"] {
+    for (name, gguf) in [
+        ("tiny", "gguf/models/tiny-f32.gguf"),
+        ("tiny-moe", "gguf/models/tiny-moe-f32.gguf"),
+        // The f32 file of llama.cpp's MoE fixtures (the one llama.cpp itself ran).
+        ("tiny-moe-gguf", "gguf/llamacpp/tiny-moe-gguf.f32.gguf"),
+    ] {
         let checkpoint = testdata().join("models").join(name);
-        let gguf = testdata().join(format!("gguf/models/{name}-f32.gguf"));
+        let gguf = testdata().join(gguf);
         let original = Model::load(&checkpoint, DType::F32).unwrap();
         let converted = Model::load(&gguf, DType::F32).unwrap();
         let mut expected = original.config().clone();

@@ -1,7 +1,9 @@
 //! The MoE decoder against transformers' `Qwen3_5MoeForCausalLM` on `tiny-moe` (scripts/make_moe_goldens.py):
 //! every golden tensor within the dense goldens' tolerances (f32 and f64), the same experts chosen at every token
 //! and layer, the same greedy tokens, the constructed near tie decided as transformers decides it; the fused expert
-//! form read as the per-expert one, bit for bit; a missing expert or a bad config field named.
+//! form read as the per-expert one, bit for bit; a missing expert or a bad config field named. The same in f32 on
+//! `tiny-moe-gguf` (equal linear key and value head dims and 32-wide experts: the MoE model llama.cpp's fixtures are
+//! made of, `testdata/gguf/llamacpp/`).
 
 use crate::common::testdata;
 use crate::goldens::{
@@ -16,6 +18,9 @@ use std::path::{Path, PathBuf};
 fn model_dir() -> PathBuf {
     testdata().join("models/tiny-moe")
 }
+
+/// The MoE model made for llama.cpp's fixtures; its golden is f32 only.
+const GGUF_MODEL: &str = "tiny-moe-gguf";
 
 fn chosen(t: &Tensor) -> Vec<Vec<i64>> {
     t.to_vec2::<i64>().unwrap()
@@ -46,10 +51,10 @@ fn same_experts(
     compared
 }
 
-fn check(dtype: DType) {
-    let dir = model_dir();
+fn check(name: &str, dtype: DType) {
+    let dir = testdata().join("models").join(name);
     let suffix = if dtype == DType::F64 { ".f64" } else { "" };
-    let golden = load_golden(&testdata().join(format!("goldens/tiny-moe{suffix}.safetensors")));
+    let golden = load_golden(&testdata().join(format!("goldens/{name}{suffix}.safetensors")));
     let ids = if dtype == DType::F64 {
         ids_of(&golden.tensors["token_ids"])
     } else {
@@ -60,7 +65,7 @@ fn check(dtype: DType) {
         .config()
         .moe
         .clone()
-        .expect("tiny-moe is an MoE decoder");
+        .unwrap_or_else(|| panic!("{name} is an MoE decoder"));
     let layers = model.config().num_layers();
     let (rtol, atol) = match dtype {
         DType::F64 => (F64_RTOL, F64_LOGITS_ATOL),
@@ -78,7 +83,7 @@ fn check(dtype: DType) {
     let mut kept = None;
     for opts in forms {
         let (run, generated) = run_prompt(&model, &ids, &opts);
-        let label = format!("tiny-moe {dtype:?} prefill block {:?}", opts.prefill_block);
+        let label = format!("{name} {dtype:?} prefill block {:?}", opts.prefill_block);
         let worst = compare_all(&label, &golden, &run, model.config(), atol, rtol);
         let pairs = same_experts(&label, &run, &golden, layers);
         assert_eq!(
@@ -96,7 +101,7 @@ fn check(dtype: DType) {
         kept.get_or_insert(run);
     }
     let run = kept.unwrap();
-    let label = format!("tiny-moe {dtype:?}");
+    let label = format!("{name} {dtype:?}");
 
     // The near tie: two experts' probabilities within 1e-4 at one token of one layer, the k-th chosen and the next
     // left out, as transformers chose.
@@ -173,12 +178,34 @@ fn the_schema_lists_the_moe_checkpoints_tensors() {
 
 #[test]
 fn f32_run_matches_transformers_and_routes_the_same() {
-    check(DType::F32);
+    check("tiny-moe", DType::F32);
 }
 
 #[test]
 fn f64_run_matches_transformers_float64_and_routes_the_same() {
-    check(DType::F64);
+    check("tiny-moe", DType::F64);
+}
+
+#[test]
+fn the_model_of_the_llama_cpp_fixtures_matches_transformers_and_routes_the_same() {
+    let config = reference::Config::from_file(
+        &testdata()
+            .join("models")
+            .join(GGUF_MODEL)
+            .join("config.json"),
+    )
+    .unwrap();
+    // What llama.cpp needs of it: equal linear key and value head dims, experts whose rows are 32-value blocks.
+    assert_eq!(config.linear_key_head_dim, config.linear_value_head_dim);
+    let moe = config.moe.as_ref().unwrap();
+    assert_eq!(
+        (
+            moe.moe_intermediate_size % 32,
+            moe.shared_expert_intermediate_size % 32
+        ),
+        (0, 0)
+    );
+    check(GGUF_MODEL, DType::F32);
 }
 
 /// The checkpoint's tensors, by name.

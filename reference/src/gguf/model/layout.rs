@@ -33,6 +33,12 @@ pub fn undo(
     };
     match layout {
         Layout::Plain => {}
+        Layout::OneRow => {
+            return match *shape {
+                [n] | [1, n] => Ok(vec![1, n]),
+                _ => Err(format!("shape {shape:?} is not one row")),
+            };
+        }
         Layout::PlusOne => minus_one(values),
         Layout::QkvRows => {
             let qk = 2 * heads.hk * heads.dk;

@@ -51,8 +51,12 @@ pub struct Split {
 /// An order of indices (`None`: as they are).
 type Order = Option<Vec<usize>>;
 
-/// Whether `layout` on a `shape` tensor moves whole rows or the columns within rows only (values unchanged).
+/// Whether `layout` on a `shape` tensor moves whole rows or the columns within rows only (values unchanged): a
+/// matrix, or the one row a 1-D `[n]` holds as `[1, n]`.
 fn packable(layout: Layout, shape: &[usize]) -> bool {
+    if layout == Layout::OneRow {
+        return matches!(shape, [_] | [1, _]);
+    }
     shape.len() == 2
         && matches!(
             layout,
@@ -86,14 +90,14 @@ fn order_of(
 
 /// The row order and column order that undo `layout` on a `[rows, cols]` matrix (checked against the config's
 /// heads as [`layout::undo`] checks the values).
-fn orders(
+pub(crate) fn orders(
     layout: Layout,
     rows: usize,
     cols: usize,
     heads: Heads,
 ) -> std::result::Result<(Order, Order), String> {
     match layout {
-        Layout::Plain => Ok((None, None)),
+        Layout::Plain | Layout::OneRow => Ok((None, None)),
         // `undo` checks the dimension it reorders against the heads, as it does on the values.
         Layout::ValueColumns => Ok((None, order_of(layout, cols, false, heads)?)),
         _ => Ok((order_of(layout, rows, true, heads)?, None)),
@@ -142,7 +146,12 @@ pub(crate) fn split_with(
                 let layout = fault.map_or(layout, |f| f.layout(layout));
                 out.types.push((name.clone(), info.ty));
                 if pack && packable(layout, &shape) {
-                    let (rows, cols) = (shape[0], shape[1]);
+                    let (rows, cols) = match *shape.as_slice() {
+                        [rows, cols] => (rows, cols),
+                        // llama-quantize writes the shared-expert gate `[H]` where the converter wrote `[1, H]`.
+                        [cols] => (1, cols),
+                        _ => return Err(err(format!("shape {shape:?} is not a matrix"))),
+                    };
                     let (row_order, col_order) = orders(layout, rows, cols, heads).map_err(err)?;
                     row_bytes(cols)?;
                     out.packed.push(PackedTensor {

@@ -102,6 +102,27 @@ fn a_bad_shape_is_an_error() {
     );
 }
 
+/// The shared expert's gate `[1, H]`: the converter writes `ne = [H, 1]`, `llama-quantize` a 1-D `[H]` (every
+/// quantized Qwen3.5-MoE GGUF of llama.cpp 0c1e570: `testdata/gguf/llamacpp/tiny-moe-gguf.q8_0.gguf`); both are
+/// the checkpoint's `[1, H]`, values unmoved, and a matrix of more rows is refused.
+#[test]
+fn the_shared_expert_gate_is_one_row_whether_stored_1d_or_2d() {
+    assert_eq!(
+        target("blk.2.ffn_gate_inp_shexp.weight", 4),
+        Ok(Target::One(
+            "model.layers.2.mlp.shared_expert_gate.weight".into(),
+            Layout::OneRow
+        ))
+    );
+    for shape in [&[5][..], &[1, 5]] {
+        let mut v = iota(5);
+        assert_eq!(undo(Layout::OneRow, &mut v, shape, HEADS), Ok(vec![1, 5]));
+        assert_eq!(v, iota(5));
+    }
+    let e = undo(Layout::OneRow, &mut iota(10), &[2, 5], HEADS).unwrap_err();
+    assert!(e.contains("[2, 5]") && e.contains("one row"), "{e}");
+}
+
 #[test]
 fn a_positive_decay_is_an_error() {
     assert!(a_log(&mut [0.5]).unwrap_err().contains("negative"));
