@@ -126,12 +126,12 @@ fn init() {
             }
             if let Ok(extra) = std::env::var("QWEN35_GGML_BACKENDS") {
                 for p in extra.split(':').filter(|p| !p.is_empty()) {
-                    if let Ok(c) = CString::new(p) {
-                        if sys::ggml_backend_load(c.as_ptr()).is_null() {
-                            crate::errln!(
-                                "QWEN35_GGML_BACKENDS: {p}: ggml could not load this back end"
-                            );
-                        }
+                    if let Ok(c) = CString::new(p)
+                        && sys::ggml_backend_load(c.as_ptr()).is_null()
+                    {
+                        crate::errln!(
+                            "QWEN35_GGML_BACKENDS: {p}: ggml could not load this back end"
+                        );
                     }
                 }
             }
