@@ -118,27 +118,42 @@ fn a_bug_planted_in_the_device_is_named_at_its_layer() {
 
 #[test]
 fn options_that_do_not_apply_to_llama_cpp_are_refused_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = tmp.path().join("device.json");
+    std::fs::write(&config, "{}").unwrap();
+    let cache = tmp.path().join("cache");
     let model = gguf("tiny-tied.f32");
     let m = model.to_str().unwrap();
+    let moe = gguf("tiny-moe-gguf.f32");
     let env = reference_worker(&[]);
-    for (flag, value) in [
-        ("--precision", "f16"),
-        ("--block", "4"),
-        ("--output-scale", "1"),
-        ("--deltanet-form", "matrix"),
+    // Every option of this project's graphs and of OpenVINO, on compare-devices and validate alike.
+    for (flag, value, model) in [
+        ("--precision", "f16", m),
+        ("--block", "4", m),
+        ("--device-config", config.to_str().unwrap(), m),
+        ("--cache-dir", cache.to_str().unwrap(), m),
+        ("--output-scale", "1", m),
+        ("--moe-form", "gather", moe.to_str().unwrap()),
+        ("--inverse", "doubling", m),
+        ("--chunk", "8", m),
+        ("--decode-form", "sequential", m),
+        ("--prefill-block", "4", m),
+        ("--deltanet-form", "matrix", m),
     ] {
-        let args = [
-            "compare-devices",
-            "--model",
-            m,
-            "--devices",
-            "llama.cpp",
-            "--token-ids",
-            IDS,
-            flag,
-            value,
-        ];
-        expect_error_env(&args, &env, &[flag, "llama.cpp"]);
+        for (command, devices) in [("compare-devices", "--devices"), ("validate", "--device")] {
+            let args = [
+                command,
+                "--model",
+                model,
+                devices,
+                "llama.cpp",
+                "--token-ids",
+                IDS,
+                flag,
+                value,
+            ];
+            expect_error_env(&args, &env, &[flag, "llama.cpp"]);
+        }
     }
     // llama.cpp runs a GGUF file: a checkpoint directory is refused, naming --model.
     let dir = testdata().join("models/tiny");
