@@ -156,18 +156,16 @@ impl GraphArgs {
             ("--block", self.block.is_some()),
             ("--device-config", self.device_config.is_some()),
             ("--cache-dir", self.cache_dir.is_some()),
-            ("--output-scale", form.output_scale.is_some()),
-            ("--moe-form", form.moe_form.is_some()),
-            ("--inverse", form.inverse.is_some()),
-            ("--chunk", form.chunk.is_some()),
-            ("--decode-form", form.decode_form.is_some()),
-            ("--prefill-block", form.prefill_block.is_some()),
             (
                 "--deltanet-form",
                 form.deltanet_form != super::form::PrefillForm::Chunked,
             ),
         ];
-        if let Some((flag, _)) = refused.iter().find(|(_, given)| *given) {
+        let given = refused
+            .into_iter()
+            .chain(form.form_flags())
+            .find(|(_, g)| *g);
+        if let Some((flag, _)) = given {
             bail!(
                 "{flag} applies to OpenVINO graphs; {device} runs llama.cpp's own graphs on the GGUF file (its \
                  arithmetic is modelled on the reference by --arithmetic llama-cpp)"
@@ -256,16 +254,15 @@ impl GraphArgs {
 /// elsewhere), naming it.
 pub fn refuse_graph_flags(form: &FormArgs, graph: &GraphArgs, ir: &Path) -> Result<()> {
     let not_here = [
-        ("--chunk", form.chunk.is_some()),
-        ("--inverse", form.inverse.is_some()),
-        ("--decode-form", form.decode_form.is_some()),
-        ("--prefill-block", form.prefill_block.is_some()),
-        ("--output-scale", form.output_scale.is_some()),
-        ("--moe-form", form.moe_form.is_some()),
         ("--block", graph.block.is_some()),
         ("--context", graph.context.is_some()),
     ];
-    if let Some((flag, _)) = not_here.iter().find(|(_, given)| *given) {
+    let given = form
+        .form_flags()
+        .into_iter()
+        .chain(not_here)
+        .find(|(_, g)| *g);
+    if let Some((flag, _)) = given {
         bail!(
             "{flag} applies to this project's graphs, not to graphs made elsewhere (--ir {})",
             ir.display()

@@ -101,6 +101,19 @@ pub enum ArithmeticArg {
 }
 
 impl FormArgs {
+    /// Each option of the DeltaNet and MoE forms that has a value only when given, and whether it was given: what a
+    /// device that builds no graphs of this project refuses by name.
+    pub fn form_flags(&self) -> [(&'static str, bool); 6] {
+        [
+            ("--chunk", self.chunk.is_some()),
+            ("--inverse", self.inverse.is_some()),
+            ("--decode-form", self.decode_form.is_some()),
+            ("--prefill-block", self.prefill_block.is_some()),
+            ("--output-scale", self.output_scale.is_some()),
+            ("--moe-form", self.moe_form.is_some()),
+        ]
+    }
+
     /// The validated run options.
     pub fn run_options(&self) -> Result<RunOptions> {
         let chunk = self.chunk.unwrap_or(DEFAULT_CHUNK);
